@@ -1,0 +1,54 @@
+"""The public first-order linear scan (the "PScan" primitive)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _dispatch
+from ._checks import check_same_device, check_shape, check_tensor
+
+OP = "linear_scan"
+
+
+def linear_scan(
+    gates: torch.Tensor,
+    inputs: torch.Tensor,
+    *,
+    dim: int = -1,
+    initial_state: torch.Tensor | None = None,
+    reverse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """All states of the recurrence h_t = gates_t·h_{t-1} + inputs_t along ``dim``.
+
+    Shapes: ``gates`` and ``inputs`` are (..., L, ...) with L at ``dim``, any number of other
+    dimensions; ``initial_state`` is their shape without ``dim`` and is h_{-1} (default 0).
+    With ``reverse=True`` the scan runs from the end: h_t = gates_t·h_{t+1} + inputs_t, and
+    ``initial_state`` is h_L.
+
+    Returns the states, shaped like ``inputs``, in the promoted dtype of gates and inputs; they
+    are computed in float32 (float64 for float64 inputs). Gradients flow to gates, inputs and
+    initial_state.
+
+    ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("linear_scan")``.
+    """
+    check_tensor("gates", gates)
+    check_tensor("inputs", inputs)
+    if inputs.ndim == 0:
+        raise ValueError("inputs must have at least one dimension (the scanned one), got a 0-D tensor")
+    check_shape("gates", gates, inputs.shape, "inputs.shape")
+    if not isinstance(dim, int) or not -inputs.ndim <= dim < inputs.ndim:
+        raise ValueError(
+            f"dim must be an int in [{-inputs.ndim}, {inputs.ndim - 1}] for {inputs.ndim}-D inputs, got {dim!r}"
+        )
+    dim = dim % inputs.ndim
+    if initial_state is not None:
+        state_shape = inputs.shape[:dim] + inputs.shape[dim + 1 :]
+        check_tensor("initial_state", initial_state)
+        check_shape("initial_state", initial_state, state_shape, f"inputs.shape without dim {dim}")
+    check_same_device("inputs", inputs, gates=gates, initial_state=initial_state)
+    impl = _dispatch.resolve(OP, backend, inputs.device)
+
+    if inputs.shape[dim] == 0:
+        return inputs.new_empty(inputs.shape, dtype=torch.promote_types(gates.dtype, inputs.dtype))
+    return impl.fn(gates, inputs, dim, initial_state, bool(reverse))

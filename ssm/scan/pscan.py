@@ -1,0 +1,180 @@
+"""Parallel scan ("PScan") in pure PyTorch.
+
+The first-order recurrence h_t = a_t·h_{t-1} + x_t is solved by the work-efficient parallel
+scan (Blelloch's up-sweep / down-sweep, written recursively): neighbouring steps are paired
+and composed, (a_2, x_2)∘(a_1, x_1) = (a_2·a_1, a_2·x_1 + x_2), the half-length problem is
+solved, and the remaining steps are filled in from their solved neighbours. Every level is a
+handful of whole-tensor ops, so there are O(log L) sequential steps and O(L) work in total,
+for any length L (no padding to a power of two).
+
+The backward is its own parallel scan, not autograd through the sweep: with λ_t = dLoss/dh_t
+accumulated through the recurrence,
+
+    λ_t = g_t + a_{t+1}·λ_{t+1}     (a reverse scan of the upstream gradient g on shifted gates)
+    dx_t = λ_t,   da_t = λ_t·h_{t-1},   dh_{-1} = a_0·λ_0.
+
+Nothing here writes into a caller's tensor.
+
+Shape symbols: B batch, D channels, L length, N state size, G groups; P and Q are the
+flattened dimensions before and after the scanned one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import compute_dtype
+from .reference import discretization_step, skip_and_gate
+
+
+def _pscan(
+    a: torch.Tensor, x: torch.Tensor, h0: torch.Tensor | None, reverse: bool
+) -> torch.Tensor:
+    """All states of h_t = a_t·h_prev + x_t along dim 1 of (P, T, Q) tensors; h_prev is the
+    previous step in scan order (t-1, or t+1 when ``reverse``) and ``h0`` (P, Q) or 0 before
+    the first step. Returns a new (P, T, Q) tensor."""
+    T = x.shape[1]
+    if T == 1:
+        return x.clone() if h0 is None else torch.addcmul(x, a, h0[:, None])
+
+    # In scan order the steps pair up as (first, second); with odd T one step is left over,
+    # last in scan order. Forward: pairs (0,1), (2,3), ...; reverse: (T-1,T-2), (T-3,T-4), ...
+    n, odd = divmod(T, 2)
+    if reverse:
+        first, second = slice(odd + 1, T, 2), slice(odd, T, 2)
+    else:
+        first, second = slice(0, 2 * n, 2), slice(1, 2 * n, 2)
+    a_first, a_second = a[:, first], a[:, second]
+
+    # Compose each pair into one step and solve the half-length problem: its states are the
+    # states at the second step of every pair. h0 passes through unchanged, because composing
+    # the scan's first pair with h0 gives the first composed step applied to h0.
+    h_pairs = _pscan(
+        a_second * a_first,  # (P, n, Q)
+        torch.addcmul(x[:, second], a_second, x[:, first]),
+        h0,
+        reverse,
+    )
+
+    h = torch.empty_like(x)
+    h[:, second] = h_pairs
+    # Every other step follows from the solved step just before it in scan order; the very
+    # first step in scan order starts from h0.
+    if reverse:
+        start, rest, previous = T - 1, slice(1 - odd, T - 1, 2), h_pairs[:, 1 - odd :]
+    else:
+        start, rest, previous = 0, slice(2, T, 2), h_pairs[:, : (T - 1) // 2]
+    h[:, rest] = torch.addcmul(x[:, rest], a[:, rest], previous)
+    h[:, start] = x[:, start] if h0 is None else torch.addcmul(x[:, start], a[:, start], h0)
+    return h
+
+
+class LinearScanFn(torch.autograd.Function):
+    """Differentiable parallel linear scan over dim 1 of (P, T, Q) tensors of one dtype."""
+
+    @staticmethod
+    def forward(ctx, a, x, h0, reverse: bool):
+        h = _pscan(a, x, h0, reverse)
+        ctx.reverse = reverse
+        ctx.save_for_backward(a, h, h0)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        a, h, h0 = ctx.saved_tensors
+        reverse = ctx.reverse
+        need_a, need_x, need_h0, _ = ctx.needs_input_grad
+        # Steps in `after` have their predecessor (in scan order) at the same place in `before`.
+        if reverse:
+            after, before, start, end = slice(None, -1), slice(1, None), -1, 0
+        else:
+            after, before, start, end = slice(1, None), slice(None, -1), 0, -1
+
+        # The adjoint runs against the scan direction, each step weighted by the gate of the
+        # step that follows it in scan order (a_{t+1} forward, a_{t-1} reverse).
+        a_next = torch.empty_like(a)
+        a_next[:, before] = a[:, after]
+        a_next[:, end] = 0  # the last step in scan order has no successor; this slot is unused
+        lam = _pscan(a_next, grad_h.contiguous(), None, not reverse)  # (P, T, Q)
+
+        grad_a = grad_h0 = None
+        if need_a:  # da_t = λ_t·h_prev(t), with h_prev = h0 (or 0) at the first step
+            grad_a = torch.empty_like(a)
+            torch.mul(lam[:, after], h[:, before], out=grad_a[:, after])
+            grad_a[:, start] = 0 if h0 is None else lam[:, start] * h0
+        if need_h0:
+            grad_h0 = a[:, start] * lam[:, start]
+        return grad_a, (lam if need_x else None), grad_h0, None
+
+
+def _as_3d(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """View ``x`` as (P, T, Q) with the scanned dimension in the middle."""
+    shape = x.shape
+    P = 1
+    for s in shape[:dim]:
+        P *= s
+    return x.reshape(P, shape[dim], -1)
+
+
+def linear_scan_pscan(
+    gates: torch.Tensor,
+    inputs: torch.Tensor,
+    dim: int,
+    initial_state: torch.Tensor | None = None,
+    reverse: bool = False,
+) -> torch.Tensor:
+    """Backend "pscan" of :func:`ssm.scan.linear_scan` (``dim`` non-negative)."""
+    dtype = compute_dtype(gates, inputs, initial_state)
+    out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
+    shape = inputs.shape
+    a = _as_3d(gates.to(dtype), dim)  # (P, T, Q)
+    x = _as_3d(inputs.to(dtype), dim)
+    h0 = None if initial_state is None else initial_state.to(dtype).reshape(a.shape[0], a.shape[2])
+    h = LinearScanFn.apply(a.contiguous(), x.contiguous(), h0, reverse)
+    return h.reshape(shape).to(out_dtype)
+
+
+def selective_scan_pscan(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backend "pscan" of :func:`ssm.scan.selective_scan`: materialises the discretised
+    (B, D, L, N) gates and inputs and runs the parallel linear scan over L."""
+    dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, length = u.shape
+    N = A.shape[1]
+    u, delta, A = u.to(dtype), delta.to(dtype), A.to(dtype)
+    B, C = B.to(dtype), C.to(dtype)
+    delta = discretization_step(delta, delta_bias, delta_softplus)  # (B, D, L)
+
+    decay = torch.exp(delta[..., None] * A[:, None, :])  # (B, D, L, N)
+    delta_u = delta * u  # (B, D, L)
+    if B.ndim == 2:  # fixed (D, N)
+        drive = delta_u[..., None] * B[:, None, :]  # (B, D, L, N)
+    else:  # (B, G, N, L): channel d reads group d // (D / G)
+        G = B.shape[1]
+        drive = delta_u.view(batch, G, dim // G, length, 1) * B.transpose(-1, -2)[:, :, None]
+        drive = drive.view(batch, dim, length, N)
+
+    h0 = None if initial_state is None else initial_state.to(dtype).reshape(batch * dim, N)
+    h = LinearScanFn.apply(
+        decay.view(batch * dim, length, N), drive.reshape(batch * dim, length, N), h0, False
+    ).view(batch, dim, length, N)
+
+    if C.ndim == 2:
+        y = torch.einsum("bdln,dn->bdl", h, C)
+    else:
+        G = C.shape[1]
+        y = torch.einsum("bgkln,bgnl->bgkl", h.view(batch, G, dim // G, length, N), C)
+        y = y.reshape(batch, dim, length)
+    out = skip_and_gate(y, u, D, z)
+    # A copy, so that holding on to the last state does not keep all of h alive.
+    return out.to(u.dtype), h[:, :, -1].clone()

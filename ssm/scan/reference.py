@@ -1,0 +1,113 @@
+"""Sequential reference implementations: the ground truth every other backend is tested against.
+
+They are written to be read, not to be fast: one Python loop over time, state in float32
+(float64 when the inputs are float64), gradients by autograd through the loop.
+
+Shape symbols: B batch, D channels, L length, N state size, G groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import compute_dtype
+
+
+def discretization_step(
+    delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool
+) -> torch.Tensor:
+    """Δ = softplus(delta + delta_bias) (each part only when asked). delta: (B, D, L)."""
+    if delta_bias is not None:
+        delta = delta + delta_bias.to(delta.dtype)[:, None]
+    if delta_softplus:
+        delta = F.softplus(delta)
+    return delta
+
+
+def skip_and_gate(
+    y: torch.Tensor, u: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None
+) -> torch.Tensor:
+    """y + D·u, then · silu(z) (each part only when given). All (B, D, L) but D: (D,)."""
+    if D is not None:
+        y = y + D.to(y.dtype)[:, None] * u
+    if z is not None:
+        y = y * F.silu(z.to(y.dtype))
+    return y
+
+
+def per_channel(M: torch.Tensor, dim: int) -> torch.Tensor:
+    """B or C as (D, N) when fixed, or (B, D, N, L) when time-varying: each of the ``dim``
+    channels gets a copy of its group's values (channel d uses group d // (dim / G))."""
+    if M.ndim == 2:  # fixed: (D, N)
+        return M
+    groups = M.shape[1]  # (B, G, N, L)
+    return M.repeat_interleave(dim // groups, dim=1)  # (B, D, N, L)
+
+
+def selective_scan_ref(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan as a loop over time.
+
+    u, delta, z: (B, D, L); A: (D, N); B, C: (D, N) fixed or (B, G, N, L) time-varying;
+    D, delta_bias: (D,); initial_state: (B, D, N).
+    Returns out (B, D, L) in u's dtype and the last state (B, D, N) in the compute dtype.
+
+        Δ_t = softplus(delta_t + delta_bias)            (as asked)
+        h_t = exp(Δ_t·A) ⊙ h_{t-1} + Δ_t·u_t·B_t        h_{-1} = initial_state or 0
+        y_t = C_t · h_t + D·u_t,  out_t = y_t · silu(z_t)
+    """
+    dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, length = u.shape
+    u, delta, A = u.to(dtype), delta.to(dtype), A.to(dtype)
+    delta = discretization_step(delta, delta_bias, delta_softplus)  # (B, D, L)
+    B = per_channel(B.to(dtype), dim)  # (D, N) or (B, D, N, L)
+    C = per_channel(C.to(dtype), dim)
+
+    if initial_state is None:
+        h = u.new_zeros(batch, dim, A.shape[1])  # (B, D, N)
+    else:
+        h = initial_state.to(dtype)
+    ys = []
+    for t in range(length):
+        B_t = B if B.ndim == 2 else B[..., t]  # (D, N) or (B, D, N)
+        C_t = C if C.ndim == 2 else C[..., t]
+        decay = torch.exp(delta[:, :, t, None] * A)  # (B, D, N)
+        h = decay * h + (delta[:, :, t] * u[:, :, t])[..., None] * B_t
+        ys.append((h * C_t).sum(-1))  # (B, D)
+    y = torch.stack(ys, dim=-1)  # (B, D, L)
+    out = skip_and_gate(y, u, D, z)
+    return out.to(u.dtype), h
+
+
+def linear_scan_ref(
+    gates: torch.Tensor,
+    inputs: torch.Tensor,
+    dim: int,
+    initial_state: torch.Tensor | None = None,
+    reverse: bool = False,
+) -> torch.Tensor:
+    """h_t = gates_t·h_{t-1} + inputs_t along ``dim`` (h_t = gates_t·h_{t+1} + inputs_t when
+    ``reverse``), starting from ``initial_state`` (the input shape without ``dim``) or 0.
+    Returns all states, shaped like ``inputs``, in the inputs' promoted dtype."""
+    dtype = compute_dtype(gates, inputs, initial_state)
+    out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
+    a, x = gates.to(dtype), inputs.to(dtype)
+    length = x.shape[dim]
+    h = torch.zeros_like(x.select(dim, 0)) if initial_state is None else initial_state.to(dtype)
+    steps = range(length - 1, -1, -1) if reverse else range(length)
+    states = [None] * length
+    for t in steps:
+        h = a.select(dim, t) * h + x.select(dim, t)
+        states[t] = h
+    return torch.stack(states, dim=dim).to(out_dtype)
