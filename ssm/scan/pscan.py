@@ -150,6 +150,7 @@ def selective_scan_pscan(
     (B, D, L, N) gates and inputs and runs the parallel linear scan over L."""
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, length = u.shape
+    out_dtype = u.dtype
     N = A.shape[1]
     u, delta, A = u.to(dtype), delta.to(dtype), A.to(dtype)
     B, C = B.to(dtype), C.to(dtype)
@@ -177,4 +178,4 @@ def selective_scan_pscan(
         y = y.reshape(batch, dim, length)
     out = skip_and_gate(y, u, D, z)
     # A copy, so that holding on to the last state does not keep all of h alive.
-    return out.to(u.dtype), h[:, :, -1].clone()
+    return out.to(out_dtype), h[:, :, -1].clone()

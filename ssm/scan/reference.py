@@ -69,6 +69,7 @@ def selective_scan_ref(
     """
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, length = u.shape
+    out_dtype = u.dtype
     u, delta, A = u.to(dtype), delta.to(dtype), A.to(dtype)
     delta = discretization_step(delta, delta_bias, delta_softplus)  # (B, D, L)
     B = per_channel(B.to(dtype), dim)  # (D, N) or (B, D, N, L)
@@ -87,7 +88,7 @@ def selective_scan_ref(
         ys.append((h * C_t).sum(-1))  # (B, D)
     y = torch.stack(ys, dim=-1)  # (B, D, L)
     out = skip_and_gate(y, u, D, z)
-    return out.to(u.dtype), h
+    return out.to(out_dtype), h
 
 
 def linear_scan_ref(
