@@ -1,0 +1,428 @@
+"""Time the scan backends against each other and against a peer implementation.
+
+For one op and one shape, every backend that runs on the device (``ssm.scan.backends``) is
+measured, and so is the peer: mambapy's parallel scan (``mambapy.pscan``) when it is installed,
+and on CUDA also mamba-ssm's ``selective_scan_fn`` when that is installed. Per implementation:
+
+- forward time (under ``torch.no_grad``) and forward+backward time (gradients of every input
+  for a fixed random upstream gradient): the median of ``--repeats`` runs after ``--warmup``;
+- extra peak memory of one forward and of one forward+backward, measured in separate untimed
+  runs: the most memory held at once beyond what was allocated before the run (the inputs);
+- the largest difference of its forward output and gradients from those of ``ref`` (when it is
+  run) and of each peer, so that a fast wrong answer cannot go unnoticed: a difference beyond
+  the dtype's tolerance is reported and makes the exit status 1.
+
+Inputs (channels first, as in ``ssm.scan``; random with ``--seed``):
+
+    selective  u, z, delta: (batch, dim, L); A: (dim, N) = -(1..N), the S4D-real init;
+               B, C: (batch, N, L); D, delta_bias: (dim,). A, D and delta_bias are float32,
+               the rest ``--dtype``. As in a Mamba layer, D and the silu(z) gate are on and
+               Δ = softplus(delta + delta_bias) lies around 0.001-0.1: delta_bias is the
+               inverse softplus of a log-uniform step in [0.001, 0.1], delta is small noise.
+    linear     gates in [0.5, 1) and inputs: (batch, dim, L, N), scanned along L (dim=2),
+               the shape of the selective scan's discretised recurrence.
+
+The peer runs on the same values, converted to its (batch, L, dim, ...) layout before timing.
+For the selective scan it computes what mambapy's MambaBlock does, softplus(delta + bias),
+D·u and the silu(z) gate included, so that the same work is compared.
+
+Examples:
+
+    python scripts/benchmark.py                              # a mamba-130m layer, every backend
+    python scripts/benchmark.py --op linear --repeats 3
+    python scripts/benchmark.py --length 4096 --skip ref --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ssm.scan import backends, linear_scan, selective_scan
+
+OPS = {"selective": "selective_scan", "linear": "linear_scan"}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Largest accepted max|difference| / max|reference| between two implementations.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+MiB = 2**20
+
+
+@dataclass
+class Case:
+    """One implementation to measure: ``fn(*inputs)`` returns the op's output."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    inputs: tuple[torch.Tensor, ...]  # leaves that require grad, in the layout fn expects
+    grad_out: torch.Tensor  # the upstream gradient, in the layout of fn's output
+    is_peer: bool = False
+    # Inputs and output in the peers' layout: dims 1 and 2 (dim and L) swapped w.r.t. ours.
+    swapped: bool = False
+
+
+@dataclass
+class Result:
+    name: str
+    is_peer: bool
+    forward_ms: float
+    fwd_bwd_ms: float
+    forward_peak_bytes: int
+    fwd_bwd_peak_bytes: int
+    # Keyed by the name of the row compared with ("ref" and the peers; never the row itself).
+    max_abs_diff: dict[str, float] = field(default_factory=dict)  # of the forward output
+    max_grad_rel_diff: dict[str, float] = field(default_factory=dict)  # worst input's gradient
+    speedup: dict[str, float] = field(default_factory=dict)  # peer fwd+bwd ms / this row's
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def selective_inputs(batch: int, dim: int, N: int, length: int) -> tuple[torch.Tensor, ...]:
+    """u, delta, A, B, C, D, z, delta_bias for ``selective_scan``, float32 on the CPU."""
+    dt = torch.empty(dim).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+    delta_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(delta_bias) = dt
+    delta = 0.1 * torch.randn(batch, dim, length)
+    A = -torch.arange(1, N + 1, dtype=torch.float32).repeat(dim, 1)
+    u, z = torch.randn(batch, dim, length), torch.randn(batch, dim, length)
+    B, C = torch.randn(batch, N, length), torch.randn(batch, N, length)
+    D = torch.randn(dim)
+    return u, delta, A, B, C, D, z, delta_bias
+
+
+def linear_inputs(batch: int, dim: int, N: int, length: int) -> tuple[torch.Tensor, ...]:
+    """gates, inputs for ``linear_scan(..., dim=2)``, float32 on the CPU."""
+    gates = 0.5 + 0.5 * torch.rand(batch, dim, length, N)
+    return gates, torch.randn(batch, dim, length, N)
+
+
+def to_peer_layout(x: torch.Tensor) -> torch.Tensor:
+    """Ours (batch, dim, L, ...) or (batch, N, L) -> the peers' (batch, L, dim, ...) or
+    (batch, L, N); tensors of fewer than 3 dimensions (A, D, delta_bias) are the same."""
+    return x.transpose(1, 2).contiguous() if x.ndim >= 3 else x
+
+
+def from_peer_layout(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2) if x.ndim >= 3 else x
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+def mambapy_selective_scan(pscan, x, delta, A, B, C, D, z, delta_bias) -> torch.Tensor:
+    """The selective scan as mambapy's MambaBlock computes it (``ssm``, ``selective_scan`` and
+    the output gate of ``forward``), in its layout: x, delta, z (batch, L, dim); B, C (batch,
+    L, N); A (dim, N); D, delta_bias (dim,)."""
+    delta = F.softplus(delta + delta_bias)
+    deltaA = torch.exp(delta.unsqueeze(-1) * A)  # (batch, L, dim, N)
+    BX = delta.unsqueeze(-1) * B.unsqueeze(2) * x.unsqueeze(-1)  # (batch, L, dim, N)
+    # PScan.forward copies its arguments (clone, or F.pad when it pads L to a power of two)
+    # before scanning in place, so the caller's tensors are never modified.
+    hs = pscan(deltaA, BX)
+    y = (hs @ C.unsqueeze(-1)).squeeze(3) + D * x  # (batch, L, dim)
+    return y * F.silu(z)
+
+
+def peer_cases(op: str, device: torch.device, inputs, grad_out) -> list[Case]:
+    """The peers that are installed and run on ``device``."""
+    cases = []
+    try:
+        from mambapy.pscan import pscan
+    except ImportError:
+        pass
+    else:
+        fn = pscan if op == "linear_scan" else partial(mambapy_selective_scan, pscan)
+        peer_inputs = tuple(to_peer_layout(x.detach()).requires_grad_() for x in inputs)
+        cases.append(
+            Case("mambapy.pscan (peer)", fn, peer_inputs, to_peer_layout(grad_out), True, True)
+        )
+
+    # mamba-ssm's CUDA kernel has our signature and layout, so it runs on our very inputs.
+    if op == "selective_scan" and device.type == "cuda":
+        try:
+            from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+        except ImportError:
+            pass
+        else:
+            fn = partial(selective_scan_fn, delta_softplus=True)
+            cases.append(Case("mamba_ssm.selective_scan_fn (peer)", fn, inputs, grad_out, True))
+    return cases
+
+
+def peer_versions() -> dict[str, str]:
+    versions = {}
+    for package in ("mambapy", "mamba_ssm"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(step: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def extra_peak_bytes(step: Callable[[], object], device: torch.device) -> tuple[int, object]:
+    """Run ``step()`` once; return the most memory it held at once beyond what was allocated
+    before it started, and what it returned."""
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = step()
+        synchronize(device)
+        return max(torch.cuda.max_memory_allocated(device) - before, 0), result
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        result = step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    # Each "[memory]" event is one allocation (+Bytes) or free (-Bytes). Their running sum is
+    # the memory held beyond the start. The events' "Total Allocated" is no substitute: it is a
+    # process-wide counter that keeps tensors freed while no profiler ran, so it drifts upward
+    # from one profiling session to the next.
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    held = peak = 0
+    for event in memory:
+        held += event["args"]["Bytes"]
+        peak = max(peak, held)
+    return peak, result
+
+
+def measure(case: Case, device: torch.device, warmup: int, repeats: int):
+    """Time and measure one case; also return its output and gradients (float32, our layout)."""
+
+    def forward():
+        with torch.no_grad():
+            return case.fn(*case.inputs)
+
+    def forward_backward():
+        out = case.fn(*case.inputs)
+        return out, torch.autograd.grad(out, case.inputs, case.grad_out.to(out.dtype))
+
+    forward_peak, out = extra_peak_bytes(forward, device)
+    fwd_bwd_peak, (_, grads) = extra_peak_bytes(forward_backward, device)
+    result = Result(
+        name=case.name,
+        is_peer=case.is_peer,
+        forward_ms=median_ms(forward, device, warmup, repeats),
+        fwd_bwd_ms=median_ms(forward_backward, device, warmup, repeats),
+        forward_peak_bytes=forward_peak,
+        fwd_bwd_peak_bytes=fwd_bwd_peak,
+    )
+    ours = from_peer_layout if case.swapped else (lambda x: x)
+    return result, ours(out).float(), [ours(g).float() for g in grads]
+
+
+def compare(results, outputs, grads, reference: str, tolerance: float) -> list[str]:
+    """Fill in every row's differences from row ``reference``; return those beyond tolerance."""
+    failures = []
+    out_ref, grads_ref = outputs[reference], grads[reference]
+    for r in results:
+        if r.name == reference:
+            continue
+        r.max_abs_diff[reference] = (outputs[r.name] - out_ref).abs().max().item()
+        r.max_grad_rel_diff[reference] = max(
+            ((g - g_ref).abs().max() / g_ref.abs().max().clamp(min=1e-30)).item()
+            for g, g_ref in zip(grads[r.name], grads_ref)
+        )
+        relative = r.max_abs_diff[reference] / out_ref.abs().max().clamp(min=1e-30).item()
+        worst = max(relative, r.max_grad_rel_diff[reference])
+        if not worst <= tolerance:  # also catches NaN
+            failures.append(f"{r.name} vs {reference}: relative difference {worst:.2e}")
+    return failures
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def describe(args, device: torch.device) -> str:
+    if device.type == "cuda":
+        where = f"cuda: {torch.cuda.get_device_name(device)}"
+    else:
+        where = f"cpu: {torch.get_num_threads()} threads, {os.cpu_count()} cores"
+    versions = "".join(f", {p} {v}" for p, v in peer_versions().items())
+    return (
+        f"{OPS[args.op]}: batch={args.batch} dim={args.dim} state={args.state} "
+        f"length={args.length} {args.dtype} | {where} | torch {torch.__version__}{versions}\n"
+        f"median of {args.repeats} after {args.warmup} warm-up; "
+        "extra peak = most memory held at once beyond the inputs (MiB)"
+    )
+
+
+def format_table(results: list[Result]) -> str:
+    peers = [r.name for r in results if r.is_peer]
+    headers = ["", "fwd ms", "fwd+bwd ms", "fwd peak", "fwd+bwd peak"]
+    headers += [f"x vs {p.removesuffix(' (peer)')}" for p in peers] or ["x vs peer"]
+    rows = [headers]
+    for r in results:
+        row = [
+            r.name,
+            f"{r.forward_ms:.2f}",
+            f"{r.fwd_bwd_ms:.2f}",
+            f"{r.forward_peak_bytes / MiB:.1f}",
+            f"{r.fwd_bwd_peak_bytes / MiB:.1f}",
+        ]
+        row += [f"{r.speedup[p]:.2f}" for p in peers] or [""]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])])
+        for row in rows
+    )
+
+
+def format_differences(results: list[Result], reference: str) -> str:
+    others = [r for r in results if reference in r.max_abs_diff]
+    return f"vs {reference}:  " + "   ".join(
+        f"{r.name} {r.max_abs_diff[reference]:.1e} (grads {r.max_grad_rel_diff[reference]:.1e})"
+        for r in others
+    )
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def comma_list(text: str) -> list[str]:
+    return [name for name in text.split(",") if name]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--op", choices=OPS, default="selective")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dim", type=int, default=1536)
+    parser.add_argument("--state", type=int, default=16, help="N, the state size per channel")
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--backends", type=comma_list, help="comma-separated; default: all")
+    parser.add_argument("--skip", type=comma_list, default=[], help="backends not to run")
+    parser.add_argument("--no-peer", action="store_true", help="do not run the peers")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write the results there")
+    args = parser.parse_args(argv)
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but CUDA is not available")
+    if min(args.batch, args.dim, args.state, args.length, args.repeats) < 1 or args.warmup < 0:
+        parser.error("sizes and --repeats must be positive, --warmup non-negative")
+    available = backends(OPS[args.op], args.device)
+    unknown = set(args.backends or []) - set(available)
+    if unknown:
+        parser.error(f"unknown backends {sorted(unknown)}; on {args.device}: {available}")
+    args.backends = [b for b in args.backends or available if b not in args.skip]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    op, device, dtype = OPS[args.op], torch.device(args.device), DTYPES[args.dtype]
+
+    torch.manual_seed(args.seed)
+    make = selective_inputs if op == "selective_scan" else linear_inputs
+    cpu_inputs = make(args.batch, args.dim, args.state, args.length)
+    # A, D and delta_bias are parameters and stay float32, as in a Mamba layer.
+    inputs = tuple(
+        x.to(device, dtype if x.ndim >= 3 else torch.float32).requires_grad_() for x in cpu_inputs
+    )
+    grad_out = torch.randn(cpu_inputs[0].shape).to(device, dtype)  # the output is shaped like u or gates
+
+    if op == "selective_scan":
+        fns = {b: partial(selective_scan, delta_softplus=True, backend=b) for b in args.backends}
+    else:
+        fns = {b: partial(linear_scan, dim=2, backend=b) for b in args.backends}
+    cases = [Case(name, fn, inputs, grad_out) for name, fn in fns.items()]
+    if not args.no_peer:
+        cases += peer_cases(op, device, inputs, grad_out)
+
+    results, outputs, grads = [], {}, {}
+    for case in cases:
+        print(f"measuring {case.name} ...", file=sys.stderr, flush=True)
+        result, outputs[case.name], grads[case.name] = measure(
+            case, device, args.warmup, args.repeats
+        )
+        results.append(result)
+
+    peers = [r for r in results if r.is_peer]
+    for r in results:
+        r.speedup = {p.name: p.fwd_bwd_ms / r.fwd_bwd_ms for p in peers}
+    references = (["ref"] if "ref" in outputs else []) + [p.name for p in peers]
+    failures = []
+    for reference in references:
+        failures += compare(results, outputs, grads, reference, TOLERANCE[dtype])
+
+    print(describe(args, device))
+    print()
+    print(format_table(results))
+    print()
+    print("max |forward output difference| (max relative gradient difference):")
+    for reference in references:
+        print("  " + format_differences(results, reference))
+    for failure in failures:
+        print(f"MISMATCH: {failure}", file=sys.stderr)
+
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        environment = {
+            "torch": torch.__version__,
+            "device_name": (
+                torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            ),
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "peers": peer_versions(),
+        }
+        report = {
+            "config": config,
+            "environment": environment,
+            "results": [asdict(r) for r in results],
+            "mismatches": failures,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
