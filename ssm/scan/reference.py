@@ -79,12 +79,18 @@ def selective_scan_ref(
         h = u.new_zeros(batch, dim, A.shape[1])  # (B, D, N)
     else:
         h = initial_state.to(dtype)
+    # One slice per time step. (unbind rather than indexing inside the loop: the backward of
+    # an index allocates a full-size gradient per step, which makes the loop quadratic.)
+    steps = zip(
+        delta.unbind(-1),  # (B, D) each
+        u.unbind(-1),
+        [B] * length if B.ndim == 2 else B.unbind(-1),  # (D, N) or (B, D, N) each
+        [C] * length if C.ndim == 2 else C.unbind(-1),
+    )
     ys = []
-    for t in range(length):
-        B_t = B if B.ndim == 2 else B[..., t]  # (D, N) or (B, D, N)
-        C_t = C if C.ndim == 2 else C[..., t]
-        decay = torch.exp(delta[:, :, t, None] * A)  # (B, D, N)
-        h = decay * h + (delta[:, :, t] * u[:, :, t])[..., None] * B_t
+    for delta_t, u_t, B_t, C_t in steps:
+        decay = torch.exp(delta_t[..., None] * A)  # (B, D, N)
+        h = decay * h + (delta_t * u_t)[..., None] * B_t
         ys.append((h * C_t).sum(-1))  # (B, D)
     y = torch.stack(ys, dim=-1)  # (B, D, L)
     out = skip_and_gate(y, u, D, z)
@@ -105,10 +111,11 @@ def linear_scan_ref(
     out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
     a, x = gates.to(dtype), inputs.to(dtype)
     length = x.shape[dim]
-    h = torch.zeros_like(x.select(dim, 0)) if initial_state is None else initial_state.to(dtype)
-    steps = range(length - 1, -1, -1) if reverse else range(length)
+    a_steps, x_steps = a.unbind(dim), x.unbind(dim)  # one slice per step (why: selective_scan_ref)
+    h = torch.zeros_like(x_steps[0]) if initial_state is None else initial_state.to(dtype)
+    order = range(length - 1, -1, -1) if reverse else range(length)
     states = [None] * length
-    for t in steps:
-        h = a.select(dim, t) * h + x.select(dim, t)
+    for t in order:
+        h = a_steps[t] * h + x_steps[t]
         states[t] = h
     return torch.stack(states, dim=dim).to(out_dtype)
