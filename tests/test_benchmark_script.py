@@ -1,0 +1,29 @@
+"""scripts/benchmark.py runs end to end on a tiny shape and writes sound results."""
+
+from __future__ import annotations
+
+import json
+import math
+import runpy
+from pathlib import Path
+
+from ssm.scan import backends
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
+
+
+def test_benchmark_script_writes_a_row_per_backend(tmp_path):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "b.json"
+    tiny = ["--batch", "2", "--dim", "8", "--state", "4", "--length", "33", "--device", "cpu"]
+
+    assert main([*tiny, "--repeats", "1", "--warmup", "0", "--json", str(path)]) == 0
+
+    rows = {row["name"]: row for row in json.loads(path.read_text())["results"]}
+    for name in backends("selective_scan", "cpu"):
+        row = rows[name]
+        assert row["forward_ms"] > 0 and row["fwd_bwd_ms"] > 0
+        if name != "ref":
+            assert "ref" in row["max_abs_diff"]
+        for diff in row["max_abs_diff"].values():
+            assert math.isfinite(diff) and diff < 1e-3
