@@ -28,14 +28,21 @@ from .reference import discretization_step, skip_and_gate
 
 
 def _pscan(
-    a: torch.Tensor, x: torch.Tensor, h0: torch.Tensor | None, reverse: bool
+    a: torch.Tensor,
+    x: torch.Tensor,
+    h0: torch.Tensor | None,
+    reverse: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All states of h_t = a_t·h_prev + x_t along dim 1 of (P, T, Q) tensors; h_prev is the
     previous step in scan order (t-1, or t+1 when ``reverse``) and ``h0`` (P, Q) or 0 before
-    the first step. Returns a new (P, T, Q) tensor."""
+    the first step. Writes the states into ``out`` (any (P, T, Q) view; a new tensor if None)
+    and returns it."""
+    if out is None:
+        out = torch.empty_like(x)
     T = x.shape[1]
     if T == 1:
-        return x.clone() if h0 is None else torch.addcmul(x, a, h0[:, None])
+        return out.copy_(x) if h0 is None else torch.addcmul(x, a, h0[:, None], out=out)
 
     # In scan order the steps pair up as (first, second); with odd T one step is left over,
     # last in scan order. Forward: pairs (0,1), (2,3), ...; reverse: (T-1,T-2), (T-3,T-4), ...
@@ -47,26 +54,29 @@ def _pscan(
     a_first, a_second = a[:, first], a[:, second]
 
     # Compose each pair into one step and solve the half-length problem: its states are the
-    # states at the second step of every pair. h0 passes through unchanged, because composing
-    # the scan's first pair with h0 gives the first composed step applied to h0.
+    # states at the second step of every pair, written straight into their places in `out`.
+    # h0 passes through unchanged, because composing the scan's first pair with h0 gives the
+    # first composed step applied to h0.
     h_pairs = _pscan(
         a_second * a_first,  # (P, n, Q)
         torch.addcmul(x[:, second], a_second, x[:, first]),
         h0,
         reverse,
+        out=out[:, second],
     )
 
-    h = torch.empty_like(x)
-    h[:, second] = h_pairs
     # Every other step follows from the solved step just before it in scan order; the very
     # first step in scan order starts from h0.
     if reverse:
         start, rest, previous = T - 1, slice(1 - odd, T - 1, 2), h_pairs[:, 1 - odd :]
     else:
         start, rest, previous = 0, slice(2, T, 2), h_pairs[:, : (T - 1) // 2]
-    h[:, rest] = torch.addcmul(x[:, rest], a[:, rest], previous)
-    h[:, start] = x[:, start] if h0 is None else torch.addcmul(x[:, start], a[:, start], h0)
-    return h
+    torch.addcmul(x[:, rest], a[:, rest], previous, out=out[:, rest])
+    if h0 is None:
+        out[:, start] = x[:, start]
+    else:
+        torch.addcmul(x[:, start], a[:, start], h0, out=out[:, start])
+    return out
 
 
 class LinearScanFn(torch.autograd.Function):
@@ -146,36 +156,40 @@ def selective_scan_pscan(
     delta_softplus: bool = False,
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backend "pscan" of :func:`ssm.scan.selective_scan`: materialises the discretised
-    (B, D, L, N) gates and inputs and runs the parallel linear scan over L."""
+    """Backend "pscan" of :func:`ssm.scan.selective_scan`: materialises the discretised gates
+    and inputs and runs the parallel linear scan over L.
+
+    It works time-major, (B, L, D, N), so that every step of the scan is one contiguous block
+    and the readout C_t·h_t is a batched matrix-vector product; channels-first (B, D, L, N)
+    would make both strided."""
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, length = u.shape
-    out_dtype = u.dtype
     N = A.shape[1]
+    out_dtype = u.dtype
     u, delta, A = u.to(dtype), delta.to(dtype), A.to(dtype)
-    B, C = B.to(dtype), C.to(dtype)
     delta = discretization_step(delta, delta_bias, delta_softplus)  # (B, D, L)
 
-    decay = torch.exp(delta[..., None] * A[:, None, :])  # (B, D, L, N)
-    delta_u = delta * u  # (B, D, L)
+    delta_t = delta.transpose(1, 2).contiguous()  # (B, L, D)
+    decay = torch.exp_(delta_t[..., None] * A)  # (B, L, D, N); in place: one temporary fewer
+    delta_u = (delta * u).transpose(1, 2).contiguous()  # (B, L, D)
     if B.ndim == 2:  # fixed (D, N)
-        drive = delta_u[..., None] * B[:, None, :]  # (B, D, L, N)
+        drive = delta_u[..., None] * B.to(dtype)  # (B, L, D, N)
     else:  # (B, G, N, L): channel d reads group d // (D / G)
         G = B.shape[1]
-        drive = delta_u.view(batch, G, dim // G, length, 1) * B.transpose(-1, -2)[:, :, None]
-        drive = drive.view(batch, dim, length, N)
+        B_t = B.to(dtype).permute(0, 3, 1, 2)[:, :, :, None, :]  # (B, L, G, 1, N)
+        drive = (delta_u.view(batch, length, G, dim // G, 1) * B_t).view(batch, length, dim, N)
 
-    h0 = None if initial_state is None else initial_state.to(dtype).reshape(batch * dim, N)
+    h0 = None if initial_state is None else initial_state.to(dtype).reshape(batch, dim * N)
     h = LinearScanFn.apply(
-        decay.view(batch * dim, length, N), drive.reshape(batch * dim, length, N), h0, False
-    ).view(batch, dim, length, N)
+        decay.view(batch, length, dim * N), drive.view(batch, length, dim * N), h0, False
+    ).view(batch, length, dim, N)
 
-    if C.ndim == 2:
-        y = torch.einsum("bdln,dn->bdl", h, C)
+    if C.ndim == 2:  # fixed (D, N)
+        y = (h * C.to(dtype)).sum(-1)  # (B, L, D)
     else:
         G = C.shape[1]
-        y = torch.einsum("bgkln,bgnl->bgkl", h.view(batch, G, dim // G, length, N), C)
-        y = y.reshape(batch, dim, length)
-    out = skip_and_gate(y, u, D, z)
+        C_t = C.to(dtype).permute(0, 3, 1, 2)[..., None]  # (B, L, G, N, 1)
+        y = torch.matmul(h.view(batch, length, G, dim // G, N), C_t).view(batch, length, dim)
+    out = skip_and_gate(y.transpose(1, 2), u, D, z)  # (B, D, L)
     # A copy, so that holding on to the last state does not keep all of h alive.
-    return out.to(out_dtype), h[:, :, -1].clone()
+    return out.to(out_dtype), h[:, -1].clone()
