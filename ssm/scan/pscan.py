@@ -21,6 +21,8 @@ flattened dimensions before and after the scanned one.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._checks import compute_dtype
@@ -119,11 +121,7 @@ class LinearScanFn(torch.autograd.Function):
 
 def _as_3d(x: torch.Tensor, dim: int) -> torch.Tensor:
     """View ``x`` as (P, T, Q) with the scanned dimension in the middle."""
-    shape = x.shape
-    P = 1
-    for s in shape[:dim]:
-        P *= s
-    return x.reshape(P, shape[dim], -1)
+    return x.reshape(math.prod(x.shape[:dim]), x.shape[dim], math.prod(x.shape[dim + 1 :]))
 
 
 def linear_scan_pscan(

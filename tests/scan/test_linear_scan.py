@@ -128,3 +128,13 @@ def test_mixed_dtypes_promote():
     inputs = torch.randn(4, 10)
     for backend in ["ref"] + FAST_BACKENDS:
         assert linear_scan(gates, inputs, backend=backend).dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_empty_non_scanned_dims(backend):
+    for shape in [(0, 5, 3), (2, 5, 0)]:
+        x = make_inputs(shape, 1)
+        states = linear_scan(**x, dim=1, backend=backend)
+        assert states.shape == shape
+        states.sum().backward()
+        assert x["gates"].grad.shape == shape

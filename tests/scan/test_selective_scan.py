@@ -247,3 +247,9 @@ def test_reference_against_closed_form():
     y, h = closed_form(x)
     torch.testing.assert_close(out, y, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(last, h, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_empty_batch(backend):
+    out, last = run_plain(make_inputs(9, batch=0), backend)
+    assert out.shape == (0, 6, 9) and last.shape == (0, 6, 4)
