@@ -29,6 +29,15 @@ from ._checks import compute_dtype
 from .reference import discretization_step, skip_and_gate
 
 
+def _into(out: torch.Tensor, fn, *args) -> torch.Tensor:
+    """``fn(*args)`` written into the (often strided) view ``out`` without a temporary.
+    torch.compile does not take ``out=`` views, so there the result is copied in instead,
+    a copy the compiler fuses away."""
+    if torch.compiler.is_compiling():
+        return out.copy_(fn(*args))
+    return fn(*args, out=out)
+
+
 def _pscan(
     a: torch.Tensor,
     x: torch.Tensor,
@@ -44,7 +53,7 @@ def _pscan(
         out = torch.empty_like(x)
     T = x.shape[1]
     if T == 1:
-        return out.copy_(x) if h0 is None else torch.addcmul(x, a, h0[:, None], out=out)
+        return out.copy_(x) if h0 is None else _into(out, torch.addcmul, x, a, h0[:, None])
 
     # In scan order the steps pair up as (first, second); with odd T one step is left over,
     # last in scan order. Forward: pairs (0,1), (2,3), ...; reverse: (T-1,T-2), (T-3,T-4), ...
@@ -73,11 +82,11 @@ def _pscan(
         start, rest, previous = T - 1, slice(1 - odd, T - 1, 2), h_pairs[:, 1 - odd :]
     else:
         start, rest, previous = 0, slice(2, T, 2), h_pairs[:, : (T - 1) // 2]
-    torch.addcmul(x[:, rest], a[:, rest], previous, out=out[:, rest])
+    _into(out[:, rest], torch.addcmul, x[:, rest], a[:, rest], previous)
     if h0 is None:
         out[:, start] = x[:, start]
     else:
-        torch.addcmul(x[:, start], a[:, start], h0, out=out[:, start])
+        _into(out[:, start], torch.addcmul, x[:, start], a[:, start], h0)
     return out
 
 
@@ -112,7 +121,7 @@ class LinearScanFn(torch.autograd.Function):
         grad_a = grad_h0 = None
         if need_a:  # da_t = λ_t·h_prev(t), with h_prev = h0 (or 0) at the first step
             grad_a = torch.empty_like(a)
-            torch.mul(lam[:, after], h[:, before], out=grad_a[:, after])
+            _into(grad_a[:, after], torch.mul, lam[:, after], h[:, before])
             grad_a[:, start] = 0 if h0 is None else lam[:, start] * h0
         if need_h0:
             grad_h0 = a[:, start] * lam[:, start]
