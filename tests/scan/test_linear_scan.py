@@ -34,12 +34,15 @@ def run(x: dict, backend: str, dim: int, reverse: bool, seed: int = 1):
     return states, dict(zip(x, grads))
 
 
-def check_against_ref(x, backend, dim, reverse, dtype=torch.float32):
-    states_ref, grads_ref = run(x, "ref", dim, reverse)
+def check_against_ref(x, backend, dim, reverse, dtype=torch.float32, ref_inputs=None):
+    """``backend`` on ``x`` against ``ref`` on ``ref_inputs`` (default: the same inputs), with
+    the tolerance of ``dtype``; states and gradients keep the inputs' dtypes."""
+    states_ref, grads_ref = run(ref_inputs or x, "ref", dim, reverse)
     states, grads = run(x, backend, dim, reverse)
     assert states.dtype == x["inputs"].dtype
     assert_close(states, states_ref, dtype, f"{backend} states")
     for name in x:
+        assert grads[name].dtype == x[name].dtype, f"{backend} d{name} dtype"
         assert_close(grads[name], grads_ref[name], dtype, f"{backend} d{name}")
 
 
@@ -97,13 +100,7 @@ def test_gradcheck(backend, reverse):
 def test_half_precision(backend, dtype):
     low = make_inputs((3, 300), -1, dtype=dtype)
     upcast = {k: v.detach().float().requires_grad_() for k, v in low.items()}
-    states_ref, grads_ref = run(upcast, "ref", -1, False)
-    states, grads = run(low, backend, -1, False)
-    assert states.dtype == dtype
-    assert_close(states.float(), states_ref, dtype, "states")
-    for name in low:
-        assert grads[name].dtype == dtype
-        assert_close(grads[name].float(), grads_ref[name], dtype, f"d{name}")
+    check_against_ref(low, backend, -1, False, dtype, ref_inputs=upcast)
 
 
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)

@@ -15,7 +15,6 @@ from tests.helpers import assert_close, poisoned
 FAST_BACKENDS = [b for b in backends("selective_scan", "cpu") if b != "ref"]
 LENGTHS = [1, 2, 3, 7, 63, 64, 65, 257, 1000]
 FORMS = ["fixed", "varying", "grouped"]  # B/C as (dim, N), (batch, N, L), (batch, G, N, L)
-GRAD_NAMES = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"]
 
 
 def make_inputs(
@@ -47,15 +46,15 @@ def make_inputs(
             "grouped": lambda: rand(batch, groups, N, length),
         }[form]()
 
+    fp32 = torch.float64 if dtype == torch.float64 else torch.float32  # A, D, delta_bias, state
     x = dict(
         u=rand(batch, dim, length),
         # with softplus and the bias below, Δ lies around 0.05..1
         delta=rand(batch, dim, length, lo=-1.0, hi=0.5) if bias else rand(batch, dim, length, lo=0.01, hi=0.8),
-        A=-rand(dim, N, lo=0.1, hi=3.0, dt=torch.float32 if dtype != torch.float64 else dtype),
+        A=-rand(dim, N, lo=0.1, hi=3.0, dt=fp32),
         B=bc(B_form),
         C=bc(C_form or B_form),
     )
-    fp32 = torch.float32 if dtype != torch.float64 else dtype
     if D:
         x["D"] = rand(dim, dt=fp32)
     if z:
@@ -69,15 +68,18 @@ def make_inputs(
     return x
 
 
+def forward(inputs: dict, backend: str):
+    """(out, last_state) of selective_scan on ``inputs``, with softplus when there is a bias."""
+    return selective_scan(
+        **inputs, delta_softplus="delta_bias" in inputs, return_last_state=True, backend=backend
+    )
+
+
 def run(inputs: dict, backend: str, seed: int = 1):
     """Forward and backward under random upstream gradients on ``out`` and ``last_state``;
     every allocation poisoned with NaN. Returns (out, last_state, {name: grad})."""
-    kwargs = {k: v for k, v in inputs.items()}
-    softplus = "delta_bias" in inputs
     with poisoned():
-        out, last = selective_scan(
-            **kwargs, delta_softplus=softplus, return_last_state=True, backend=backend
-        )
+        out, last = forward(inputs, backend)
         g = torch.Generator().manual_seed(seed)
         grad_out = torch.randn(out.shape, generator=g).to(out.dtype)
         grad_last = torch.randn(last.shape, generator=g).to(last.dtype)
@@ -85,14 +87,19 @@ def run(inputs: dict, backend: str, seed: int = 1):
     return out, last, dict(zip(inputs, grads))
 
 
-def check_against_ref(inputs: dict, backend: str, dtype: torch.dtype = torch.float32):
-    out_ref, last_ref, grads_ref = run(inputs, "ref")
+def check_against_ref(
+    inputs: dict, backend: str, dtype: torch.dtype = torch.float32, ref_inputs: dict | None = None
+):
+    """``backend`` on ``inputs`` against ``ref`` on ``ref_inputs`` (default: the same inputs),
+    with the tolerance of ``dtype``; outputs and gradients keep their documented dtypes."""
+    out_ref, last_ref, grads_ref = run(ref_inputs or inputs, "ref")
     out, last, grads = run(inputs, backend)
     assert out.dtype == inputs["u"].dtype
     assert last.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close(out, out_ref, dtype, f"{backend} out")
     assert_close(last, last_ref, dtype, f"{backend} last_state")
     for name in inputs:
+        assert grads[name].dtype == inputs[name].dtype, f"{backend} d{name} dtype"
         assert_close(grads[name], grads_ref[name], dtype, f"{backend} d{name}")
 
 
@@ -125,14 +132,7 @@ def test_half_precision(backend, dtype):
     reference run on the same (rounded) values."""
     low = make_inputs(200, dtype=dtype)
     upcast = {k: v.detach().float().requires_grad_() for k, v in low.items()}
-    out_ref, last_ref, grads_ref = run(upcast, "ref")
-    out, last, grads = run(low, backend)
-    assert out.dtype == dtype and last.dtype == torch.float32
-    assert_close(out.float(), out_ref, dtype, "out")
-    assert_close(last, last_ref, dtype, "last_state")
-    for name in low:
-        assert grads[name].dtype == low[name].dtype
-        assert_close(grads[name].float(), grads_ref[name], dtype, f"d{name}")
+    check_against_ref(low, backend, dtype, ref_inputs=upcast)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -187,19 +187,13 @@ def test_return_last_state_false_returns_only_out(backend):
 def test_split_sequence_via_states(backend):
     """Running two halves, the second from the first's last state, equals one full run."""
     x = make_inputs(40, B_form="varying", initial_state=False)
-    out, last = run_plain(x, backend)
+    out, last = forward(x, backend)
     first = {k: v[..., :25] if v.ndim >= 3 else v for k, v in x.items()}
     second = {k: v[..., 25:] if v.ndim >= 3 else v for k, v in x.items()}
-    out1, state1 = run_plain(first, backend)
-    out2, state2 = run_plain({**second, "initial_state": state1}, backend)
+    out1, state1 = forward(first, backend)
+    out2, state2 = forward({**second, "initial_state": state1}, backend)
     torch.testing.assert_close(torch.cat([out1, out2], -1), out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state2, last, rtol=1e-5, atol=1e-5)
-
-
-def run_plain(inputs, backend):
-    return selective_scan(
-        **inputs, delta_softplus="delta_bias" in inputs, return_last_state=True, backend=backend
-    )
 
 
 def test_reference_on_a_hand_computed_example():
@@ -243,7 +237,7 @@ def closed_form(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_reference_against_closed_form():
     x = make_inputs(23, B_form="grouped", C_form="varying", dtype=torch.float64)
-    out, last = run_plain(x, "ref")
+    out, last = forward(x, "ref")
     y, h = closed_form(x)
     torch.testing.assert_close(out, y, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(last, h, rtol=1e-10, atol=1e-10)
@@ -251,5 +245,5 @@ def test_reference_against_closed_form():
 
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
 def test_empty_batch(backend):
-    out, last = run_plain(make_inputs(9, batch=0), backend)
+    out, last = forward(make_inputs(9, batch=0), backend)
     assert out.shape == (0, 6, 9) and last.shape == (0, 6, 4)
