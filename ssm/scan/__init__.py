@@ -2,39 +2,48 @@
 
     selective_scan(u, delta, A, B, C, ...)   Mamba-1 / S6 selective scan
     linear_scan(gates, inputs, dim=...)     h_t = gates_t·h_{t-1} + inputs_t
+    ssd(x, dt, A, B, C, ...)                 Mamba-2 / SSD: a scalar decay per head
 
 Backends (``backend=`` argument; ``backends(op)`` lists them):
     "ref"    sequential float32 loop, the ground truth (reference.py)
     "pscan"  parallel scan in pure PyTorch with its own backward (pscan.py)
+    "chunked" the chunked SSD algorithm, for ssd only (chunked.py)
     "auto"   the best one for the inputs' device (chosen in _dispatch.py)
 """
 
 from . import _dispatch
+from .chunked import ssd_chunked
 from .linear import OP as _LINEAR
 from .linear import linear_scan
 from .pscan import linear_scan_pscan, selective_scan_pscan
-from .reference import linear_scan_ref, selective_scan_ref
+from .reference import linear_scan_ref, selective_scan_ref, ssd_ref
 from .selective import OP as _SELECTIVE
 from .selective import selective_scan
+from .ssd import OP as _SSD
+from .ssd import ssd
 
 _dispatch.register(_SELECTIVE, "ref", selective_scan_ref)
 _dispatch.register(_SELECTIVE, "pscan", selective_scan_pscan)
 _dispatch.register(_LINEAR, "ref", linear_scan_ref)
 _dispatch.register(_LINEAR, "pscan", linear_scan_pscan)
+_dispatch.register(_SSD, "ref", ssd_ref)
+_dispatch.register(_SSD, "chunked", ssd_chunked)
 
 
 def backends(op: str, device=None) -> list[str]:
-    """Names of the backends of ``op`` ("selective_scan" or "linear_scan"); with ``device``,
-    only those that run there. ``"auto"`` is always accepted as well."""
-    if op not in (_SELECTIVE, _LINEAR):
-        raise ValueError(f"unknown op {op!r}; expected one of {[_SELECTIVE, _LINEAR]}")
+    """Names of the backends of ``op`` ("selective_scan", "linear_scan" or "ssd"); with
+    ``device``, only those that run there. ``"auto"`` is always accepted as well."""
+    if op not in (_SELECTIVE, _LINEAR, _SSD):
+        raise ValueError(f"unknown op {op!r}; expected one of {[_SELECTIVE, _LINEAR, _SSD]}")
     return _dispatch.backends(op, device)
 
 
 __all__ = [
     "selective_scan",
     "linear_scan",
+    "ssd",
     "backends",
     "selective_scan_ref",
     "linear_scan_ref",
+    "ssd_ref",
 ]

@@ -39,7 +39,7 @@ _REGISTRY: dict[str, dict[str, Backend]] = {}
 # For each device type, the order in which "auto" tries backends. "*" is used for device
 # types not listed. Fast paths are put in front of these lists as they are added.
 _AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
-    "*": ("pscan", "ref"),
+    "*": ("pscan", "chunked", "ref"),
 }
 
 

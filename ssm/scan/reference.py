@@ -119,3 +119,79 @@ def linear_scan_ref(
         h = a_steps[t] * h + x_steps[t]
         states[t] = h
     return torch.stack(states, dim=dim).to(out_dtype)
+
+
+def ssd_time_step(
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+) -> torch.Tensor:
+    """Δ = clamp(softplus(dt + dt_bias), *dt_limit) (each part only when asked). dt: (B, L, H)."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    lo, hi = dt_limit
+    if lo > 0.0 or hi < float("inf"):
+        dt = dt.clamp(min=lo, max=hi)
+    return dt
+
+
+def ssd_skip_and_gate(
+    y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None
+) -> torch.Tensor:
+    """y + D·x, then · silu(z). y, x, z: (B, L, H, P); D: (H,) or (H, P)."""
+    if D is not None:
+        D = D.to(y.dtype)
+        y = y + (D[:, None] if D.ndim == 1 else D) * x
+    if z is not None:
+        y = y * F.silu(z.to(y.dtype))
+    return y
+
+
+def ssd_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Mamba-2 (SSD) recurrence as a loop over time; ``chunk_size`` is ignored.
+
+    x, z: (B, L, H, P); dt: (B, L, H); A, dt_bias: (H,); B, C: (B, L, G, N) with head h using
+    group h // (H / G); D: (H,) or (H, P); initial_state: (B, H, P, N).
+
+        Δ_t = clamp(softplus(dt_t + dt_bias), dt_limit)       (as asked)
+        h_t = exp(Δ_t·A)·h_{t-1} + Δ_t·x_t ⊗ B_t             (a scalar decay per head)
+        y_t = h_t·C_t + D·x_t,  out_t = y_t · silu(z_t)
+    Returns out (B, L, H, P) in x's dtype and the last state (B, H, P, N) in the compute dtype.
+    """
+    dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
+    batch, length, heads, head_dim = x.shape
+    groups, N = B.shape[2], B.shape[3]
+    out_dtype = x.dtype
+    x, A = x.to(dtype), A.to(dtype)
+    dt = ssd_time_step(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (B, L, H)
+    B = B.to(dtype).repeat_interleave(heads // groups, dim=2)  # (B, L, H, N)
+    C = C.to(dtype).repeat_interleave(heads // groups, dim=2)
+
+    if initial_state is None:
+        h = x.new_zeros(batch, heads, head_dim, N)  # (B, H, P, N)
+    else:
+        h = initial_state.to(dtype)
+    ys = []
+    for x_t, dt_t, B_t, C_t in zip(x.unbind(1), dt.unbind(1), B.unbind(1), C.unbind(1)):
+        decay = torch.exp(dt_t * A)[..., None, None]  # (B, H, 1, 1)
+        h = decay * h + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]
+        ys.append((h * C_t[:, :, None, :]).sum(-1))  # (B, H, P)
+    y = torch.stack(ys, dim=1)  # (B, L, H, P)
+    out = ssd_skip_and_gate(y, x, D, z)
+    return out.to(out_dtype), h
