@@ -3,6 +3,7 @@
     selective_scan(u, delta, A, B, C, ...)   Mamba-1 / S6 selective scan
     linear_scan(gates, inputs, dim=...)     h_t = gates_t·h_{t-1} + inputs_t
     ssd(x, dt, A, B, C, ...)                 Mamba-2 / SSD: a scalar decay per head
+    selective_scan_step, ssd_step            one step of each, for recurrent inference
 
 Backends (``backend=`` argument; ``backends(op)`` lists them):
     "ref"    sequential float32 loop, the ground truth (reference.py)
@@ -21,6 +22,7 @@ from .selective import OP as _SELECTIVE
 from .selective import selective_scan
 from .ssd import OP as _SSD
 from .ssd import ssd
+from .step import selective_scan_step, ssd_step
 
 _dispatch.register(_SELECTIVE, "ref", selective_scan_ref)
 _dispatch.register(_SELECTIVE, "pscan", selective_scan_pscan)
@@ -42,6 +44,8 @@ __all__ = [
     "selective_scan",
     "linear_scan",
     "ssd",
+    "selective_scan_step",
+    "ssd_step",
     "backends",
     "selective_scan_ref",
     "linear_scan_ref",

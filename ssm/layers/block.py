@@ -1,0 +1,57 @@
+"""The residual block of the language model and its optional gated MLP (mamba-ssm's layout)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import LayerCache
+
+
+class GatedMLP(nn.Module):
+    """fc1 (2·hidden, d) → split (y, gate) → y·silu(gate) → fc2 (d, hidden), no biases.
+    ``hidden`` is rounded up to a multiple of ``multiple_of``, as in mamba-ssm."""
+
+    def __init__(self, d_model: int, hidden: int, multiple_of: int = 128, device=None, dtype=None):
+        super().__init__()
+        hidden = (hidden + multiple_of - 1) // multiple_of * multiple_of
+        self.fc1 = nn.Linear(d_model, 2 * hidden, bias=False, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(hidden, d_model, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, gate = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(y * F.silu(gate))
+
+
+class Block(nn.Module):
+    """residual ← hidden + residual; hidden ← mixer(norm(residual)); then, with an MLP,
+    residual ← hidden + residual; hidden ← mlp(norm2(residual)).
+
+    Returns (hidden, residual) — the addition of the last hidden is left to the next block (or
+    to the final norm), as in mamba-ssm. The residual stream is kept in float32 when
+    ``residual_in_fp32``. Submodules: norm, mixer, and optionally norm2, mlp.
+    """
+
+    def __init__(self, mixer: nn.Module, norm: nn.Module, mlp: nn.Module | None = None,
+                 norm2: nn.Module | None = None, residual_in_fp32: bool = True):
+        super().__init__()
+        self.norm, self.mixer = norm, mixer
+        if mlp is not None:
+            self.norm2, self.mlp = norm2, mlp
+        else:
+            self.mlp = None
+        self.residual_in_fp32 = residual_in_fp32
+
+    def _add(self, hidden, residual):
+        residual = hidden if residual is None else hidden + residual
+        return residual.float() if self.residual_in_fp32 else residual
+
+    def forward(self, hidden, residual=None, cache: LayerCache | None = None, step: bool = False):
+        residual = self._add(hidden, residual)
+        normed = self.norm(residual.to(self.norm.weight.dtype))
+        hidden = self.mixer.step(normed, cache) if step else self.mixer(normed, cache=cache)
+        if self.mlp is not None:
+            residual = self._add(hidden, residual)
+            hidden = self.mlp(self.norm2(residual.to(self.norm2.weight.dtype)))
+        return hidden, residual

@@ -1,0 +1,44 @@
+"""The recurrent state one mixer layer carries between calls during inference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerCache:
+    """conv_state: the last K inputs of the causal convolution (batch, channels, K);
+    ssm_state: the SSM state h, float32 — (batch, D, N) for Mamba, (batch, H, P, N) for Mamba2.
+    Both keep their size however many tokens have been seen: decoding is O(1) per token."""
+
+    conv_state: torch.Tensor
+    ssm_state: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.conv_state.shape[0]
+
+    def check_batch(self, batch: int) -> None:
+        if batch != self.batch_size:
+            raise ValueError(
+                f"cache was allocated for batch size {self.batch_size}, but the input has batch size {batch}"
+            )
+
+
+def check_sequence(name: str, x: torch.Tensor, d_model: int) -> None:
+    """x is (batch, L, d_model)."""
+    if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != d_model:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must have shape (batch, L, d_model) with d_model = {d_model}, got {got}")
+
+
+def check_token(name: str, x: torch.Tensor, d_model: int) -> torch.Tensor:
+    """x is (batch, d_model) or (batch, 1, d_model); returned as (batch, d_model)."""
+    if isinstance(x, torch.Tensor) and x.ndim == 3 and x.shape[1] == 1:
+        x = x[:, 0]
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.shape[-1] != d_model:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must have shape (batch, d_model) or (batch, 1, d_model) with d_model = {d_model}, got {got}")
+    return x

@@ -1,0 +1,134 @@
+"""The Mamba-1 (S6) mixer, with mamba-ssm's parameter names, shapes and initialisation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..scan import selective_scan, selective_scan_step
+from .cache import LayerCache, check_sequence, check_token
+from .conv import causal_conv1d, causal_conv1d_step
+
+
+def no_weight_decay(p: nn.Parameter) -> nn.Parameter:
+    """Mark a parameter to be excluded from weight decay (read by the training optimiser)."""
+    p._no_weight_decay = True
+    return p
+
+
+def dt_bias_init(n: int, dt_min: float, dt_max: float, dt_init_floor: float, device=None) -> torch.Tensor:
+    """Inverse softplus of Δ drawn log-uniformly in [dt_min, dt_max] (floored), so that
+    softplus(bias) starts there."""
+    dt = torch.exp(torch.rand(n, device=device) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=dt_init_floor)
+    return dt + torch.log(-torch.expm1(-dt))  # softplus⁻¹(dt)
+
+
+class Mamba(nn.Module):
+    """The Mamba-1 mixer: in_proj → causal depthwise conv1d → SiLU → x_proj (Δ, B, C) → dt_proj
+    → selective scan → gate with SiLU(z) → out_proj.
+
+    Input and output (batch, L, d_model). D = expand·d_model channels (d_inner), N = d_state.
+    Parameters (as mamba-ssm's ``Mamba``, so state dicts are interchangeable):
+        in_proj (2·D, d_model), conv1d (D, 1, d_conv) + bias, x_proj (dt_rank + 2N, D),
+        dt_proj (D, dt_rank) + bias (the Δ bias), A_log (D, N), D (D,), out_proj (d_model, D).
+    ``backend`` is passed to ``ssm.scan.selective_scan``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        dt_rank: int | str = "auto",
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init: str = "random",
+        dt_scale: float = 1.0,
+        dt_init_floor: float = 1e-4,
+        conv_bias: bool = True,
+        bias: bool = False,
+        use_fast_path: bool = True,  # accepted for mamba-ssm compatibility; no effect
+        layer_idx: int | None = None,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
+        self.d_inner = expand * d_model
+        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
+        self.layer_idx, self.backend = layer_idx, backend
+        D = self.d_inner
+
+        self.in_proj = nn.Linear(d_model, 2 * D, bias=bias, **kw)
+        self.conv1d = nn.Conv1d(D, D, d_conv, groups=D, padding=d_conv - 1, bias=conv_bias, **kw)
+        self.x_proj = nn.Linear(D, self.dt_rank + 2 * d_state, bias=False, **kw)
+        self.dt_proj = nn.Linear(self.dt_rank, D, bias=True, **kw)
+        std = self.dt_rank**-0.5 * dt_scale
+        if dt_init == "constant":
+            nn.init.constant_(self.dt_proj.weight, std)
+        elif dt_init == "random":
+            nn.init.uniform_(self.dt_proj.weight, -std, std)
+        else:
+            raise ValueError(f"dt_init must be 'random' or 'constant', got {dt_init!r}")
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt_bias_init(D, dt_min, dt_max, dt_init_floor, device))
+        self.dt_proj.bias._no_reinit = True
+        no_weight_decay(self.dt_proj.bias)
+        # S4D-real: A = -(1, 2, ..., N) for every channel.
+        A = torch.arange(1, d_state + 1, dtype=torch.float32, device=device).repeat(D, 1)  # (D, N)
+        self.A_log = no_weight_decay(nn.Parameter(torch.log(A)))
+        self.D = no_weight_decay(nn.Parameter(torch.ones(D, device=device)))
+        self.out_proj = nn.Linear(D, d_model, bias=bias, **kw)
+
+    def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
+        device = device or self.out_proj.weight.device
+        conv_dtype = dtype or self.conv1d.weight.dtype
+        return LayerCache(
+            conv_state=torch.zeros(batch, self.d_inner, self.d_conv, device=device, dtype=conv_dtype),
+            ssm_state=torch.zeros(batch, self.d_inner, self.d_state, device=device, dtype=torch.float32),
+        )
+
+    def forward(self, hidden_states: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
+        leave the state after the last token in it (prefill)."""
+        check_sequence("hidden_states", hidden_states, self.d_model)
+        if cache is not None:
+            cache.check_batch(hidden_states.shape[0])
+        x, z = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)  # (B, D, L) each
+        x, conv_state = causal_conv1d(
+            x, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state
+        )
+        x = F.silu(x)
+        dt, B, C = self.x_proj(x.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # (B, D, L)
+        y, last_state = selective_scan(
+            x, dt, -torch.exp(self.A_log.float()), B.transpose(1, 2), C.transpose(1, 2),  # B, C: (B, N, L)
+            self.D.float(), z, self.dt_proj.bias.float(), delta_softplus=True, return_last_state=True,
+            initial_state=None if cache is None else cache.ssm_state, backend=self.backend,
+        )
+        if cache is not None:
+            cache.conv_state, cache.ssm_state = conv_state, last_state
+        return self.out_proj(y.transpose(1, 2))
+
+    def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the
+        number of tokens seen; updates ``cache``."""
+        x_t = check_token("hidden_states", hidden_states, self.d_model)
+        cache.check_batch(x_t.shape[0])
+        x, z = self.in_proj(x_t).chunk(2, dim=-1)  # (B, D) each
+        x, cache.conv_state = causal_conv1d_step(x, self.conv1d.weight, self.conv1d.bias, cache.conv_state)
+        x = F.silu(x)
+        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        y, cache.ssm_state = selective_scan_step(
+            cache.ssm_state, x, F.linear(dt, self.dt_proj.weight), -torch.exp(self.A_log.float()), B, C,
+            self.D.float(), z, self.dt_proj.bias.float(), delta_softplus=True,
+        )
+        out = self.out_proj(y)
+        return out if hidden_states.ndim == 2 else out[:, None]

@@ -1,0 +1,164 @@
+"""The Mamba-2 (SSD) mixer, with mamba-ssm's parameter names, shapes and initialisation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..scan import ssd, ssd_step
+from .cache import LayerCache, check_sequence, check_token
+from .conv import causal_conv1d, causal_conv1d_step
+from .mamba import dt_bias_init, no_weight_decay
+from .norm import RMSNormGated
+
+
+class Mamba2(nn.Module):
+    """The Mamba-2 mixer: in_proj → (z, xBC, dt) → causal depthwise conv1d on xBC → SiLU →
+    SSD scan over H heads of P = headdim channels → gated RMSNorm with z → out_proj.
+
+    Input and output (batch, L, d_model). d_inner = expand·d_model; the SSM runs on
+    d_ssm = H·P channels (d_inner by default); any remaining d_inner − d_ssm channels form a
+    gated MLP branch, as in mamba-ssm. B and C have G = ngroups groups of N = d_state.
+    Parameters (as mamba-ssm's ``Mamba2``): in_proj (2·d_inner + 2·G·N + H, d_model),
+    conv1d (d_ssm + 2·G·N, 1, d_conv) + bias, dt_bias (H,), A_log (H,), D (H,) or (d_ssm,),
+    norm.weight (d_ssm,), out_proj (d_model, d_inner).
+    ``backend`` is passed to ``ssm.scan.ssd``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_state: int = 128,
+        d_conv: int = 4,
+        conv_init: float | None = None,
+        expand: int = 2,
+        headdim: int = 64,
+        d_ssm: int | None = None,
+        ngroups: int = 1,
+        A_init_range: tuple[float, float] = (1.0, 16.0),
+        D_has_hdim: bool = False,
+        rmsnorm: bool = True,
+        norm_before_gate: bool = False,
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init_floor: float = 1e-4,
+        dt_limit: tuple[float, float] = (0.0, float("inf")),
+        bias: bool = False,
+        conv_bias: bool = True,
+        chunk_size: int = 256,
+        use_mem_eff_path: bool = True,  # accepted for mamba-ssm compatibility; no effect
+        layer_idx: int | None = None,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
+        self.d_inner = expand * d_model
+        self.d_ssm = self.d_inner if d_ssm is None else d_ssm
+        if self.d_ssm % headdim:
+            raise ValueError(f"headdim = {headdim} must divide d_ssm = {self.d_ssm}")
+        self.headdim, self.nheads, self.ngroups = headdim, self.d_ssm // headdim, ngroups
+        if self.nheads % ngroups:
+            raise ValueError(f"ngroups = {ngroups} must divide the number of heads {self.nheads}")
+        self.D_has_hdim, self.rmsnorm = D_has_hdim, rmsnorm
+        self.dt_limit, self.chunk_size = tuple(dt_limit), chunk_size
+        self.layer_idx, self.backend = layer_idx, backend
+        self.d_mlp = self.d_inner - self.d_ssm  # channels of the gated MLP branch (usually 0)
+        self.conv_dim = self.d_ssm + 2 * ngroups * d_state
+
+        d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
+        self.in_proj = nn.Linear(d_model, d_in_proj, bias=bias, **kw)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1, bias=conv_bias, **kw
+        )
+        if conv_init is not None:
+            nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
+        self.dt_bias = no_weight_decay(nn.Parameter(dt_bias_init(self.nheads, dt_min, dt_max, dt_init_floor, device)))
+        self.dt_bias._no_reinit = True
+        lo, hi = A_init_range
+        if not 0 < lo <= hi:
+            raise ValueError(f"A_init_range must satisfy 0 < low <= high, got {A_init_range!r}")
+        A = torch.empty(self.nheads, dtype=torch.float32, device=device).uniform_(lo, hi)
+        self.A_log = no_weight_decay(nn.Parameter(torch.log(A)))
+        self.D = no_weight_decay(nn.Parameter(torch.ones(self.d_ssm if D_has_hdim else self.nheads, device=device)))
+        if rmsnorm:
+            self.norm = RMSNormGated(
+                self.d_ssm, eps=1e-5, norm_before_gate=norm_before_gate, group_size=self.d_ssm // ngroups, **kw
+            )
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **kw)
+
+    def _D(self) -> torch.Tensor:
+        return self.D.float().view(self.nheads, self.headdim) if self.D_has_hdim else self.D.float()
+
+    def _split(self, zxbcdt: torch.Tensor):
+        """in_proj output (..., d_in_proj) → z0, x0 (MLP branch), z, xBC, dt."""
+        m = self.d_mlp
+        return zxbcdt.split([m, m, self.d_ssm, self.conv_dim, self.nheads], dim=-1)
+
+    def _finish(self, y, z, z0, x0):
+        """y (..., d_ssm) → gated norm → (MLP branch) → out_proj."""
+        if self.rmsnorm:
+            y = self.norm(y, z)
+        if self.d_mlp > 0:
+            y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+        return self.out_proj(y)
+
+    def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
+        device = device or self.out_proj.weight.device
+        conv_dtype = dtype or self.conv1d.weight.dtype
+        return LayerCache(
+            conv_state=torch.zeros(batch, self.conv_dim, self.d_conv, device=device, dtype=conv_dtype),
+            ssm_state=torch.zeros(
+                batch, self.nheads, self.headdim, self.d_state, device=device, dtype=torch.float32
+            ),
+        )
+
+    def forward(self, hidden_states: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
+        leave the state after the last token in it (prefill)."""
+        check_sequence("hidden_states", hidden_states, self.d_model)
+        batch, length, _ = hidden_states.shape
+        if cache is not None:
+            cache.check_batch(batch)
+        z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
+        xBC, conv_state = causal_conv1d(
+            xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state
+        )
+        x, B, C = F.silu(xBC).transpose(1, 2).split(
+            [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1
+        )
+        heads = (batch, length, self.nheads, self.headdim)
+        groups = (batch, length, self.ngroups, self.d_state)
+        y, last_state = ssd(
+            x.reshape(heads), dt, -torch.exp(self.A_log.float()), B.reshape(groups), C.reshape(groups),
+            self._D(), None if self.rmsnorm else z.reshape(heads),
+            dt_bias=self.dt_bias.float(), dt_softplus=True, dt_limit=self.dt_limit,
+            initial_state=None if cache is None else cache.ssm_state, return_last_state=True,
+            chunk_size=self.chunk_size, backend=self.backend,
+        )
+        if cache is not None:
+            cache.conv_state, cache.ssm_state = conv_state, last_state
+        return self._finish(y.reshape(batch, length, self.d_ssm), z, z0, x0)
+
+    def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the
+        number of tokens seen; updates ``cache``."""
+        u = check_token("hidden_states", hidden_states, self.d_model)
+        batch = u.shape[0]
+        cache.check_batch(batch)
+        z0, x0, z, xBC, dt = self._split(self.in_proj(u))
+        xBC, cache.conv_state = causal_conv1d_step(xBC, self.conv1d.weight, self.conv1d.bias, cache.conv_state)
+        x, B, C = F.silu(xBC).split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        heads, groups = (batch, self.nheads, self.headdim), (batch, self.ngroups, self.d_state)
+        y, cache.ssm_state = ssd_step(
+            cache.ssm_state, x.reshape(heads), dt, -torch.exp(self.A_log.float()), B.reshape(groups),
+            C.reshape(groups), self._D(), None if self.rmsnorm else z.reshape(heads),
+            dt_bias=self.dt_bias.float(), dt_softplus=True, dt_limit=self.dt_limit,
+        )
+        out = self._finish(y.reshape(batch, self.d_ssm), z, z0, x0)
+        return out if hidden_states.ndim == 2 else out[:, None]

@@ -1,0 +1,51 @@
+"""RMSNorm and the gated, grouped RMSNorm of Mamba-2, computed in float32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x², last dim) + eps) · weight. Parameter: ``weight`` (d,)."""
+
+    def __init__(self, d: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class RMSNormGated(nn.Module):
+    """Mamba-2's output norm: RMSNorm over groups of ``group_size`` channels, gated by silu(z).
+
+    ``norm_before_gate=False`` (Mamba-2's default): norm(x · silu(z)); otherwise norm(x) · silu(z).
+    Parameter: ``weight`` (d,). x, z: (..., d).
+    """
+
+    def __init__(
+        self, d: int, eps: float = 1e-5, norm_before_gate: bool = False, group_size: int | None = None,
+        device=None, dtype=None,
+    ):
+        super().__init__()
+        group_size = d if group_size is None else group_size
+        if d % group_size:
+            raise ValueError(f"group_size must divide d = {d}, got {group_size}")
+        self.eps, self.norm_before_gate, self.group_size = eps, norm_before_gate, group_size
+        self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        x32 = x.float()
+        if z is not None and not self.norm_before_gate:
+            x32 = x32 * F.silu(z.float())
+        groups = x32.unflatten(-1, (-1, self.group_size))  # (..., groups, group_size)
+        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        y = y * self.weight.float()
+        if z is not None and self.norm_before_gate:
+            y = y * F.silu(z.float())
+        return y.to(x.dtype)

@@ -1,0 +1,126 @@
+"""One step of each recurrence: what recurrent inference runs per token, in O(1) time and memory.
+
+These are the single-step forms of ``selective_scan`` and ``ssd`` (the same formulas, for one
+time index), so that ``scan(x[:, :t]) -> state`` followed by ``step(x[:, t], state)`` equals the
+scan over ``x[:, :t+1]``. The state is computed in float32 (float64 for float64 inputs); the
+output is returned in the dtype of ``u`` / ``x``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_shape, check_tensor, compute_dtype
+
+
+def selective_scan_step(
+    state: torch.Tensor,
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of ``selective_scan``.
+
+    Shapes: state (batch, dim, N); u, delta, z (batch, dim); A (dim, N); B, C (batch, N) or
+    (batch, G, N) grouped; D, delta_bias (dim,).
+    Returns ``(out, new_state)``: out (batch, dim) in u's dtype, new_state like ``state``.
+    """
+    check_tensor("state", state, ndim=3)
+    batch, dim, N = state.shape
+    for name, x in (("u", u), ("delta", delta), ("z", z)):
+        if x is not None:
+            check_tensor(name, x, ndim=2)
+            check_shape(name, x, (batch, dim), "(batch, dim)")
+    check_tensor("A", A, ndim=2)
+    check_shape("A", A, (dim, N), "(dim, N)")
+    dtype = compute_dtype(state, u, delta, A, B, C, D, z, delta_bias)
+    B, C = (_per_channel_step(n, M, batch, dim, N, dtype) for n, M in (("B", B), ("C", C)))
+    delta = delta.to(dtype)
+    if delta_bias is not None:
+        delta = delta + delta_bias.to(dtype)
+    if delta_softplus:
+        delta = F.softplus(delta)
+    u32 = u.to(dtype)
+    h = torch.exp(delta[..., None] * A.to(dtype)) * state.to(dtype) + (delta * u32)[..., None] * B
+    y = (h * C).sum(-1)  # (batch, dim)
+    if D is not None:
+        y = y + D.to(dtype) * u32
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    return y.to(u.dtype), h
+
+
+def _per_channel_step(name, M, batch, dim, N, dtype):
+    """B or C of one step, (batch, N) or (batch, G, N), as (batch, dim, N)."""
+    check_tensor(name, M, ndim=(2, 3))
+    if M.ndim == 2:
+        check_shape(name, M, (batch, N), "(batch, N)")
+        return M.to(dtype)[:, None, :]
+    groups = M.shape[1]
+    check_shape(name, M, (batch, groups, N), "(batch, G, N)")
+    if groups == 0 or dim % groups:
+        raise ValueError(f"{name} has G = {groups} groups, but dim = {dim} is not divisible by G")
+    return M.to(dtype).repeat_interleave(dim // groups, dim=1)
+
+
+def ssd_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of ``ssd``.
+
+    Shapes: state (batch, H, P, N); x, z (batch, H, P); dt (batch, H); A, dt_bias (H,);
+    B, C (batch, G, N); D (H,) or (H, P).
+    Returns ``(out, new_state)``: out (batch, H, P) in x's dtype, new_state like ``state``.
+    """
+    check_tensor("state", state, ndim=4)
+    batch, heads, head_dim, N = state.shape
+    check_tensor("x", x, ndim=3)
+    check_shape("x", x, (batch, heads, head_dim), "(batch, H, P)")
+    check_tensor("dt", dt, ndim=2)
+    check_shape("dt", dt, (batch, heads), "(batch, H)")
+    check_tensor("B", B, ndim=3)
+    groups = B.shape[1]
+    check_shape("B", B, (batch, groups, N), "(batch, G, N)")
+    check_shape("C", C, (batch, groups, N), "(batch, G, N) like B")
+    if groups == 0 or heads % groups:
+        raise ValueError(f"B has G = {groups} groups, but H = {heads} is not divisible by G")
+    dtype = compute_dtype(state, x, dt, A, B, C, D, z, dt_bias)
+    dt = dt.to(dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if dt_limit[0] > 0.0 or dt_limit[1] < math.inf:
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    B = B.to(dtype).repeat_interleave(heads // groups, dim=1)[:, :, None, :]  # (batch, H, 1, N)
+    C = C.to(dtype).repeat_interleave(heads // groups, dim=1)[:, :, None, :]
+    x32 = x.to(dtype)
+    decay = torch.exp(dt * A.to(dtype))[..., None, None]  # (batch, H, 1, 1)
+    h = decay * state.to(dtype) + (dt[..., None] * x32)[..., None] * B
+    y = (h * C).sum(-1)  # (batch, H, P)
+    if D is not None:
+        D = D.to(dtype)
+        y = y + (D[:, None] if D.ndim == 1 else D) * x32
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    return y.to(x.dtype), h
