@@ -1,7 +1,9 @@
 """ssm: Mamba-style selective state-space models on a tested scan core."""
 
-from .scan import backends, linear_scan, selective_scan
+from .layers import Mamba, Mamba2
+from .models import MambaConfig, MambaLM
+from .scan import backends, linear_scan, selective_scan, ssd
 
 __version__ = "0.1.0"
 
-__all__ = ["selective_scan", "linear_scan", "backends"]
+__all__ = ["Mamba", "Mamba2", "MambaLM", "MambaConfig", "selective_scan", "linear_scan", "ssd", "backends"]

@@ -1,0 +1,59 @@
+"""The language model's configuration: mamba-ssm's ``MambaConfig`` field for field, so that its
+config.json files load unchanged and ours load in mamba-ssm."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+MIXERS = ("Mamba1", "Mamba2")
+
+
+@dataclass
+class MambaConfig:
+    d_model: int = 2560  # model width (the residual stream)
+    d_intermediate: int = 0  # hidden width of the gated MLP after each mixer; 0 = no MLP
+    n_layer: int = 64  # number of residual blocks
+    vocab_size: int = 50277  # tokens; the embedding is padded up to pad_vocab_size_multiple
+    ssm_cfg: dict = field(default_factory=dict)  # "layer": "Mamba1" (default) or "Mamba2", plus the mixer's arguments (d_state = N, d_conv, expand, headdim = P, ...)
+    attn_layer_idx: list = field(default_factory=list)  # mamba-ssm's hybrid attention layers: not supported, must be empty
+    attn_cfg: dict = field(default_factory=dict)
+    rms_norm: bool = True  # RMSNorm (True) or LayerNorm (False)
+    residual_in_fp32: bool = True  # keep the residual stream in float32
+    fused_add_norm: bool = True  # a kernel choice in mamba-ssm; the result is the same either way
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True  # the LM head shares the embedding matrix
+
+    def __post_init__(self):
+        for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MambaConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.d_intermediate, bool) or not isinstance(self.d_intermediate, int) or self.d_intermediate < 0:
+            raise ValueError(f"MambaConfig.d_intermediate must be an int >= 0, got {self.d_intermediate!r}")
+        if not isinstance(self.ssm_cfg, dict):
+            raise ValueError(f"MambaConfig.ssm_cfg must be a dict, got {type(self.ssm_cfg).__name__}")
+        layer = self.ssm_cfg.get("layer", "Mamba1")
+        if layer not in MIXERS:
+            raise ValueError(f"MambaConfig.ssm_cfg['layer'] must be one of {list(MIXERS)}, got {layer!r}")
+        if self.attn_layer_idx:
+            raise ValueError(
+                "MambaConfig.attn_layer_idx: hybrid attention layers are not supported; it must be empty, "
+                f"got {self.attn_layer_idx!r}"
+            )
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_size_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MambaConfig":
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"unknown MambaConfig field(s) {unknown}; valid fields: {names}")
+        return cls(**d)

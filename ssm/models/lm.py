@@ -1,0 +1,254 @@
+"""The Mamba language model: embedding → residual blocks → final norm → (tied) LM head.
+
+Module names and state-dict keys are those of mamba-ssm's ``MambaLMHeadModel``:
+backbone.embedding, backbone.layers.{i}.norm / .mixer (/ .norm2 / .mlp), backbone.norm_f, lm_head.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..layers import Block, GatedMLP, LayerCache, Mamba, Mamba2, RMSNorm
+from .config import MambaConfig
+
+_MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2}
+
+
+@dataclass
+class InferenceCache:
+    """The recurrent state of every layer plus the number of tokens seen. Its tensors keep
+    their size as decoding proceeds: each new token costs the same."""
+
+    layers: list[LayerCache]
+    seqlen_offset: int = 0
+    batch_size: int = field(init=False)
+
+    def __post_init__(self):
+        self.batch_size = self.layers[0].batch_size if self.layers else 0
+
+
+def _make_mixer(config: MambaConfig, layer_idx: int, backend: str, **kw) -> nn.Module:
+    cfg = dict(config.ssm_cfg)
+    cls = _MIXERS[cfg.pop("layer", "Mamba1")]
+    valid = [p for p in inspect.signature(cls).parameters if p not in ("self", "d_model", "layer_idx", "device", "dtype")]
+    unknown = sorted(set(cfg) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown ssm_cfg key(s) {unknown} for {cls.__name__}; valid keys: {['layer', *valid]}")
+    cfg.setdefault("backend", backend)
+    return cls(config.d_model, layer_idx=layer_idx, **cfg, **kw)
+
+
+class MambaBackbone(nn.Module):
+    """Token ids (batch, L) → normalised hidden states (batch, L, d_model)."""
+
+    def __init__(self, config: MambaConfig, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+
+        def norm():
+            return RMSNorm(config.d_model, eps=1e-5, **kw) if config.rms_norm else nn.LayerNorm(config.d_model, eps=1e-5, **kw)
+
+        self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model, **kw)
+        self.layers = nn.ModuleList(
+            Block(
+                _make_mixer(config, i, backend, **kw),
+                norm(),
+                mlp=GatedMLP(config.d_model, config.d_intermediate, **kw) if config.d_intermediate > 0 else None,
+                norm2=norm() if config.d_intermediate > 0 else None,
+                residual_in_fp32=config.residual_in_fp32,
+            )
+            for i in range(config.n_layer)
+        )
+        self.norm_f = norm()
+
+    def forward(self, input_ids, cache: InferenceCache | None = None, step: bool = False):
+        hidden, residual = self.embedding(input_ids), None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, cache=None if cache is None else cache.layers[i], step=step)
+        residual = hidden + residual if residual is not None else hidden
+        return self.norm_f(residual.to(self.norm_f.weight.dtype))
+
+
+class MambaLM(nn.Module):
+    """A Mamba language model. ``forward(input_ids (batch, L)) → logits (batch, L, V)``, where
+    V = config.padded_vocab_size (the vocabulary padded as in mamba-ssm).
+
+    ``backend`` is the scan backend of every mixer ("auto" by default; an ``ssm_cfg["backend"]``
+    takes precedence). Recurrent inference: ``allocate_inference_cache(batch)``, then
+    ``forward(prompt, cache=cache)`` (prefill) and ``step(token_ids, cache)`` per token;
+    ``generate`` does both.
+    """
+
+    def __init__(self, config: MambaConfig, *, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        if not isinstance(config, MambaConfig):
+            raise ValueError(f"config must be a MambaConfig, got {type(config).__name__}")
+        self.config = config
+        self.backbone = MambaBackbone(config, backend=backend, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
+        self.reset_parameters()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """mamba-ssm's initialisation: embeddings N(0, 0.02²), linear biases 0 (except the Δ
+        bias), and the output projections of each residual branch scaled by 1/√(branches·layers)."""
+        branches = 2 if self.config.d_intermediate > 0 else 1
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.bias is not None and not getattr(module.bias, "_no_reinit", False):
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+        for name, p in self.named_parameters():
+            if name.endswith(("out_proj.weight", "fc2.weight")):
+                nn.init.kaiming_uniform_(p, a=math.sqrt(5))
+                p /= math.sqrt(branches * self.config.n_layer)
+
+    def _check_ids(self, input_ids, ndim: int, what: str) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != ndim or input_ids.is_floating_point() or input_ids.is_complex():
+            got = f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer tensor of shape {what}, got a {got}")
+        if input_ids.numel():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids must lie in [0, vocab_size = {self.config.vocab_size}), got values in [{lo}, {hi}]"
+                )
+
+    def _check_cache(self, cache, batch: int) -> None:
+        if not isinstance(cache, InferenceCache):
+            raise ValueError(f"cache must be an InferenceCache from allocate_inference_cache, got {type(cache).__name__}")
+        if cache.batch_size != batch:
+            raise ValueError(
+                f"cache was allocated for batch size {cache.batch_size}, but input_ids has batch size {batch}"
+            )
+
+    def allocate_inference_cache(self, batch_size: int, dtype=None, device=None) -> InferenceCache:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        return InferenceCache([layer.mixer.allocate_inference_cache(batch_size, dtype, device) for layer in self.backbone.layers])
+
+    def forward(self, input_ids: torch.Tensor, cache: InferenceCache | None = None, num_last_tokens: int = 0) -> torch.Tensor:
+        """input_ids (batch, L) → logits (batch, L, V), or only the last ``num_last_tokens``
+        positions when > 0. With ``cache``, continue from its state and leave the state after
+        the last token in it."""
+        self._check_ids(input_ids, 2, "(batch, L)")
+        if cache is not None:
+            self._check_cache(cache, input_ids.shape[0])
+        hidden = self.backbone(input_ids, cache)
+        if cache is not None:
+            cache.seqlen_offset += input_ids.shape[1]
+        if num_last_tokens > 0:
+            hidden = hidden[:, -num_last_tokens:]
+        return self.lm_head(hidden)
+
+    def step(self, input_ids: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+        """One token per sequence: input_ids (batch,) → logits (batch, V); updates ``cache``.
+        Costs the same at every position: it reads only the cache, never the earlier tokens."""
+        self._check_ids(input_ids, 1, "(batch,)")
+        self._check_cache(cache, input_ids.shape[0])
+        hidden = self.backbone(input_ids, cache, step=True)
+        cache.seqlen_offset += 1
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue each prompt of ``input_ids`` (batch, L ≥ 1) by up to ``max_new_tokens``
+        tokens: one prefill, then one cached step per token.
+
+        ``temperature=0`` is greedy decoding; otherwise logits / temperature are sampled, from
+        the ``top_k`` most likely tokens and/or the smallest set whose probability reaches
+        ``top_p`` when given. A sequence that emits ``eos_token_id`` stops; its later positions
+        hold ``eos_token_id``, and generation ends when all have stopped.
+        Returns (batch, L + new) token ids, prompt included, like transformers' ``generate``.
+        """
+        self._check_ids(input_ids, 2, "(batch, L)")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids must hold at least one token per sequence, got L = 0")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        _check_sampling(temperature, top_k, top_p, eos_token_id, self.config.vocab_size)
+        if max_new_tokens == 0:
+            return input_ids.clone()
+        cache = self.allocate_inference_cache(input_ids.shape[0], device=input_ids.device)
+        logits = self(input_ids, cache=cache, num_last_tokens=1)[:, -1]
+        tokens = [input_ids]
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for i in range(max_new_tokens):
+            next_ids = sample(logits[:, : self.config.vocab_size], temperature, top_k, top_p, generator)
+            if eos_token_id is not None:
+                next_ids = next_ids.masked_fill(done, eos_token_id)
+                done |= next_ids == eos_token_id
+            tokens.append(next_ids[:, None])
+            if i + 1 == max_new_tokens or bool(done.all()):
+                break
+            logits = self.step(next_ids, cache)
+        return torch.cat(tokens, dim=1)
+
+    def save_pretrained(self, save_directory, safe_serialization: bool = False) -> None:
+        """Write config.json and pytorch_model.bin (mamba-ssm's format; model.safetensors with
+        ``safe_serialization``) into ``save_directory``."""
+        from .checkpoint import save_pretrained
+
+        save_pretrained(self, save_directory, safe_serialization)
+
+    @classmethod
+    def from_pretrained(cls, directory, *, device=None, dtype=None, backend: str = "auto") -> "MambaLM":
+        """Load a model from a local directory in mamba-ssm's format (config.json with
+        MambaConfig fields) or transformers' (config.json with hidden_size, num_hidden_layers,
+        ...; model_type "mamba" or "mamba2"), weights in model.safetensors or pytorch_model.bin.
+        Never touches the network."""
+        from .checkpoint import from_pretrained
+
+        return from_pretrained(cls, directory, device=device, dtype=dtype, backend=backend)
+
+
+def _check_sampling(temperature, top_k, top_p, eos_token_id, vocab_size) -> None:
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+    if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < vocab_size):
+        raise ValueError(f"eos_token_id must be None or a token id in [0, {vocab_size}), got {eos_token_id!r}")
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token id per row of logits (batch, V): greedy for temperature 0, else sampled from
+    softmax(logits / temperature) restricted to the top_k tokens and to the top_p nucleus."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens before it already reach top_p (the first one always stays)
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
