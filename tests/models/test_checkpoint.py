@@ -1,0 +1,130 @@
+"""save_pretrained / from_pretrained: round trip, mamba-ssm's and transformers' layouts, errors."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from ssm import MambaConfig, MambaLM
+from ssm.models.checkpoint import load_safetensors, save_safetensors
+
+
+def tiny(**kw) -> MambaLM:
+    torch.manual_seed(0)
+    return MambaLM(MambaConfig(**{**dict(d_model=32, n_layer=2, vocab_size=45, ssm_cfg={"d_state": 8}), **kw})).eval()
+
+
+IDS = torch.randint(0, 45, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("safe", [False, True])
+@pytest.mark.parametrize("kw", [{}, dict(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8}, d_intermediate=64)])
+def test_round_trip_gives_identical_logits(tmp_path, kw, safe):
+    model = tiny(**kw)
+    model.save_pretrained(tmp_path, safe_serialization=safe)
+    loaded = MambaLM.from_pretrained(tmp_path)
+    assert loaded.config == model.config
+    assert torch.equal(loaded(IDS), model(IDS))
+    assert loaded.lm_head.weight is loaded.backbone.embedding.weight
+    assert getattr(loaded.backbone.layers[0].mixer.A_log, "_no_weight_decay", False)
+
+
+def test_mamba_ssm_config_file_as_published(tmp_path):
+    """config.json exactly as the state-spaces mamba checkpoints ship it (fields omitted take
+    their defaults), with a state dict under mamba-ssm's key names."""
+    published = {"d_model": 32, "n_layer": 2, "vocab_size": 45, "ssm_cfg": {}, "rms_norm": True,
+                 "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 8}
+    source = tiny(ssm_cfg={})
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    torch.save(source.state_dict(), tmp_path / "pytorch_model.bin")
+    loaded = MambaLM.from_pretrained(tmp_path)
+    assert loaded.backbone.embedding.weight.shape == (48, 32)
+    assert torch.equal(loaded(IDS), source(IDS))
+
+
+def hf_state_dict(model: MambaLM) -> dict:
+    """The model's weights under transformers' MambaForCausalLM names, LM head omitted (tied)."""
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight":
+            continue
+        sd[k.replace("backbone.embedding.", "backbone.embeddings.")] = v
+    return sd
+
+
+def test_transformers_mamba_layout(tmp_path):
+    source = tiny(ssm_cfg={}, pad_vocab_size_multiple=1, vocab_size=48)
+    hf_config = {
+        "model_type": "mamba", "architectures": ["MambaForCausalLM"], "hidden_size": 32, "state_size": 16,
+        "num_hidden_layers": 2, "vocab_size": 48, "expand": 2, "conv_kernel": 4, "use_bias": False,
+        "use_conv_bias": True, "time_step_rank": "auto", "intermediate_size": 64, "layer_norm_epsilon": 1e-5,
+        "residual_in_fp32": True, "tie_word_embeddings": True, "pad_token_id": 0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    save_safetensors(hf_state_dict(source), tmp_path / "model.safetensors")
+    loaded = MambaLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded(IDS), source(IDS))
+
+
+def test_transformers_mamba2_layout(tmp_path):
+    source = tiny(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2, "chunk_size": 8},
+                  pad_vocab_size_multiple=1, vocab_size=48)
+    hf_config = {
+        "model_type": "mamba2", "hidden_size": 32, "state_size": 8, "num_hidden_layers": 2, "vocab_size": 48,
+        "expand": 2, "conv_kernel": 4, "head_dim": 16, "num_heads": 4, "n_groups": 2, "chunk_size": 8,
+        "use_bias": False, "use_conv_bias": True, "rms_norm": True, "residual_in_fp32": True,
+        "tie_word_embeddings": True, "time_step_limit": [0.0, float("inf")],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    torch.save(hf_state_dict(source), tmp_path / "pytorch_model.bin")
+    loaded = MambaLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded(IDS), source(IDS))
+
+
+def test_safetensors_reader_follows_the_format(tmp_path):
+    """A file laid out by hand from the format's description: u64 header size, JSON, bytes."""
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    data = a.numpy().tobytes() + b.view(torch.int16).numpy().tobytes()
+    header = json.dumps({"__metadata__": {"format": "pt"},
+                         "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+                         "b": {"dtype": "BF16", "shape": [2], "data_offsets": [24, 28]}}).encode()
+    (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)
+    got = load_safetensors(tmp_path / "x.safetensors")
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b) and got["b"].dtype == torch.bfloat16
+    save_safetensors(got, tmp_path / "y.safetensors")
+    again = load_safetensors(tmp_path / "y.safetensors")
+    assert set(again) == {"a", "b"} and torch.equal(again["a"], a) and torch.equal(again["b"], b)
+
+
+def test_mismatched_checkpoints_name_the_key(tmp_path):
+    model = tiny()
+    model.save_pretrained(tmp_path)
+    sd = torch.load(tmp_path / "pytorch_model.bin")
+    sd.pop("backbone.layers.1.mixer.D")
+    sd["backbone.layers.0.mixer.extra"] = torch.zeros(1)
+    sd["backbone.norm_f.weight"] = torch.ones(31)
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError) as err:
+        MambaLM.from_pretrained(tmp_path)
+    message = str(err.value)
+    assert "missing keys ['backbone.layers.1.mixer.D']" in message
+    assert "unexpected keys ['backbone.layers.0.mixer.extra']" in message
+    assert "backbone.norm_f.weight: checkpoint (31,), model (32,)" in message
+
+
+def test_bad_directories(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        MambaLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"d_model": 8, "n_layer": 1, "vocab_size": 5}))
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        MambaLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"d_model": 8, "n_layers": 1}))
+    with pytest.raises(ValueError, match=r"unknown MambaConfig field\(s\) \['n_layers'\]"):
+        MambaLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        MambaLM.from_pretrained(tmp_path)

@@ -1,0 +1,161 @@
+"""MambaLM: keys as mamba-ssm, prefill + step equals forward, O(1) decoding, generation, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ssm import MambaConfig, MambaLM
+from ssm.models import sample
+
+CONFIGS = {
+    "mamba1": dict(ssm_cfg={"d_state": 8}),
+    "mamba2+mlp": dict(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4}, d_intermediate=40),
+    "layernorm-fp16-residual": dict(rms_norm=False, residual_in_fp32=False, tie_embeddings=False),
+}
+
+
+def tiny(kind="mamba1", **kw) -> MambaLM:
+    torch.manual_seed(0)
+    cfg = MambaConfig(d_model=32, n_layer=2, vocab_size=45, **{**CONFIGS[kind], **kw})
+    return MambaLM(cfg).double().eval()
+
+
+def test_state_dict_keys_are_mamba_ssm_s():
+    model = MambaLM(MambaConfig(d_model=768, n_layer=24, vocab_size=50277), device="meta")
+    sd = model.state_dict()
+    assert sd["backbone.embedding.weight"].shape == (50280, 768)  # padded to a multiple of 8
+    assert sd["lm_head.weight"].shape == (50280, 768)
+    assert sd["backbone.norm_f.weight"].shape == (768,)
+    assert sd["backbone.layers.23.norm.weight"].shape == (768,)
+    assert sd["backbone.layers.0.mixer.x_proj.weight"].shape == (80, 1536)
+    assert len(sd) == 3 + 24 * 10
+    assert model.lm_head.weight is model.backbone.embedding.weight
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_prefill_then_steps_equals_forward(kind):
+    model = tiny(kind)
+    ids = torch.randint(0, 45, (3, 17), generator=torch.Generator().manual_seed(1))
+    full = model(ids)
+    cache = model.allocate_inference_cache(3, dtype=torch.float64)
+    logits = [model(ids[:, :7], cache=cache)]
+    logits += [model.step(ids[:, t], cache)[:, None] for t in range(7, 17)]
+    assert cache.seqlen_offset == 17
+    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-9, atol=1e-9)
+
+
+def test_num_last_tokens():
+    model = tiny()
+    ids = torch.randint(0, 45, (2, 9))
+    torch.testing.assert_close(model(ids, num_last_tokens=2), model(ids)[:, -2:])
+
+
+def test_decoding_is_constant_cost():
+    """The cache keeps its size and a step costs the same at position 10 and at position 2000:
+    the step reads the cache, never the prompt."""
+    model = tiny().float()
+    cache = model.allocate_inference_cache(1)
+    shapes = [(c.conv_state.shape, c.ssm_state.shape) for c in cache.layers]
+
+    def step_flops():
+        with FlopCounterMode(display=False) as counter:
+            model.step(torch.tensor([3]), cache)
+        return counter.get_total_flops()
+
+    model(torch.randint(0, 45, (1, 10)), cache=cache)
+    early = step_flops()
+    model(torch.randint(0, 45, (1, 1990)), cache=cache)
+    late = step_flops()
+    assert cache.seqlen_offset == 2002
+    assert early == late > 0
+    assert [(c.conv_state.shape, c.ssm_state.shape) for c in cache.layers] == shapes
+
+
+@pytest.mark.parametrize("kind", ["mamba1", "mamba2+mlp"])
+def test_greedy_generation_equals_repeated_full_forward(kind):
+    model = tiny(kind)
+    ids = torch.randint(0, 45, (2, 5), generator=torch.Generator().manual_seed(2))
+    out = model.generate(ids, 8, temperature=0)
+    seq = ids
+    for _ in range(8):
+        seq = torch.cat([seq, model(seq)[:, -1, :45].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+
+
+def test_sampling_is_reproducible_and_top_k_one_is_greedy():
+    model = tiny()
+    ids = torch.randint(0, 45, (2, 4))
+    a = model.generate(ids, 6, generator=torch.Generator().manual_seed(5))
+    b = model.generate(ids, 6, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b) and a.shape == (2, 10) and torch.equal(a[:, :4], ids)
+    assert torch.equal(model.generate(ids, 6, top_k=1), model.generate(ids, 6, temperature=0))
+
+
+def test_padded_vocabulary_is_never_sampled():
+    model = tiny()  # vocab 45 padded to 48
+    with torch.no_grad():
+        model.lm_head.weight[45:] = 100.0  # make the padding rows win any argmax
+    out = model.generate(torch.zeros(2, 3, dtype=torch.long), 5, temperature=0)
+    assert out.max() < 45
+
+
+def test_eos_stops_each_sequence():
+    logits = torch.full((2, 10), -10.0)
+    logits[0, 4], logits[1, 7] = 5.0, 5.0
+    assert sample(logits, temperature=0).tolist() == [4, 7]
+    model = tiny()
+    ids = torch.randint(0, 45, (3, 4), generator=torch.Generator().manual_seed(3))
+    greedy = model.generate(ids, 12, temperature=0)
+    eos = int(greedy[0, 6])  # the 3rd generated token of the first sequence
+    out = model.generate(ids, 12, temperature=0, eos_token_id=eos)
+    for row, ref in zip(out, greedy):
+        hits = (ref[4:] == eos).nonzero()
+        if len(hits):
+            stop = 4 + int(hits[0])
+            assert torch.equal(row[: stop + 1], ref[: stop + 1])
+            assert (row[stop:] == eos).all()
+        else:
+            assert torch.equal(row, ref[: len(row)])
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample(logits, top_p=0.7, generator=g)) for _ in range(200)}
+    assert draws == {0, 1}
+
+
+def test_bad_inputs():
+    model = tiny()
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size = 45\)"):
+        model(torch.tensor([[1, 45]]))
+    with pytest.raises(ValueError, match=r"input_ids must be an integer tensor of shape \(batch, L\)"):
+        model(torch.randn(2, 3))
+    cache = model.allocate_inference_cache(2)
+    with pytest.raises(ValueError, match="cache was allocated for batch size 2, but input_ids has batch size 3"):
+        model.step(torch.tensor([1, 2, 3]), cache)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(torch.tensor([[1]]), 3, temperature=-1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(torch.tensor([[1]]), -1)
+    with pytest.raises(ValueError, match=r"ssm_cfg\['layer'\] must be one of"):
+        MambaConfig(ssm_cfg={"layer": "Mamba3"})
+    with pytest.raises(ValueError, match=r"unknown ssm_cfg key\(s\) \['d_sate'\] for Mamba"):
+        MambaLM(MambaConfig(d_model=8, n_layer=1, vocab_size=5, ssm_cfg={"d_sate": 4}))
+
+
+def test_training_step_reduces_loss():
+    """The model trains: a few AdamW steps on one batch lower its loss."""
+    model = tiny().float().train()
+    ids = torch.randint(0, 45, (4, 12), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(10):
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
