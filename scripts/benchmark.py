@@ -31,6 +31,13 @@ Examples:
     python scripts/benchmark.py                              # a mamba-130m layer, every backend
     python scripts/benchmark.py --op linear --repeats 3
     python scripts/benchmark.py --length 4096 --skip ref --json bench.json
+    python scripts/benchmark.py --op generate                # recurrent decoding of a small LM
+
+``--op generate`` measures decoding instead: a small ``MambaLM`` (``--d-model``, ``--layers``,
+byte vocabulary) prefills ``--positions`` tokens into its cache and times one ``step`` there
+(median of ``--repeats``), to show that a token costs the same at position 2000 as at 10; then it
+generates ``--new-tokens`` tokens greedily with the cache and, for comparison, by running the full
+forward over the growing sequence for every token, and checks that both produce the same tokens.
 """
 
 from __future__ import annotations
@@ -334,7 +341,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--op", choices=OPS, default="selective")
+    parser.add_argument("--op", choices=[*OPS, "generate"], default="selective")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dim", type=int, default=1536)
     parser.add_argument("--state", type=int, default=16, help="N, the state size per channel")
@@ -354,7 +361,22 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before those")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results there")
+    generation = parser.add_argument_group("--op generate")
+    generation.add_argument("--d-model", type=int, default=256)
+    generation.add_argument("--layers", type=int, default=4)
+    generation.add_argument("--positions", type=comma_list, default=["10", "2000"],
+                            help="positions at which one step is timed")
+    generation.add_argument("--new-tokens", type=int, default=256)
+    generation.add_argument("--prompt-length", type=int, default=16)
     args = parser.parse_args(argv)
+    if args.op == "generate":
+        try:
+            args.positions = [int(p) for p in args.positions]
+        except ValueError:
+            parser.error(f"--positions must be comma-separated ints, got {args.positions}")
+        if min(args.d_model, args.layers, args.new_tokens, args.prompt_length, args.repeats, *args.positions) < 1:
+            parser.error("--d-model, --layers, --new-tokens, --prompt-length, --positions and --repeats must be positive")
+        return args
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available")
@@ -368,8 +390,72 @@ def parse_args(argv):
     return args
 
 
+def benchmark_generation(args) -> int:
+    """Per-token step time against position, and cached generation against full recomputation."""
+    from ssm import MambaConfig, MambaLM
+
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    config = MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=256)
+    model = MambaLM(config).to(device).eval()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"MambaLM d_model={args.d_model} n_layer={args.layers} vocab=256 ({params / 1e6:.2f} M parameters), "
+          f"{describe_device(device)}")
+
+    step_ms = {}
+    with torch.no_grad():
+        for position in args.positions:
+            cache = model.allocate_inference_cache(1, device=device)
+            model(torch.randint(0, 256, (1, position), device=device), cache=cache)
+            token = torch.tensor([1], device=device)
+            step_ms[position] = median_ms(lambda: model.step(token, cache), device, args.warmup, args.repeats)
+    first = args.positions[0]
+    print("\nposition   step ms   / step ms at position", first)
+    for position, ms in step_ms.items():
+        print(f"{position:8d}  {ms:8.3f}   {ms / step_ms[first]:.2f}")
+
+    prompt = torch.randint(0, 256, (1, args.prompt_length), device=device)
+
+    def cached():
+        return model.generate(prompt, args.new_tokens, temperature=0)
+
+    def recompute():
+        seq = prompt
+        with torch.no_grad():
+            for _ in range(args.new_tokens):
+                seq = torch.cat([seq, model(seq, num_last_tokens=1)[:, -1, :256].argmax(-1, keepdim=True)], 1)
+        return seq
+
+    timings, outputs = {}, {}
+    for name, fn in (("cached (prefill + step)", cached), ("full forward per token", recompute)):
+        synchronize(device)
+        start = time.perf_counter()
+        outputs[name] = fn()
+        synchronize(device)
+        timings[name] = time.perf_counter() - start
+    print(f"\ngenerating {args.new_tokens} tokens after a {args.prompt_length}-token prompt (greedy):")
+    for name, seconds in timings.items():
+        print(f"  {name:26s} {seconds:8.2f} s   {args.new_tokens / seconds:8.1f} tokens/s")
+    same = torch.equal(*outputs.values())
+    print(f"  speed-up of the cache: {timings['full forward per token'] / timings['cached (prefill + step)']:.1f}x; "
+          f"same tokens: {same}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "parameters": params,
+                       "step_ms": step_ms, "generate_s": timings, "same_tokens": same}, f, indent=2)
+    return 0 if same else 1
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.op == "generate":
+        return benchmark_generation(args)
     op, device, dtype = OPS[args.op], torch.device(args.device), DTYPES[args.dtype]
 
     torch.manual_seed(args.seed)

@@ -27,3 +27,15 @@ def test_benchmark_script_writes_a_row_per_backend(tmp_path):
             assert "ref" in row["max_abs_diff"]
         for diff in row["max_abs_diff"].values():
             assert math.isfinite(diff) and diff < 1e-3
+
+
+def test_generation_mode_checks_cached_against_recomputed_tokens(tmp_path):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "g.json"
+    args = ["--op", "generate", "--d-model", "16", "--layers", "1", "--positions", "2,40", "--new-tokens", "5",
+            "--prompt-length", "3", "--repeats", "2", "--warmup", "0", "--device", "cpu", "--json", str(path)]
+    assert main(args) == 0
+    report = json.loads(path.read_text())
+    assert report["same_tokens"] is True
+    assert set(report["step_ms"]) == {"2", "40"} and all(v > 0 for v in report["step_ms"].values())
+    assert all(v > 0 for v in report["generate_s"].values())
