@@ -1,0 +1,252 @@
+"""Training configuration: YAML files mapped onto typed dataclasses, with dotted overrides.
+
+A config file holds any of the sections ``model``, ``data``, ``optim``, ``trainer`` and the
+top-level keys below. ``base: other.yaml`` (relative to the file) starts from another file, so
+an experiment file holds only what it changes. Overrides on the command line are dotted keys,
+``trainer.max_steps=500``, parsed by the type of the field they set. An unknown key or a value
+of the wrong type raises ``ConfigError`` naming the key and listing the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key that does not exist or a value of the wrong type."""
+
+
+@dataclass
+class ModelSection:
+    """MambaConfig's fields (see ssm.models.MambaConfig), plus the scan backend."""
+
+    d_model: int = 64  # width of the residual stream
+    n_layer: int = 2  # residual blocks
+    d_intermediate: int = 0  # gated-MLP width after each mixer; 0 = none
+    vocab_size: Optional[int] = None  # None: the task's vocabulary
+    ssm_cfg: dict = field(default_factory=lambda: {"layer": "Mamba1"})  # mixer and its arguments (d_state = N, expand, headdim = P, ...)
+    rms_norm: bool = True
+    residual_in_fp32: bool = True
+    fused_add_norm: bool = True
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+    backend: str = "auto"  # scan backend of every mixer (ssm.scan.backends)
+
+
+@dataclass
+class DataSection:
+    task: str = "selective_copying"  # selective_copying | induction_heads | text
+    seq_len: int = 64  # context length L (synthetic tasks) or window length in bytes (text)
+    batch_size: int = 32  # sequences per device per step
+    num_tokens: int = 8  # size of the data alphabet (synthetic tasks)
+    num_memorize: int = 8  # K: tokens to copy (selective_copying)
+    val_samples: int = 512  # validation sequences
+    paths: list = field(default_factory=list)  # text: file globs; empty = the Python standard library's sources
+    val_fraction: float = 0.1  # text: share of files held out for validation
+    num_workers: int = 0  # DataLoader workers
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-3  # peak learning rate of AdamW
+    weight_decay: float = 0.1  # not applied to A_log, D, the Δ bias, norms and biases
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 100  # linear warmup, then cosine decay to min_lr_ratio·lr at max_steps
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerSection:
+    """Passed to pytorch_lightning.Trainer."""
+
+    max_steps: int = 2000
+    accelerator: str = "auto"  # auto | cpu | gpu | ...
+    devices: Union[int, str, list] = "auto"  # e.g. 2 with strategy=ddp
+    strategy: str = "auto"  # auto | ddp | fsdp | ...
+    num_nodes: int = 1
+    precision: Optional[str] = None  # None: bf16-mixed on CUDA, 32-true elsewhere
+    gradient_clip_val: float = 1.0
+    val_check_interval: int = 200  # training steps between validations
+    log_every_n_steps: int = 10
+    accumulate_grad_batches: int = 1
+    limit_val_batches: Optional[Union[int, float]] = None
+    deterministic: bool = False
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    seed: int = 0
+    run_dir: Optional[str] = None  # None: a new timestamped folder under runs/
+    resume: Optional[str] = None  # a checkpoint, or a run dir (its checkpoints/last.ckpt)
+    checkpoint_every: int = 200  # training steps between checkpoints/last.ckpt
+    log_every: int = 50  # steps between log lines when not on a terminal
+    progress_bar: Optional[bool] = None  # None: a bar on a terminal, log lines otherwise
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """The config of ``path`` (or the defaults) with ``overrides`` ("a.b=value") applied."""
+    raw = _load_yaml(Path(path)) if path is not None else {}
+    config = from_dict(TrainConfig, raw, "")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. trainer.max_steps=100")
+        set_key(config, key.strip(), value)
+    return config
+
+
+def _load_yaml(path: Path, seen: tuple = ()) -> dict:
+    if path.resolve() in seen:
+        raise ConfigError(f"config files include each other in a loop: {[str(p) for p in seen]}")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    return _merge(_load_yaml(path.parent / base, seen + (path.resolve(),)), raw)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "ssm_cfg":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls, raw: dict, prefix: str):
+    """Build dataclass ``cls`` from ``raw``, checking every key and type."""
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
+    hints, names = _hints(cls), [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in raw if k not in names]
+    if unknown:
+        raise ConfigError(f"unknown key {prefix + unknown[0]!r} in {where}; valid keys: {names}")
+    values = {}
+    for name, value in raw.items():
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            values[name] = from_dict(kind, value, f"{prefix}{name}.")
+        else:
+            values[name] = coerce(value, kind, f"{prefix}{name}")
+    return cls(**values)
+
+
+def set_key(config, key: str, text: str) -> None:
+    """Apply one dotted override; ``text`` is parsed by the type of the field it sets."""
+    parts, obj, path = key.split("."), config, ""
+    for i, part in enumerate(parts):
+        if isinstance(obj, dict):  # inside a dict-valued field such as model.ssm_cfg: free keys
+            rest = ".".join(parts[i:])
+            obj[rest] = _parse_yaml_scalar(text)
+            return
+        names = [f.name for f in dataclasses.fields(obj)]
+        if part not in names:
+            where = path.rstrip(".") or "the top level"
+            raise ConfigError(f"unknown key {path + part!r} in {where}; valid keys: {names}")
+        kind = _hints(type(obj))[part]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(kind):
+                raise ConfigError(f"{path + part!r} is a section; set one of its keys, e.g. {path + part}.{dataclasses.fields(kind)[0].name}=...")
+            setattr(obj, part, coerce(text, kind, path + part, from_text=True))
+            return
+        obj, path = getattr(obj, part), path + part + "."
+        if not (dataclasses.is_dataclass(obj) or isinstance(obj, dict)):
+            raise ConfigError(f"{path.rstrip('.')!r} is a {type(obj).__name__} value, not a section")
+
+
+def _parse_yaml_scalar(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+_NONE_WORDS = {"none", "null", "~"}
+_BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def coerce(value: Any, kind, key: str, from_text: bool = False):
+    """``value`` as type ``kind``; ``from_text`` when it is a command-line string."""
+    origin = typing.get_origin(kind)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(kind)
+        if type(None) in options and (value is None or (from_text and str(value).lower() in _NONE_WORDS)):
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return coerce(value, option, key, from_text)
+            except ConfigError as err:
+                errors.append(err)
+        raise ConfigError(f"{key} must be {_type_name(kind)}, got {value!r}")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and str(value).lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[str(value).lower()]
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_text:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    elif kind in (list, dict) or origin in (list, dict):
+        base = origin or kind
+        if from_text and isinstance(value, str):
+            value = _parse_yaml_scalar(value)
+        if isinstance(value, base):
+            return value
+    raise ConfigError(f"{key} must be {_type_name(kind)}, got {value!r}")
+
+
+def _type_name(kind) -> str:
+    if typing.get_origin(kind) in (Union, types.UnionType):
+        return " or ".join(_type_name(k) for k in typing.get_args(kind))
+    return {type(None): "null"}.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

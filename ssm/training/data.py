@@ -1,0 +1,208 @@
+"""Tasks as LightningDataModules. Every example is a pure function of (seed, split, index), so
+the data order is fixed by the step count alone: a resumed run sees exactly the batches the
+uninterrupted run would have seen, on one device or several.
+
+An example is (inputs (L,), targets (L,)) of token ids; targets are -100 where the task scores
+nothing (the loss and accuracy count only the other positions).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .config import DataSection
+
+IGNORE = -100
+
+
+def _generator(seed: int, split: str, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{split}/{index}".encode()) + (seed << 32))
+
+
+class SelectiveCopying(Dataset):
+    """The Mamba paper's selective copying: K data tokens scattered at random positions of a
+    context of L noise tokens, then K markers; at the markers the model must output the data
+    tokens in order. Tokens: 0 noise, 1..num_tokens data, num_tokens + 1 marker.
+
+        inputs   0 3 0 0 5 0 2 0 | M M M
+        targets  - - - - - - - - | 3 5 2
+    """
+
+    def __init__(self, seq_len: int, num_tokens: int, num_memorize: int, seed: int, split: str, size: int):
+        if num_memorize > seq_len:
+            raise ValueError(f"data.num_memorize ({num_memorize}) must be <= data.seq_len ({seq_len})")
+        self.L, self.num_tokens, self.K = seq_len, num_tokens, num_memorize
+        self.seed, self.split, self.size = seed, split, size
+        self.vocab_size = num_tokens + 2
+        self.marker = num_tokens + 1
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        g = _generator(self.seed, self.split, index)
+        positions = torch.randperm(self.L, generator=g)[: self.K].sort().values
+        tokens = torch.randint(1, self.num_tokens + 1, (self.K,), generator=g)
+        context = torch.zeros(self.L, dtype=torch.long)
+        context[positions] = tokens
+        inputs = torch.cat([context, torch.full((self.K,), self.marker)])
+        targets = torch.cat([torch.full((self.L,), IGNORE), tokens])
+        return inputs, targets
+
+
+class InductionHeads(Dataset):
+    """Associative recall: random tokens, a trigger token followed by a key somewhere, and the
+    trigger again at the end; the model must output the key there. Tokens: 0..num_tokens-1,
+    trigger = num_tokens. Only the last position is scored.
+
+        inputs   4 1 T 6 0 3 ... 2 T
+        targets  - - - - - - ... - 6
+    """
+
+    def __init__(self, seq_len: int, num_tokens: int, seed: int, split: str, size: int):
+        if seq_len < 3:
+            raise ValueError(f"data.seq_len must be >= 3 for induction_heads, got {seq_len}")
+        self.L, self.num_tokens, self.seed, self.split, self.size = seq_len, num_tokens, seed, split, size
+        self.vocab_size = num_tokens + 1
+        self.trigger = num_tokens
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        g = _generator(self.seed, self.split, index)
+        inputs = torch.randint(0, self.num_tokens, (self.L,), generator=g)
+        at = int(torch.randint(0, self.L - 2, (), generator=g))
+        inputs[at] = self.trigger
+        inputs[-1] = self.trigger
+        targets = torch.full((self.L,), IGNORE)
+        targets[-1] = inputs[at + 1]
+        return inputs, targets
+
+
+class ByteText(Dataset):
+    """Byte-level language modelling: windows of L + 1 bytes from a corpus, at offsets drawn
+    from (seed, split, index). Every position is scored."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, seed: int, split: str, size: int):
+        if data.numel() < seq_len + 2:
+            raise ValueError(f"the {split} text has {data.numel()} bytes, fewer than data.seq_len + 2 = {seq_len + 2}")
+        self.data, self.L, self.seed, self.split, self.size = data, seq_len, seed, split, size
+        self.vocab_size = 256
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        g = _generator(self.seed, self.split, index)
+        start = int(torch.randint(0, self.data.numel() - self.L - 1, (), generator=g))
+        window = self.data[start : start + self.L + 1].long()
+        return window[:-1], window[1:]
+
+
+def default_text_files() -> list[str]:
+    """The Python standard library's own sources: a real corpus present on every machine."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(str(p) for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+
+
+def split_files(paths: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Train/validation split by file: files ordered by a hash of their path relative to the
+    common folder (the same on every machine), the first ``val_fraction`` of them (at least
+    one) held out."""
+    if len(paths) < 2 or not 0 < val_fraction < 1:
+        raise ValueError(f"the text task needs >= 2 files and 0 < data.val_fraction < 1; got {len(paths)} file(s), "
+                         f"val_fraction = {val_fraction}")
+    root = os.path.commonpath([os.path.abspath(p) for p in paths])
+    ordered = sorted(paths, key=lambda p: (zlib.crc32(os.path.relpath(os.path.abspath(p), root).encode()), p))
+    n_val = min(len(paths) - 1, max(1, round(val_fraction * len(paths))))
+    val = set(ordered[:n_val])
+    return [p for p in paths if p not in val], [p for p in paths if p in val]
+
+
+def read_bytes(paths: list[str]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b"\n\n".join(Path(p).read_bytes() for p in paths)), dtype=torch.uint8)
+
+
+class StepSampler(Sampler):
+    """Indices start, start + 1, ... of the global example stream, split between ranks: rank r
+    of W takes start + r, start + r + W, ... So batch b of step s holds the same examples
+    whether the run was resumed or not."""
+
+    def __init__(self, start: int, stop: int, rank: int = 0, world: int = 1):
+        self.start, self.stop, self.rank, self.world = start, stop, rank, world
+
+    def __iter__(self):
+        return iter(range(self.start + self.rank, self.stop, self.world))
+
+    def __len__(self) -> int:
+        return len(range(self.start + self.rank, self.stop, self.world))
+
+
+TASKS = ("selective_copying", "induction_heads", "text")
+
+
+class TaskDataModule(pl.LightningDataModule):
+    """One of TASKS, configured by a DataSection. ``vocab_size`` is known after construction."""
+
+    def __init__(self, config: DataSection, seed: int = 0):
+        super().__init__()
+        if config.task not in TASKS:
+            raise ValueError(f"data.task must be one of {list(TASKS)}, got {config.task!r}")
+        for name in ("seq_len", "batch_size", "num_tokens", "num_memorize", "val_samples"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(config, name)}")
+        self.config, self.seed = config, seed
+        self.text = None
+        if config.task == "text":
+            paths = sorted({p for pattern in config.paths for p in glob.glob(pattern, recursive=True)}) if config.paths else default_text_files()
+            if not paths:
+                raise ValueError(f"data.paths {config.paths} match no files")
+            self.train_files, self.val_files = split_files(paths, config.val_fraction)
+        self.vocab_size = self.dataset("val", 1).vocab_size
+        self.scores_accuracy = config.task != "text"
+
+    def dataset(self, split: str, size: int, seq_len: int | None = None) -> Dataset:
+        c, L = self.config, seq_len or self.config.seq_len
+        if c.task == "selective_copying":
+            return SelectiveCopying(L, c.num_tokens, c.num_memorize, self.seed, split, size)
+        if c.task == "induction_heads":
+            return InductionHeads(L, c.num_tokens, self.seed, split, size)
+        if self.text is None:
+            self.text = {"train": read_bytes(self.train_files), "val": read_bytes(self.val_files)}
+        return ByteText(self.text[split], L, self.seed, split, size)
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        rank, world = self._world()
+        per_step = self.config.batch_size * world * (trainer.accumulate_grad_batches if trainer else 1)
+        max_steps = trainer.max_steps if trainer is not None else 1
+        if max_steps < 1:
+            raise ValueError("trainer.max_steps must be set (>= 1): the tasks are streams of examples without epochs")
+        start = (trainer.global_step if trainer is not None else 0) * per_step
+        stop = max_steps * per_step
+        return DataLoader(
+            self.dataset("train", stop), batch_size=self.config.batch_size,
+            sampler=StepSampler(start, stop, rank, world), num_workers=self.config.num_workers,
+            persistent_workers=self.config.num_workers > 0,
+        )
+
+    def val_dataloader(self, seq_len: int | None = None) -> DataLoader:
+        rank, world = self._world()
+        n = self.config.val_samples
+        return DataLoader(
+            self.dataset("val", n, seq_len), batch_size=self.config.batch_size,
+            sampler=StepSampler(0, n, rank, world), num_workers=self.config.num_workers,
+        )

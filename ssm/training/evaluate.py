@@ -1,0 +1,40 @@
+"""Evaluating a trained run outside Lightning: accuracy and loss at any sequence length."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models import MambaLM
+from .config import TrainConfig, load_config
+from .data import IGNORE, TaskDataModule
+
+
+def load_run(run_dir: str | Path, device=None) -> tuple[TrainConfig, MambaLM]:
+    """The resolved config and the trained model of a finished run."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / "model").is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a finished run (config.yaml and model/ expected)")
+    config = load_config(run_dir / "config.yaml")
+    model = MambaLM.from_pretrained(run_dir / "model", device=device, backend=config.model.backend)
+    return config, model.eval()
+
+
+@torch.no_grad()
+def evaluate(model: MambaLM, data: TaskDataModule, seq_len: int | None = None) -> dict:
+    """val/loss (nats per scored token), val/bpb and val/acc (per scored token) on the
+    validation examples of ``data`` at ``seq_len`` (default: the trained length)."""
+    device = next(model.parameters()).device
+    total_loss, correct, count = 0.0, 0, 0
+    for inputs, targets in data.val_dataloader(seq_len):
+        inputs, targets = inputs.to(device), targets.to(device)
+        logits = model(inputs).float()
+        scored = targets != IGNORE
+        total_loss += float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"))
+        correct += int(((logits.argmax(-1) == targets) & scored).sum())
+        count += int(scored.sum())
+    loss = total_loss / max(count, 1)
+    return {"val/loss": loss, "val/bpb": loss / math.log(2), "val/acc": correct / max(count, 1)}
