@@ -133,18 +133,22 @@ def read_bytes(paths: list[str]) -> torch.Tensor:
 
 
 class StepSampler(Sampler):
-    """Indices start, start + 1, ... of the global example stream, split between ranks: rank r
-    of W takes start + r, start + r + W, ... So batch b of step s holds the same examples
-    whether the run was resumed or not."""
+    """Indices of the global example stream from ``start()`` (read each time iteration begins)
+    to ``stop``, split between ranks: rank r of W takes start + r, start + r + W, ...
 
-    def __init__(self, start: int, stop: int, rank: int = 0, world: int = 1):
-        self.start, self.stop, self.rank, self.world = start, stop, rank, world
+    ``start`` is a function so that an iterator created at any time, by a resumed run or when
+    Lightning restarts its epoch loop, begins at the examples of the current step: batch b of
+    step s holds the same examples whether the run was resumed or not."""
+
+    def __init__(self, start, stop: int, rank: int = 0, world: int = 1):
+        self.start = start if callable(start) else (lambda: start)
+        self.stop, self.rank, self.world = stop, rank, world
 
     def __iter__(self):
-        return iter(range(self.start + self.rank, self.stop, self.world))
+        return iter(range(self.start() + self.rank, self.stop, self.world))
 
-    def __len__(self) -> int:
-        return len(range(self.start + self.rank, self.stop, self.world))
+    def __len__(self) -> int:  # the whole stream, so that a resumed epoch is not cut short
+        return len(range(self.rank, self.stop, self.world))
 
 
 TASKS = ("selective_copying", "induction_heads", "text")
@@ -191,8 +195,11 @@ class TaskDataModule(pl.LightningDataModule):
         max_steps = trainer.max_steps if trainer is not None else 1
         if max_steps < 1:
             raise ValueError("trainer.max_steps must be set (>= 1): the tasks are streams of examples without epochs")
-        start = (trainer.global_step if trainer is not None else 0) * per_step
         stop = max_steps * per_step
+
+        def start() -> int:  # the examples of the current optimiser step
+            return (trainer.global_step if trainer is not None else 0) * per_step
+
         return DataLoader(
             self.dataset("train", stop), batch_size=self.config.batch_size,
             sampler=StepSampler(start, stop, rank, world), num_workers=self.config.num_workers,

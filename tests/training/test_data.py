@@ -53,6 +53,10 @@ def test_step_sampler_resumes_and_splits_between_ranks():
     assert list(StepSampler(6, 12)) == full[6:]  # resumed after 6 examples
     ranks = [list(StepSampler(4, 12, rank=r, world=2)) for r in range(2)]
     assert ranks == [[4, 6, 8, 10], [5, 7, 9, 11]]
+    step = [0]
+    sampler = StepSampler(lambda: step[0] * 3, 12)  # 3 examples per step, start read at iter()
+    step[0] = 2
+    assert list(sampler) == list(range(6, 12))
 
 
 def test_text_split_by_file(tmp_path):
