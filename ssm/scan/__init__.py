@@ -2,6 +2,8 @@
 
     selective_scan(u, delta, A, B, C, ...)   Mamba-1 / S6 selective scan
     linear_scan(gates, inputs, dim=...)     h_t = gates_t·h_{t-1} + inputs_t
+    scan(fn, init, xs, checkpoint=...)      any step fn over pytrees (jax.lax.scan), O(√L) backward
+    associative_scan(fn, elems, dim=...)    parallel prefix of any associative fn (generic.py)
 
 Backends (``backend=`` argument; ``backends(op)`` lists them):
     "ref"    sequential float32 loop, the ground truth (reference.py)
@@ -11,6 +13,7 @@ Backends (``backend=`` argument; ``backends(op)`` lists them):
 
 from . import _dispatch
 from .linear import OP as _LINEAR
+from .generic import associative_scan, scan
 from .linear import linear_scan
 from .pscan import linear_scan_pscan, selective_scan_pscan
 from .reference import linear_scan_ref, selective_scan_ref
@@ -34,6 +37,8 @@ def backends(op: str, device=None) -> list[str]:
 __all__ = [
     "selective_scan",
     "linear_scan",
+    "scan",
+    "associative_scan",
     "backends",
     "selective_scan_ref",
     "linear_scan_ref",

@@ -1,0 +1,359 @@
+"""A generic scan for PyTorch: ``jax.lax.scan`` and ``jax.lax.associative_scan`` over pytrees.
+
+``scan(fn, init, xs)`` runs an arbitrary step function ``fn(carry, x) -> (carry, y)`` along the
+leading dimension of ``xs`` and stacks the ``y``; with ``checkpoint=`` its backward keeps only
+every k-th carry and recomputes the steps in between, so a long scan differentiates in
+O(L/k + k) carries (O(√L) with ``checkpoint="sqrt"``) instead of O(L).
+
+``associative_scan(fn, elems)`` is an inclusive parallel prefix with an associative binary ``fn``
+in O(log L) sequential rounds of batched calls to ``fn``.
+
+Pytrees are nested tuples, lists, dicts (and namedtuples) of tensors, with ``None`` allowed as
+an empty subtree; they are flattened with ``torch.utils._pytree``, the flattener torch itself
+uses for ``torch.compile`` and ``torch.export``, so the same structures are accepted there.
+
+The module name says what it is: the recurrence is the caller's, unlike the fixed recurrences
+of ``selective.py`` and ``linear.py``; there are no backends to dispatch to.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+__all__ = ["scan", "associative_scan"]
+
+
+# --------------------------------------------------------------------------------------------
+# pytree helpers
+
+
+def _flatten(name: str, tree) -> tuple[list[torch.Tensor], pytree.TreeSpec, list[str]]:
+    """The tensor leaves of ``tree``, its structure, and each leaf's path written as
+    ``name['key'][0]``; any leaf that is not a tensor is a ValueError naming its path."""
+    with_path, spec = pytree.tree_flatten_with_path(tree)
+    paths = [name + pytree.keystr(path) for path, _ in with_path]
+    leaves = [leaf for _, leaf in with_path]
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(
+                f"{path} must be a torch.Tensor (pytrees hold tensors, or None), got {type(leaf).__name__}"
+            )
+    return leaves, spec, paths
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+# --------------------------------------------------------------------------------------------
+# scan
+
+
+class _Step:
+    """``fn`` on flat leaves: unflattens the carry and x, calls ``fn``, checks that the carry
+    kept its structure, shapes and dtypes and that ``y`` kept the structure of the first step,
+    and returns flat leaves again."""
+
+    def __init__(self, fn, init_leaves, carry_spec, carry_paths, xs_spec):
+        self.fn = fn
+        self.carry_spec = carry_spec
+        self.carry_paths = carry_paths
+        self.carry_meta = [(t.shape, t.dtype) for t in init_leaves]
+        self.xs_spec = xs_spec  # None when scanning without xs
+        self.y_spec: pytree.TreeSpec | None = None
+        self.y_meta: list[tuple[torch.Size, torch.dtype]] = []
+
+    def __call__(self, carry_leaves, x_leaves, i: int):
+        carry = pytree.tree_unflatten(list(carry_leaves), self.carry_spec)
+        x = None if self.xs_spec is None else pytree.tree_unflatten(list(x_leaves), self.xs_spec)
+        out = self.fn(carry, x)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(
+                f"fn must return a pair (carry, y), got {type(out).__name__}"
+                + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+                + f" at step {i}"
+            )
+        new_carry, y = out
+        return self._check_carry(new_carry, i), self._check_y(y, i)
+
+    def _check_carry(self, new_carry, i):
+        leaves, spec, paths = _flatten("carry", new_carry)
+        if spec != self.carry_spec:
+            raise ValueError(
+                f"fn changed the structure of the carry at step {i}: init is {self.carry_spec}, "
+                f"fn returned {spec}; the carry must keep its structure, shapes and dtypes"
+            )
+        for path, leaf, (shape, dtype) in zip(paths, leaves, self.carry_meta):
+            if leaf.shape != shape or leaf.dtype != dtype:
+                was = f"shape {tuple(shape)} {str(dtype).replace('torch.', '')}"
+                raise ValueError(
+                    f"fn changed {path} at step {i} from {was} to {_describe(leaf)}; "
+                    "the carry must keep its structure, shapes and dtypes"
+                )
+        return leaves
+
+    def _check_y(self, y, i):
+        leaves, spec, paths = _flatten("y", y)
+        if self.y_spec is None:
+            self.y_spec, self.y_meta = spec, [(t.shape, t.dtype) for t in leaves]
+            return leaves
+        if spec != self.y_spec:
+            raise ValueError(f"fn returned a y of structure {spec} at step {i}, but {self.y_spec} before")
+        for path, leaf, (shape, dtype) in zip(paths, leaves, self.y_meta):
+            if leaf.shape != shape or leaf.dtype != dtype:
+                was = f"shape {tuple(shape)} {str(dtype).replace('torch.', '')}"
+                raise ValueError(f"fn returned {path} with {_describe(leaf)} at step {i}, but {was} before")
+        return leaves
+
+
+def _scan_length(xs_leaves, xs_paths, length) -> int:
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+        raise ValueError(f"length must be a non-negative int or None, got {length!r}")
+    for path, leaf in zip(xs_paths, xs_leaves):
+        if leaf.ndim == 0:
+            raise ValueError(f"{path} must have a leading dimension to scan over, got a 0-D tensor")
+    if not xs_leaves:
+        if length is None:
+            raise ValueError("scan needs xs with at least one tensor, or length=, to know how many steps to run")
+        return length
+    L = xs_leaves[0].shape[0]
+    for path, leaf in zip(xs_paths[1:], xs_leaves[1:]):
+        if leaf.shape[0] != L:
+            raise ValueError(
+                f"every leaf of xs must have the same leading dimension L: {xs_paths[0]} has "
+                f"L = {L} but {path} has {leaf.shape[0]} (shape {tuple(leaf.shape)})"
+            )
+    if length is not None and length != L:
+        raise ValueError(f"length = {length} disagrees with the leading dimension L = {L} of xs")
+    return L
+
+
+def _segment_size(checkpoint, L: int) -> int | None:
+    if checkpoint is None:
+        return None
+    if checkpoint == "sqrt":
+        return max(1, math.ceil(math.sqrt(L)))
+    if isinstance(checkpoint, bool) or not isinstance(checkpoint, int) or checkpoint < 1:
+        raise ValueError(f'checkpoint must be None, a positive int or "sqrt", got {checkpoint!r}')
+    return checkpoint
+
+
+def scan(
+    fn: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any = None,
+    *,
+    length: int | None = None,
+    reverse: bool = False,
+    checkpoint: int | str | None = None,
+) -> tuple[Any, Any]:
+    """Run ``carry, y = fn(carry, x)`` over the leading dimension of ``xs``; ``jax.lax.scan``
+    semantics. Returns ``(final_carry, ys)``.
+
+    Equivalent to::
+
+        carry, ys = init, []
+        for i in range(L):                       # reversed(range(L)) with reverse=True
+            carry, y = fn(carry, xs[i])          # xs[i]: every leaf of xs indexed at i
+            ys.append(y)                         # stored at position i either way
+        return carry, stack(ys)                  # every leaf of y stacked along a new dim 0
+
+    Shapes: every leaf of ``xs`` is (L, ...), and ``fn`` sees it as (...); every leaf of ``y``
+    of shape (...) comes back in ``ys`` as (L, ...). ``init``, ``xs``, the carry and ``y`` are
+    pytrees: nested tuples, lists, dicts (or namedtuples) whose leaves are tensors; ``None``
+    is an empty subtree, so a step returning ``y = None`` gives ``ys = None``. The carry must keep
+    its structure, and each leaf its shape and dtype, from step to step (a ValueError names the
+    leaf that changed and the step); its dtype is the caller's, nothing is upcast.
+
+    ``xs=None`` (or a pytree without tensors) scans ``length`` steps with ``x = None``. With xs,
+    ``length`` may be given and must equal L. At L = 0 the result is ``(init, ys)`` with every
+    leaf of ys of shape (0, ...); to learn the shapes of y, ``fn`` is called once under
+    ``torch.no_grad()`` on ``init`` and a zero x, and that result is thrown away.
+
+    ``reverse=True`` runs from i = L-1 down to 0 and stores each y at its own position i.
+
+    Gradients flow to ``init``, ``xs`` and every tensor ``fn`` closes over (parameters).
+
+    ``checkpoint``: what the backward keeps.
+      - ``None``: whatever autograd keeps for each step: O(L) carries and activations.
+      - ``k`` (int >= 1): the L steps are cut into segments of k; only each segment's first
+        carry (and views of its xs) is kept, and the backward recomputes one segment at a time
+        (``torch.utils.checkpoint``, non-reentrant, with the RNG state restored so that dropout
+        in ``fn`` recomputes identically). Peak memory is O(L/k + k) carries.
+      - ``"sqrt"``: k = ceil(√L), so O(√L) carries.
+      The price is one extra forward of every step during the backward (about a third more
+      time for a step whose backward costs twice its forward); results and gradients are the
+      same as with ``None``. Under ``torch.no_grad()`` nothing is kept and ``checkpoint`` is
+      ignored. ``ys`` itself is O(L) and is the caller's; keep y small if memory matters.
+
+    Devices: any device PyTorch runs on (CPU, CUDA, ...); ``fn`` runs eagerly, one Python call
+    per step, so on a GPU each step costs kernel launches: put the work in a few big ops.
+
+    ``torch.compile``: the loop is plain Python, so dynamo unrolls it: one graph of L copies of
+    ``fn`` (compile time grows with L, and a new L recompiles), traced without graph breaks when
+    ``fn`` itself has none. With ``checkpoint=k`` each segment is traced as a
+    ``torch.utils.checkpoint`` region, which the compiler recomputes in the backward instead of
+    saving. Errors (changed carry, mismatched xs) are raised while tracing, as in eager. Tested
+    with ``fullgraph=True`` on the "aot_eager" backend; for long scans, compiling ``fn`` alone
+    (``scan(torch.compile(fn), ...)``) avoids the unrolling.
+    """
+    init_leaves, carry_spec, carry_paths = _flatten("init", init)
+    xs_leaves, xs_spec, xs_paths = _flatten("xs", xs)
+    L = _scan_length(xs_leaves, xs_paths, length)
+    k = _segment_size(checkpoint, L)
+    step = _Step(fn, init_leaves, carry_spec, carry_paths, None if xs is None else xs_spec)
+
+    if L == 0:
+        return init, _empty_ys(step, init_leaves, xs_leaves)
+
+    if k is None or not torch.is_grad_enabled():
+        carry, ys_leaves = _run_steps(step, init_leaves, xs_leaves, 0, L, bool(reverse))
+    else:
+        carry, ys_leaves = _run_checkpointed(step, init_leaves, xs_leaves, L, k, bool(reverse))
+    return pytree.tree_unflatten(carry, carry_spec), pytree.tree_unflatten(ys_leaves, step.y_spec)
+
+
+def _run_steps(step: _Step, carry: list, xs_chunk: list, start: int, n: int, reverse: bool):
+    """Steps start .. start+n-1 (in reverse order if ``reverse``) on ``xs_chunk``, whose leaves
+    are (n, ...). Returns the last carry and each y leaf stacked to (n, ...)."""
+    # unbind once rather than index per step: indexing makes the backward write a full-size
+    # zero gradient per step (quadratic in L); unbind's backward stacks once.
+    x_steps = [leaf.unbind(0) for leaf in xs_chunk]
+    ys: list = [None] * n
+    for t in reversed(range(n)) if reverse else range(n):
+        carry, ys[t] = step(carry, [x[t] for x in x_steps], start + t)
+    n_y = len(ys[0])
+    return carry, [torch.stack([y[m] for y in ys]) for m in range(n_y)]
+
+
+def _run_checkpointed(step: _Step, init_leaves: list, xs_leaves: list, L: int, k: int, reverse: bool):
+    chunks = [leaf.split(k, dim=0) for leaf in xs_leaves]  # views; split's backward concatenates once
+    starts = list(range(0, L, k))
+    n_carry = len(init_leaves)
+
+    def segment(start: int, n: int, *flat):
+        carry, ys = _run_steps(step, list(flat[:n_carry]), list(flat[n_carry:]), start, n, reverse)
+        return (*carry, *ys)
+
+    carry, pieces = init_leaves, [None] * len(starts)
+    for j in reversed(range(len(starts))) if reverse else range(len(starts)):
+        start = starts[j]
+        n = min(k, L - start)
+        out = _checkpoint(
+            segment, start, n, *carry, *[c[j] for c in chunks], use_reentrant=False, preserve_rng_state=True
+        )
+        carry, pieces[j] = list(out[:n_carry]), out[n_carry:]
+    n_y = len(pieces[0])
+    ys = [pieces[0][m] if len(pieces) == 1 else torch.cat([p[m] for p in pieces]) for m in range(n_y)]
+    return carry, ys
+
+
+def _empty_ys(step: _Step, init_leaves: list, xs_leaves: list):
+    """ys for L = 0: shapes learnt from one discarded call of fn (see the docstring)."""
+    x_leaves = [leaf.new_zeros(leaf.shape[1:]) for leaf in xs_leaves]
+    with torch.no_grad():
+        _, y_leaves = step(init_leaves, x_leaves, 0)
+    empty = [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_leaves]
+    return pytree.tree_unflatten(empty, step.y_spec)
+
+
+# --------------------------------------------------------------------------------------------
+# associative_scan
+
+
+def _take(x: torch.Tensor, dim: int, start: int | None, stop: int | None, step: int | None = None):
+    return x[(slice(None),) * dim + (slice(start, stop, step),)]
+
+
+def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, *, dim: int = 0, reverse: bool = False) -> Any:
+    """Inclusive prefix of ``elems`` under an associative ``fn``; ``jax.lax.associative_scan``
+    semantics.
+
+    Returns a pytree like ``elems`` whose element i along ``dim`` is
+    ``fn(...fn(fn(e_0, e_1), e_2)..., e_i)``. With ``reverse=True`` element i is
+    ``fn(...fn(fn(e_{L-1}, e_{L-2}), e_{L-3})..., e_i)``: the scan of the flipped sequence,
+    flipped back, so the first argument of ``fn`` always holds the part already combined (for
+    ``fn(a, b) = a @ b`` and [a, b, c] the reverse result is [(c @ b) @ a, c @ b, c], as in jax).
+
+    Shapes: ``elems`` is a pytree of tensors that all have the same length L along ``dim``
+    (any other dimensions). ``fn(a, b)`` receives two pytrees like ``elems`` whose leaves have
+    the same length along ``dim`` (any length from 1 to L // 2 + 1) and must return a pytree
+    of the same structure and shapes, combining them elementwise along ``dim``: it is
+    vectorised over ``dim``, like a ufunc. ``fn`` must be associative, not commutative.
+
+    The combination takes about 2·log2(L) rounds of batched ``fn`` calls (the odd/even
+    recursion of Blelloch's scan) and about 2L combined pairs in all, for any L; it is
+    ordinary autograd, so gradients flow to ``elems`` and to tensors ``fn`` closes over, and it
+    traces under ``torch.compile`` for a fixed L. Rounding follows the tree order of the
+    combination, not a left fold.
+    """
+    leaves, spec, paths = _flatten("elems", elems)
+    if not leaves:
+        raise ValueError("elems must contain at least one tensor")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ValueError(f"dim must be an int, got {dim!r}")
+    dims = []
+    for path, leaf in zip(paths, leaves):
+        if not -leaf.ndim <= dim < leaf.ndim:
+            raise ValueError(
+                f"dim = {dim} is out of range for {path} of shape {tuple(leaf.shape)}; "
+                "every leaf of elems must have that dimension"
+            )
+        dims.append(dim % leaf.ndim)
+    L = leaves[0].shape[dims[0]]
+    for path, leaf, d in zip(paths, leaves, dims):
+        if leaf.shape[d] != L:
+            raise ValueError(
+                f"every leaf of elems must have the same length along dim {dim}: {paths[0]} has "
+                f"{L} but {path} has {leaf.shape[d]} (shape {tuple(leaf.shape)})"
+            )
+
+    def combine(a: list, b: list) -> list:
+        out_leaves, out_spec, out_paths = _flatten(
+            "fn(a, b)", fn(pytree.tree_unflatten(a, spec), pytree.tree_unflatten(b, spec))
+        )
+        if out_spec != spec:
+            raise ValueError(f"fn must return the structure of elems, {spec}; got {out_spec}")
+        for path, out, x in zip(out_paths, out_leaves, a):
+            if out.shape != x.shape:
+                raise ValueError(
+                    f"fn must combine elementwise: its arguments' leaves have shape {tuple(x.shape)} "
+                    f"but {path} has {tuple(out.shape)}"
+                )
+        return out_leaves
+
+    def prefix(xs: list) -> list:
+        n = xs[0].shape[dims[0]]
+        if n < 2:
+            return xs
+        # combine neighbours (0,1), (2,3), ...; their prefix gives the results at odd positions
+        pairs = combine([_take(x, d, 0, n - 1, 2) for x, d in zip(xs, dims)], [_take(x, d, 1, None, 2) for x, d in zip(xs, dims)])
+        odd = prefix(pairs)  # results at positions 1, 3, 5, ...
+        # results at even positions 2, 4, ...: the odd result before each, combined with it
+        n_even_rest = (n - 1) // 2
+        even = combine(
+            [_take(o, d, 0, n_even_rest) for o, d in zip(odd, dims)], [_take(x, d, 2, None, 2) for x, d in zip(xs, dims)]
+        )
+        return [_interleave(_take(x, d, 0, 1), e, o, d) for x, e, o, d in zip(xs, even, odd, dims)]
+
+    if reverse:
+        leaves = [leaf.flip(d) for leaf, d in zip(leaves, dims)]
+    out = prefix(leaves)
+    if reverse:
+        out = [leaf.flip(d) for leaf, d in zip(out, dims)]
+    return pytree.tree_unflatten(out, spec)
+
+
+def _interleave(first: torch.Tensor, even_rest: torch.Tensor, odd: torch.Tensor, d: int) -> torch.Tensor:
+    """[first, odd_0, even_rest_0, odd_1, even_rest_1, ...] along ``d``: positions 0, 1, 2, ..."""
+    even = torch.cat([first, even_rest], dim=d)  # positions 0, 2, 4, ...
+    n_odd = odd.shape[d]
+    paired = torch.stack([_take(even, d, 0, n_odd), odd], dim=d + 1).flatten(d, d + 1)
+    if even.shape[d] > n_odd:
+        paired = torch.cat([paired, _take(even, d, n_odd, None)], dim=d)
+    return paired
