@@ -12,8 +12,8 @@ Backends (``backend=`` argument; ``backends(op)`` lists them):
 """
 
 from . import _dispatch
-from .linear import OP as _LINEAR
 from .generic import associative_scan, scan
+from .linear import OP as _LINEAR
 from .linear import linear_scan
 from .pscan import linear_scan_pscan, selective_scan_pscan
 from .reference import linear_scan_ref, selective_scan_ref

@@ -19,7 +19,7 @@ of ``selective.py`` and ``linear.py``; there are no backends to dispatch to.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -32,18 +32,38 @@ __all__ = ["scan", "associative_scan"]
 # pytree helpers
 
 
-def _flatten(name: str, tree) -> tuple[list[torch.Tensor], pytree.TreeSpec, list[str]]:
-    """The tensor leaves of ``tree``, its structure, and each leaf's path written as
-    ``name['key'][0]``; any leaf that is not a tensor is a ValueError naming its path."""
+class _Structure(NamedTuple):
+    """A pytree's structure: torch's TreeSpec plus which of its leaves are None (torch 2.13
+    flattens None as a leaf, some older versions as an empty node; either way it holds no tensor)."""
+
+    spec: pytree.TreeSpec
+    is_none: tuple[bool, ...]
+
+    def __str__(self) -> str:
+        return str(self.spec).replace("\n", "").replace("  ", "")
+
+
+def _flatten(name: str, tree) -> tuple[list[torch.Tensor], _Structure, list[str]]:
+    """The tensor leaves of ``tree``, its structure, and each tensor's path written as
+    ``name['key'][0]``; a leaf that is neither a tensor nor None is a ValueError naming its path."""
     with_path, spec = pytree.tree_flatten_with_path(tree)
-    paths = [name + pytree.keystr(path) for path, _ in with_path]
-    leaves = [leaf for _, leaf in with_path]
-    for path, leaf in zip(paths, leaves):
+    tensors, paths = [], []
+    for path, leaf in with_path:
+        if leaf is None:
+            continue
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(
-                f"{path} must be a torch.Tensor (pytrees hold tensors, or None), got {type(leaf).__name__}"
+                f"{name}{pytree.keystr(path)} must be a torch.Tensor (pytrees hold tensors, or None), "
+                f"got {type(leaf).__name__}"
             )
-    return leaves, spec, paths
+        tensors.append(leaf)
+        paths.append(name + pytree.keystr(path))
+    return tensors, _Structure(spec, tuple(leaf is None for _, leaf in with_path)), paths
+
+
+def _unflatten(tensors, structure: _Structure):
+    it = iter(tensors)
+    return pytree.tree_unflatten([None if none else next(it) for none in structure.is_none], structure.spec)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -54,23 +74,30 @@ def _describe(t: torch.Tensor) -> str:
 # scan
 
 
-class _Step:
-    """``fn`` on flat leaves: unflattens the carry and x, calls ``fn``, checks that the carry
-    kept its structure, shapes and dtypes and that ``y`` kept the structure of the first step,
-    and returns flat leaves again."""
+def _check_like(what: str, leaves, structure, paths, ref_structure, ref_meta, step: int, before: str) -> None:
+    """``leaves`` (with ``structure``) have the structure, shapes and dtypes of a reference."""
+    if structure != ref_structure:
+        raise ValueError(f"fn returned a {what} of structure {structure} at step {step}, but {before} {ref_structure}")
+    for path, leaf, (shape, dtype) in zip(paths, leaves, ref_meta):
+        if leaf.shape != shape or leaf.dtype != dtype:
+            was = f"shape {tuple(shape)} {str(dtype).replace('torch.', '')}"
+            raise ValueError(f"fn changed {path} at step {step} from {was} ({before}) to {_describe(leaf)}")
 
-    def __init__(self, fn, init_leaves, carry_spec, carry_paths, xs_spec):
+
+class _Step:
+    """``fn`` on flat carry leaves: unflattens the carry and x, calls ``fn``, checks that the
+    carry kept its structure, shapes and dtypes, and returns the new carry's leaves and y.
+    It holds no state that changes (torch.compile refuses mutation inside a checkpoint)."""
+
+    def __init__(self, fn, init_leaves, carry_structure, xs_structure):
         self.fn = fn
-        self.carry_spec = carry_spec
-        self.carry_paths = carry_paths
+        self.carry_structure = carry_structure
         self.carry_meta = [(t.shape, t.dtype) for t in init_leaves]
-        self.xs_spec = xs_spec  # None when scanning without xs
-        self.y_spec: pytree.TreeSpec | None = None
-        self.y_meta: list[tuple[torch.Size, torch.dtype]] = []
+        self.xs_structure = xs_structure  # None when scanning without xs
 
     def __call__(self, carry_leaves, x_leaves, i: int):
-        carry = pytree.tree_unflatten(list(carry_leaves), self.carry_spec)
-        x = None if self.xs_spec is None else pytree.tree_unflatten(list(x_leaves), self.xs_spec)
+        carry = _unflatten(carry_leaves, self.carry_structure)
+        x = None if self.xs_structure is None else _unflatten(x_leaves, self.xs_structure)
         out = self.fn(carry, x)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise ValueError(
@@ -79,36 +106,12 @@ class _Step:
                 + f" at step {i}"
             )
         new_carry, y = out
-        return self._check_carry(new_carry, i), self._check_y(y, i)
-
-    def _check_carry(self, new_carry, i):
-        leaves, spec, paths = _flatten("carry", new_carry)
-        if spec != self.carry_spec:
-            raise ValueError(
-                f"fn changed the structure of the carry at step {i}: init is {self.carry_spec}, "
-                f"fn returned {spec}; the carry must keep its structure, shapes and dtypes"
-            )
-        for path, leaf, (shape, dtype) in zip(paths, leaves, self.carry_meta):
-            if leaf.shape != shape or leaf.dtype != dtype:
-                was = f"shape {tuple(shape)} {str(dtype).replace('torch.', '')}"
-                raise ValueError(
-                    f"fn changed {path} at step {i} from {was} to {_describe(leaf)}; "
-                    "the carry must keep its structure, shapes and dtypes"
-                )
-        return leaves
-
-    def _check_y(self, y, i):
-        leaves, spec, paths = _flatten("y", y)
-        if self.y_spec is None:
-            self.y_spec, self.y_meta = spec, [(t.shape, t.dtype) for t in leaves]
-            return leaves
-        if spec != self.y_spec:
-            raise ValueError(f"fn returned a y of structure {spec} at step {i}, but {self.y_spec} before")
-        for path, leaf, (shape, dtype) in zip(paths, leaves, self.y_meta):
-            if leaf.shape != shape or leaf.dtype != dtype:
-                was = f"shape {tuple(shape)} {str(dtype).replace('torch.', '')}"
-                raise ValueError(f"fn returned {path} with {_describe(leaf)} at step {i}, but {was} before")
-        return leaves
+        leaves, structure, paths = _flatten("carry", new_carry)
+        _check_like(
+            "carry", leaves, structure, paths, self.carry_structure, self.carry_meta, i,
+            "the carry must keep its structure, shapes and dtypes; init has",
+        )  # fmt: skip
+        return leaves, y
 
 
 def _scan_length(xs_leaves, xs_paths, length) -> int:
@@ -202,33 +205,39 @@ def scan(
     with ``fullgraph=True`` on the "aot_eager" backend; for long scans, compiling ``fn`` alone
     (``scan(torch.compile(fn), ...)``) avoids the unrolling.
     """
-    init_leaves, carry_spec, carry_paths = _flatten("init", init)
-    xs_leaves, xs_spec, xs_paths = _flatten("xs", xs)
+    init_leaves, carry_structure, _ = _flatten("init", init)
+    xs_leaves, xs_structure, xs_paths = _flatten("xs", xs)
     L = _scan_length(xs_leaves, xs_paths, length)
     k = _segment_size(checkpoint, L)
-    step = _Step(fn, init_leaves, carry_spec, carry_paths, None if xs is None else xs_spec)
+    step = _Step(fn, init_leaves, carry_structure, None if xs is None else xs_structure)
 
     if L == 0:
         return init, _empty_ys(step, init_leaves, xs_leaves)
 
     if k is None or not torch.is_grad_enabled():
-        carry, ys_leaves = _run_steps(step, init_leaves, xs_leaves, 0, L, bool(reverse))
+        carry, ys = _run_steps(step, init_leaves, xs_leaves, 0, L, bool(reverse))
     else:
-        carry, ys_leaves = _run_checkpointed(step, init_leaves, xs_leaves, L, k, bool(reverse))
-    return pytree.tree_unflatten(carry, carry_spec), pytree.tree_unflatten(ys_leaves, step.y_spec)
+        carry, ys = _run_checkpointed(step, init_leaves, xs_leaves, L, k, bool(reverse))
+    return _unflatten(carry, carry_structure), ys
 
 
 def _run_steps(step: _Step, carry: list, xs_chunk: list, start: int, n: int, reverse: bool):
     """Steps start .. start+n-1 (in reverse order if ``reverse``) on ``xs_chunk``, whose leaves
-    are (n, ...). Returns the last carry and each y leaf stacked to (n, ...)."""
+    are (n, ...). Returns the last carry's leaves and the ys pytree, each leaf stacked to (n, ...)."""
     # unbind once rather than index per step: indexing makes the backward write a full-size
     # zero gradient per step (quadratic in L); unbind's backward stacks once.
     x_steps = [leaf.unbind(0) for leaf in xs_chunk]
     ys: list = [None] * n
+    first = None
     for t in reversed(range(n)) if reverse else range(n):
-        carry, ys[t] = step(carry, [x[t] for x in x_steps], start + t)
-    n_y = len(ys[0])
-    return carry, [torch.stack([y[m] for y in ys]) for m in range(n_y)]
+        carry, y = step(carry, [x[t] for x in x_steps], start + t)
+        ys[t], structure, paths = _flatten("y", y)
+        if first is None:
+            first = structure, [(leaf.shape, leaf.dtype) for leaf in ys[t]]
+        else:
+            _check_like("y", ys[t], structure, paths, *first, start + t, "the previous step's y had")
+    stacked = [torch.stack([y[m] for y in ys]) for m in range(len(ys[0]))]
+    return carry, _unflatten(stacked, first[0])
 
 
 def _run_checkpointed(step: _Step, init_leaves: list, xs_leaves: list, L: int, k: int, reverse: bool):
@@ -237,29 +246,35 @@ def _run_checkpointed(step: _Step, init_leaves: list, xs_leaves: list, L: int, k
     n_carry = len(init_leaves)
 
     def segment(start: int, n: int, *flat):
+        # returns a pytree (non-reentrant checkpoint allows it): no state escapes but the result
         carry, ys = _run_steps(step, list(flat[:n_carry]), list(flat[n_carry:]), start, n, reverse)
-        return (*carry, *ys)
+        return carry, ys
 
     carry, pieces = init_leaves, [None] * len(starts)
     for j in reversed(range(len(starts))) if reverse else range(len(starts)):
         start = starts[j]
-        n = min(k, L - start)
-        out = _checkpoint(
-            segment, start, n, *carry, *[c[j] for c in chunks], use_reentrant=False, preserve_rng_state=True
-        )
-        carry, pieces[j] = list(out[:n_carry]), out[n_carry:]
-    n_y = len(pieces[0])
-    ys = [pieces[0][m] if len(pieces) == 1 else torch.cat([p[m] for p in pieces]) for m in range(n_y)]
-    return carry, ys
+        carry, pieces[j] = _checkpoint(
+            segment, start, min(k, L - start), *carry, *[c[j] for c in chunks],
+            use_reentrant=False, preserve_rng_state=True,
+        )  # fmt: skip
+        carry = list(carry)
+    flat = [_flatten("y", ys) for ys in pieces]
+    leaves0, structure0, _ = flat[0]
+    meta0 = [(leaf.shape[1:], leaf.dtype) for leaf in leaves0]
+    for start, (leaves, structure, paths) in zip(starts[1:], flat[1:]):
+        unstacked = [leaf[0] for leaf in leaves]  # a view, to compare shapes without the L dim
+        _check_like("y", unstacked, structure, paths, structure0, meta0, start, "step 0's y had")
+    ys = [torch.cat([f[0][m] for f in flat]) if len(flat) > 1 else leaves0[m] for m in range(len(leaves0))]
+    return carry, _unflatten(ys, structure0)
 
 
 def _empty_ys(step: _Step, init_leaves: list, xs_leaves: list):
     """ys for L = 0: shapes learnt from one discarded call of fn (see the docstring)."""
     x_leaves = [leaf.new_zeros(leaf.shape[1:]) for leaf in xs_leaves]
     with torch.no_grad():
-        _, y_leaves = step(init_leaves, x_leaves, 0)
-    empty = [torch.empty((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_leaves]
-    return pytree.tree_unflatten(empty, step.y_spec)
+        _, y = step(init_leaves, x_leaves, 0)
+    y_leaves, structure, _ = _flatten("y", y)
+    return _unflatten([y.new_empty((0, *y.shape)) for y in y_leaves], structure)
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,7 +330,7 @@ def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, *, dim: int = 0,
 
     def combine(a: list, b: list) -> list:
         out_leaves, out_spec, out_paths = _flatten(
-            "fn(a, b)", fn(pytree.tree_unflatten(a, spec), pytree.tree_unflatten(b, spec))
+            "fn(a, b)", fn(_unflatten(a, spec), _unflatten(b, spec))
         )
         if out_spec != spec:
             raise ValueError(f"fn must return the structure of elems, {spec}; got {out_spec}")
@@ -346,7 +361,7 @@ def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, *, dim: int = 0,
     out = prefix(leaves)
     if reverse:
         out = [leaf.flip(d) for leaf, d in zip(out, dims)]
-    return pytree.tree_unflatten(out, spec)
+    return _unflatten(out, spec)
 
 
 def _interleave(first: torch.Tensor, even_rest: torch.Tensor, odd: torch.Tensor, d: int) -> torch.Tensor:
