@@ -10,7 +10,7 @@ setting it reports, for one forward+backward (loss = ys.sum() + final.sum()):
   checkpoints keep, the recomputed segment's tensors come and go during the backward;
 - peak: the most memory held at once beyond the inputs during forward+backward, recomputation
   included (CPU: the running sum of the profiler's allocation events; CUDA: max_memory_allocated);
-- time of that forward+backward (one run: noisy, compare within a run).
+- time of that forward+backward: the median of ``--repeats`` runs (noisy; compare within a run).
 
 Examples:
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -68,7 +69,7 @@ def extra_peak_bytes(run, device: torch.device) -> int:
     return peak
 
 
-def measure(length: int, batch: int, width: int, checkpoint, device: torch.device) -> dict:
+def measure(length: int, batch: int, width: int, checkpoint, device: torch.device, repeats: int) -> dict:
     g = torch.Generator().manual_seed(0)
     W = (torch.randn(width, width, generator=g) / width**0.5).to(device).requires_grad_()
     init = torch.randn(batch, width, generator=g).to(device).requires_grad_()
@@ -86,14 +87,18 @@ def measure(length: int, batch: int, width: int, checkpoint, device: torch.devic
         return torch.autograd.grad(forward(), [W, init, xs])
 
     forward_backward()  # warm-up (the first checkpointed call imports torch._dynamo)
+    # timed first, then measured (the hooks and the profiler add their own overhead)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        forward_backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     saved, loss = saved_bytes(forward)
     del loss
     peak = extra_peak_bytes(forward_backward, device)
-    start = time.perf_counter()
-    forward_backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
     return dict(
         length=length, batch=batch, width=width, checkpoint=str(checkpoint),
         carry_bytes=batch * width * 4, saved_bytes=saved, peak_bytes=peak, seconds=seconds,
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="B: rows of the carry")
     parser.add_argument("--width", type=int, default=256, help="D: columns of the carry and of W")
     parser.add_argument("--checkpoint", default="none,sqrt", help="comma list of none, sqrt or ints")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (the median is shown)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
@@ -117,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"carry (B, D) = ({args.batch}, {args.width}) float32 = {args.batch * args.width * 4 / 1024:.0f} KiB; "
           f"device {device}, {torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'L':>6} {'checkpoint':>10} {'saved MiB':>10} {'peak MiB':>9} {'carries':>8} {'fwd+bwd s':>9}")
+    print(f"{'L':>6} {'checkpoint':>10} {'saved MiB':>10} {'peak MiB':>9} {'carries':>8} {'fwd+bwd s':>9}  (median of {args.repeats})")
     for length in args.length:
         for text in args.checkpoint.split(","):
-            row = measure(length, args.batch, args.width, parse_checkpoint(text), device)
+            row = measure(length, args.batch, args.width, parse_checkpoint(text), device, args.repeats)
             rows.append(row)
             print(
                 f"{length:>6} {row['checkpoint']:>10} {row['saved_bytes'] / MiB:>10.1f} {row['peak_bytes'] / MiB:>9.1f}"
