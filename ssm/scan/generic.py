@@ -40,7 +40,16 @@ class _Structure(NamedTuple):
     is_none: tuple[bool, ...]
 
     def __str__(self) -> str:
-        return str(self.spec).replace("\n", "").replace("  ", "")
+        """The tree written out with ``tensor`` for each tensor, e.g. ``{'h': tensor, 'n': None}``."""
+        return repr(pytree.tree_unflatten([None if none else _TENSOR for none in self.is_none], self.spec))
+
+
+class _Placeholder:
+    def __repr__(self) -> str:
+        return "tensor"
+
+
+_TENSOR = _Placeholder()
 
 
 def _flatten(name: str, tree) -> tuple[list[torch.Tensor], _Structure, list[str]]:
@@ -74,14 +83,17 @@ def _describe(t: torch.Tensor) -> str:
 # scan
 
 
-def _check_like(what: str, leaves, structure, paths, ref_structure, ref_meta, step: int, before: str) -> None:
-    """``leaves`` (with ``structure``) have the structure, shapes and dtypes of a reference."""
+def _check_like(what: str, leaves, structure, paths, ref_structure, ref_meta, step: int, ref: str, rule: str) -> None:
+    """``leaves`` (with ``structure``) have the structure, shapes and dtypes of a reference,
+    which the messages call ``ref``; ``rule`` ends them."""
     if structure != ref_structure:
-        raise ValueError(f"fn returned a {what} of structure {structure} at step {step}, but {before} {ref_structure}")
+        raise ValueError(
+            f"fn returned a {what} of structure {structure} at step {step}, but {ref} {ref_structure}; {rule}"
+        )
     for path, leaf, (shape, dtype) in zip(paths, leaves, ref_meta):
         if leaf.shape != shape or leaf.dtype != dtype:
             was = f"shape {tuple(shape)} {str(dtype).replace('torch.', '')}"
-            raise ValueError(f"fn changed {path} at step {step} from {was} ({before}) to {_describe(leaf)}")
+            raise ValueError(f"fn changed {path} at step {step}: {ref} {was}, fn returned {_describe(leaf)}; {rule}")
 
 
 class _Step:
@@ -109,7 +121,7 @@ class _Step:
         leaves, structure, paths = _flatten("carry", new_carry)
         _check_like(
             "carry", leaves, structure, paths, self.carry_structure, self.carry_meta, i,
-            "the carry must keep its structure, shapes and dtypes; init has",
+            "init has", "the carry must keep its structure, shapes and dtypes",
         )  # fmt: skip
         return leaves, y
 
@@ -193,6 +205,8 @@ def scan(
       time for a step whose backward costs twice its forward); results and gradients are the
       same as with ``None``. Under ``torch.no_grad()`` nothing is kept and ``checkpoint`` is
       ignored. ``ys`` itself is O(L) and is the caller's; keep y small if memory matters.
+      The first checkpointed call in a process imports ``torch._dynamo`` (which
+      ``torch.utils.checkpoint`` uses), about a second once.
 
     Devices: any device PyTorch runs on (CPU, CUDA, ...); ``fn`` runs eagerly, one Python call
     per step, so on a GPU each step costs kernel launches: put the work in a few big ops.
@@ -221,6 +235,9 @@ def scan(
     return _unflatten(carry, carry_structure), ys
 
 
+Y_RULE = "every step's y must have one structure, shapes and dtypes, to be stacked"
+
+
 def _run_steps(step: _Step, carry: list, xs_chunk: list, start: int, n: int, reverse: bool):
     """Steps start .. start+n-1 (in reverse order if ``reverse``) on ``xs_chunk``, whose leaves
     are (n, ...). Returns the last carry's leaves and the ys pytree, each leaf stacked to (n, ...)."""
@@ -235,7 +252,7 @@ def _run_steps(step: _Step, carry: list, xs_chunk: list, start: int, n: int, rev
         if first is None:
             first = structure, [(leaf.shape, leaf.dtype) for leaf in ys[t]]
         else:
-            _check_like("y", ys[t], structure, paths, *first, start + t, "the previous step's y had")
+            _check_like("y", ys[t], structure, paths, *first, start + t, "the first y had", Y_RULE)
     stacked = [torch.stack([y[m] for y in ys]) for m in range(len(ys[0]))]
     return carry, _unflatten(stacked, first[0])
 
@@ -263,7 +280,7 @@ def _run_checkpointed(step: _Step, init_leaves: list, xs_leaves: list, L: int, k
     meta0 = [(leaf.shape[1:], leaf.dtype) for leaf in leaves0]
     for start, (leaves, structure, paths) in zip(starts[1:], flat[1:]):
         unstacked = [leaf[0] for leaf in leaves]  # a view, to compare shapes without the L dim
-        _check_like("y", unstacked, structure, paths, structure0, meta0, start, "step 0's y had")
+        _check_like("y", unstacked, structure, paths, structure0, meta0, start, "the first y had", Y_RULE)
     ys = [torch.cat([f[0][m] for f in flat]) if len(flat) > 1 else leaves0[m] for m in range(len(leaves0))]
     return carry, _unflatten(ys, structure0)
 
