@@ -201,9 +201,9 @@ def scan(
         (``torch.utils.checkpoint``, non-reentrant, with the RNG state restored so that dropout
         in ``fn`` recomputes identically). Peak memory is O(L/k + k) carries.
       - ``"sqrt"``: k = ceil(√L), so O(√L) carries.
-      The price is one extra forward of every step during the backward (about a third more
-      time for a step whose backward costs twice its forward); results and gradients are the
-      same as with ``None``. Under ``torch.no_grad()`` nothing is kept and ``checkpoint`` is
+      The price is one extra forward of every step during the backward, plus the
+      checkpoint's bookkeeping for each saved tensor; results and gradients are the same as
+      with ``None``. Under ``torch.no_grad()`` nothing is kept and ``checkpoint`` is
       ignored. ``ys`` itself is O(L) and is the caller's; keep y small if memory matters.
       The first checkpointed call in a process imports ``torch._dynamo`` (which
       ``torch.utils.checkpoint`` uses), about a second once.
@@ -215,9 +215,11 @@ def scan(
     ``fn`` (compile time grows with L, and a new L recompiles), traced without graph breaks when
     ``fn`` itself has none. With ``checkpoint=k`` each segment is traced as a
     ``torch.utils.checkpoint`` region, which the compiler recomputes in the backward instead of
-    saving. Errors (changed carry, mismatched xs) are raised while tracing, as in eager. Tested
-    with ``fullgraph=True`` on the "aot_eager" backend; for long scans, compiling ``fn`` alone
-    (``scan(torch.compile(fn), ...)``) avoids the unrolling.
+    saving. Tested with ``fullgraph=True`` on the "aot_eager" backend. Bad input (a changed
+    carry, mismatched xs) stops tracing: with ``fullgraph=True`` dynamo raises its own
+    ``Unsupported`` error that quotes the ValueError, without it the ValueError itself comes
+    from the eager fallback. For long scans compile the step instead,
+    ``scan(torch.compile(fn), ...)``: one small graph, reused at every step and recomputation.
     """
     init_leaves, carry_structure, _ = _flatten("init", init)
     xs_leaves, xs_structure, xs_paths = _flatten("xs", xs)
