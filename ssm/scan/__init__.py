@@ -4,6 +4,8 @@
     linear_scan(gates, inputs, dim=...)     h_t = gates_t·h_{t-1} + inputs_t
     ssd(x, dt, A, B, C, ...)                 Mamba-2 / SSD: a scalar decay per head
     selective_scan_step, ssd_step            one step of each, for recurrent inference
+    scan(fn, init, xs, checkpoint=...)      any step fn over pytrees (jax.lax.scan), O(√L) backward
+    associative_scan(fn, elems, dim=...)    parallel prefix of any associative fn (generic.py)
 
 Backends (``backend=`` argument; ``backends(op)`` lists them):
     "ref"    sequential float32 loop, the ground truth (reference.py)
@@ -14,6 +16,7 @@ Backends (``backend=`` argument; ``backends(op)`` lists them):
 
 from . import _dispatch
 from .chunked import ssd_chunked
+from .generic import associative_scan, scan
 from .linear import OP as _LINEAR
 from .linear import linear_scan
 from .pscan import linear_scan_pscan, selective_scan_pscan
@@ -46,6 +49,8 @@ __all__ = [
     "ssd",
     "selective_scan_step",
     "ssd_step",
+    "scan",
+    "associative_scan",
     "backends",
     "selective_scan_ref",
     "linear_scan_ref",
