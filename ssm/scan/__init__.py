@@ -6,6 +6,7 @@
 Backends (``backend=`` argument; ``backends(op)`` lists them):
     "ref"    sequential float32 loop, the ground truth (reference.py)
     "pscan"  parallel scan in pure PyTorch with its own backward (pscan.py)
+    "triton" fused Triton kernels for CUDA; on CPU only under TRITON_INTERPRET=1 (triton/)
     "auto"   the best one for the inputs' device (chosen in _dispatch.py)
 """
 
@@ -16,11 +17,15 @@ from .pscan import linear_scan_pscan, selective_scan_pscan
 from .reference import linear_scan_ref, selective_scan_ref
 from .selective import OP as _SELECTIVE
 from .selective import selective_scan
+from .triton import linear_scan_triton, selective_scan_triton
+from . import triton as _triton
 
 _dispatch.register(_SELECTIVE, "ref", selective_scan_ref)
 _dispatch.register(_SELECTIVE, "pscan", selective_scan_pscan)
 _dispatch.register(_LINEAR, "ref", linear_scan_ref)
 _dispatch.register(_LINEAR, "pscan", linear_scan_pscan)
+_dispatch.register(_SELECTIVE, "triton", selective_scan_triton, devices=_triton.devices(), available=_triton.available)
+_dispatch.register(_LINEAR, "triton", linear_scan_triton, devices=_triton.devices(), available=_triton.available)
 
 
 def backends(op: str, device=None) -> list[str]:

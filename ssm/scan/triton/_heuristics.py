@@ -1,0 +1,81 @@
+"""Launch heuristics of the Triton kernels, kept apart from the kernel bodies.
+
+Every choice here is a pure function of shapes and dtypes, so that the launchers, the fake
+(meta) implementations of the custom ops and the tests agree on it (the number of saved
+chunk states depends on the chunk length).
+
+These defaults follow the register budget of the designs they come from (mamba-ssm's fused
+scan keeps a chunk of states per thread; accelerated-scan scans one chunk per program and
+carries across chunks). They have NOT been tuned on a GPU: no GPU was available when they were
+written. Tuning belongs here, not in the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Time steps a selective-scan program scans at once (a power of two). The forward saves one
+# state per chunk for the backward, so activation memory is batch·dim·N·L / CHUNK elements.
+SELECTIVE_CHUNK = 32
+# Elements of one (channels, N, chunk) tile, a few of which are live at once in registers.
+SELECTIVE_TILE = 2048
+# Elements of one (chunk, lanes) tile of the linear scan.
+LINEAR_TILE = 4096
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class SelectiveScanConfig:
+    segment: int  # channels per program group; a block never straddles a group of B or C
+    block_d: int  # channels per program (power of two)
+    block_n: int  # N rounded up to a power of two
+    chunk: int  # time steps per iteration (power of two)
+    num_warps: int
+
+    def n_chunks(self, length: int) -> int:
+        return max(1, -(-length // self.chunk))
+
+    def grid(self, batch: int, dim: int) -> tuple[int, int, int]:
+        return batch, dim // self.segment, -(-self.segment // self.block_d)
+
+
+def channels_per_group(M_ndim: int, M_groups: int, dim: int) -> int:
+    """Channels sharing one group of B or C: all of them when it is fixed (dim, N)."""
+    return dim if M_ndim == 2 else dim // M_groups
+
+
+def selective_scan_config(
+    dim: int, N: int, length: int, b_per_group: int, c_per_group: int
+) -> SelectiveScanConfig:
+    """Block sizes for the selective scan of (batch, dim, L) inputs with state size N.
+
+    ``b_per_group`` / ``c_per_group``: channels per group of B and C (``dim`` when fixed).
+    Programs cover channels within one segment of ``gcd`` of the two, so every program reads
+    one group of B and one of C and its partial gradients of B and C belong to one group: they
+    are summed in a fixed order afterwards, with no atomics (deterministic gradients).
+    """
+    segment = math.gcd(b_per_group, c_per_group)
+    block_n = next_power_of_2(N)
+    chunk = min(SELECTIVE_CHUNK, next_power_of_2(length))
+    block_d = max(1, min(next_power_of_2(segment), SELECTIVE_TILE // (block_n * chunk)))
+    num_warps = 4 if block_d * block_n * chunk <= 2048 else 8
+    return SelectiveScanConfig(segment, block_d, block_n, chunk, num_warps)
+
+
+@dataclass(frozen=True)
+class LinearScanConfig:
+    block_t: int  # time steps per iteration (power of two)
+    block_q: int  # lanes of the trailing dimension per program (power of two)
+    num_warps: int
+
+
+def linear_scan_config(T: int, Q: int) -> LinearScanConfig:
+    """Block sizes for the linear scan of (P, T, Q) tensors along T."""
+    block_q = min(next_power_of_2(Q), 64)
+    block_t = max(1, min(next_power_of_2(T), LINEAR_TILE // block_q))
+    num_warps = 4 if block_t * block_q <= 2048 else 8
+    return LinearScanConfig(block_t, block_q, num_warps)
