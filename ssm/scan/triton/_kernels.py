@@ -46,6 +46,21 @@ def _discretized_step(delta_ptr, offsets, mask, bias, COMPUTE: tl.constexpr,
 
 
 @triton.jit
+def _flip_time(x, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+               INT: tl.constexpr):
+    """x[:, :, ::-1] of a (BLOCK_D, BLOCK_N, 2**LOG2_CHUNK) tile, exactly.
+
+    As tl.flip: view time as LOG2_CHUNK axes of size 2 and swap the two halves of each. The
+    swap of a pair (p, q) is (p + q) - itself, in integers (wrapping, so exact) on the bits of
+    the values: a plain sum, which Triton's interpreter runs vectorised, where tl.flip's
+    xor-reduction runs element by element in Python (minutes for the tests)."""
+    y = tl.reshape(x.to(INT, bitcast=True), [BLOCK_D, BLOCK_N] + [2] * LOG2_CHUNK)
+    for i in tl.static_range(LOG2_CHUNK):
+        y = tl.sum(y, 2 + i, keep_dims=True) - y
+    return tl.reshape(y, [BLOCK_D, BLOCK_N, 2**LOG2_CHUNK]).to(x.dtype, bitcast=True)
+
+
+@triton.jit
 def _last_along_time(x, t_local, CHUNK: tl.constexpr):
     """x[:, :, CHUNK - 1] of a (BLOCK_D, BLOCK_N, CHUNK) tile."""
     return tl.sum(tl.where(t_local[None, None, :] == CHUNK - 1, x, 0.0), axis=2)
@@ -161,6 +176,7 @@ def _selective_scan_bwd_kernel(
     B_VARYING: tl.constexpr, C_VARYING: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_DLAST: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    LOG2_CHUNK: tl.constexpr, INT: tl.constexpr,  # log2(CHUNK); int type of COMPUTE's width
 ):
     """Chunks from last to first: recompute the chunk's states from its saved start state, then
     run the adjoint recurrence λ_t = g_t + a_{t+1}·λ_{t+1} (g_t = dLoss/dy_t·C_t) backwards
@@ -266,7 +282,7 @@ def _selective_scan_bwd_kernel(
             dC_acc += tl.sum(dy[:, None, :] * hs, axis=2)
         g = dy[:, None, :] * Ct  # dLoss/dh_t through y_t alone
 
-        # The adjoint, as a forward scan over the time-reversed chunk (tl.flip, not
+        # The adjoint, as a forward scan over the time-reversed chunk (flipped in registers, not
         # associative_scan(reverse=True), whose compiled form has had correctness bugs).
         # Step t's gate is a_{t+1}; at the chunk's last step (and past L) it is 1, because
         # `carry` already holds a_{t+1}·λ_{t+1} from the chunk after.
@@ -277,9 +293,13 @@ def _selective_scan_bwd_kernel(
         has_next = next_mask & (t_local < CHUNK - 1)[None, :]
         gate_next = tl.where(has_next[:, None, :], tl.exp(dt_next[:, None, :] * A[:, :, None]), 1.0)
         lam_prod, lam_sum = tl.associative_scan(
-            (tl.flip(gate_next, 2), tl.flip(g, 2)), 2, _first_order_combine
+            (_flip_time(gate_next, BLOCK_D, BLOCK_N, LOG2_CHUNK, INT),
+             _flip_time(g, BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)),
+            2, _first_order_combine,
         )
-        lam = tl.flip(lam_sum, 2) + tl.flip(lam_prod, 2) * carry[:, :, None]  # dLoss/dh_t
+        lam_sum = _flip_time(lam_sum, BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)
+        lam_prod = _flip_time(lam_prod, BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)
+        lam = lam_sum + lam_prod * carry[:, :, None]  # dLoss/dh_t
         carry = _first_along_time(gate * lam, t_local)  # dLoss/dh before the chunk
 
         # h_t = a_t·h_{t-1} + Δ_t·u_t·B_t with a_t = exp(Δ_t·A): a_t·h_{t-1} = h_t - drive_t

@@ -33,6 +33,12 @@ def _contiguous(*tensors):
     return [None if t is None else t.contiguous() for t in tensors]
 
 
+def _tl_int(dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.int64 if dtype == torch.float64 else tl.int32
+
+
 def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
@@ -138,7 +144,8 @@ def _selective_scan_bwd(
             cfg.segment, _tl_dtype(dtype),
             B.ndim == 4, C.ndim == 4, D is not None, z is not None,
             delta_bias is not None, bool(delta_softplus), dlast is not None,
-            BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, num_warps=cfg.num_warps,
+            BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk,
+            LOG2_CHUNK=cfg.chunk.bit_length() - 1, INT=_tl_int(dtype), num_warps=cfg.num_warps,
         )
     else:
         for t in (dh0, dA_part, dD_part, dbias_part, dB_part, dC_part):
