@@ -280,26 +280,32 @@ def _selective_scan_bwd_kernel(
             tl.store(dC_part_ptr + part_base + part_offsets_n + t[None, :], dC_part, mask=nt_mask)
         else:
             dC_acc += tl.sum(dy[:, None, :] * hs, axis=2)
-        g = dy[:, None, :] * Ct  # dLoss/dh_t through y_t alone
 
-        # The adjoint, as a forward scan over the time-reversed chunk (flipped in registers, not
-        # associative_scan(reverse=True), whose compiled form has had correctness bugs).
-        # Step t's gate is a_{t+1}; at the chunk's last step (and past L) it is 1, because
-        # `carry` already holds a_{t+1}·λ_{t+1} from the chunk after.
-        t_next = t + 1
-        next_mask = d_mask[:, None] & (t_next < L)[None, :]
-        dt_next, _ = _discretized_step(delta_ptr, row[:, None] + t_next[None, :], next_mask, bias,
+        # The adjoint, as a forward scan over the chunk in reversed time (not
+        # associative_scan(reverse=True), whose compiled form has had correctness bugs). Its
+        # inputs are built from loads at reversed time indices, so only λ itself is flipped
+        # back in registers. Step t's gate is a_{t+1}; at the chunk's last step (and past L)
+        # it is 1, because `carry` already holds a_{t+1}·λ_{t+1} from the chunk after.
+        t_rev = c * CHUNK + (CHUNK - 1 - t_local)
+        rev_mask = d_mask[:, None] & (t_rev < L)[None, :]
+        rev_offsets = row[:, None] + t_rev[None, :]
+        dy_rev = tl.load(dout_ptr + rev_offsets, mask=rev_mask, other=0.0).to(COMPUTE)
+        if HAS_Z:
+            z_rev = tl.load(z_ptr + rev_offsets, mask=rev_mask, other=0.0).to(COMPUTE)
+            dy_rev = dy_rev * z_rev * tl.sigmoid(z_rev)
+        if C_VARYING:
+            C_rev = tl.load(C_base + n[:, None] * stride_C2 + t_rev[None, :] * stride_C3,
+                            mask=n_mask[:, None] & (t_rev < L)[None, :], other=0.0).to(COMPUTE)[None, :, :]
+        else:
+            C_rev = C_fixed[:, :, None]
+        next_mask = d_mask[:, None] & (t_rev + 1 < L)[None, :] & (t_local > 0)[None, :]
+        dt_next, _ = _discretized_step(delta_ptr, rev_offsets + 1, next_mask, bias,
                                        COMPUTE, HAS_BIAS, SOFTPLUS)
-        has_next = next_mask & (t_local < CHUNK - 1)[None, :]
-        gate_next = tl.where(has_next[:, None, :], tl.exp(dt_next[:, None, :] * A[:, :, None]), 1.0)
+        gate_next = tl.where(next_mask[:, None, :], tl.exp(dt_next[:, None, :] * A[:, :, None]), 1.0)
         lam_prod, lam_sum = tl.associative_scan(
-            (_flip_time(gate_next, BLOCK_D, BLOCK_N, LOG2_CHUNK, INT),
-             _flip_time(g, BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)),
-            2, _first_order_combine,
+            (gate_next, dy_rev[:, None, :] * C_rev), 2, _first_order_combine
         )
-        lam_sum = _flip_time(lam_sum, BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)
-        lam_prod = _flip_time(lam_prod, BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)
-        lam = lam_sum + lam_prod * carry[:, :, None]  # dLoss/dh_t
+        lam = _flip_time(lam_sum + lam_prod * carry[:, :, None], BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)
         carry = _first_along_time(gate * lam, t_local)  # dLoss/dh before the chunk
 
         # h_t = a_t·h_{t-1} + Δ_t·u_t·B_t with a_t = exp(Δ_t·A): a_t·h_{t-1} = h_t - drive_t
