@@ -31,7 +31,7 @@ def make_inputs(shape, dim, *, initial_state=True, dtype=torch.float32, seed=0):
 def run(x: dict, backend: str, dim: int, reverse: bool, seed: int = 1):
     with poisoned():
         states = linear_scan(**x, dim=dim, reverse=reverse, backend=backend)
-        grad = torch.randn(states.shape, generator=torch.Generator().manual_seed(seed)).to(states.dtype)
+        grad = torch.randn(states.shape, generator=torch.Generator().manual_seed(seed)).to(states.device, states.dtype)
         grads = torch.autograd.grad(states, list(x.values()), grad)
     return states, dict(zip(x, grads))
 

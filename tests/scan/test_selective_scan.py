@@ -83,8 +83,8 @@ def run(inputs: dict, backend: str, seed: int = 1):
     with poisoned():
         out, last = forward(inputs, backend)
         g = torch.Generator().manual_seed(seed)
-        grad_out = torch.randn(out.shape, generator=g).to(out.dtype)
-        grad_last = torch.randn(last.shape, generator=g).to(last.dtype)
+        grad_out = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+        grad_last = torch.randn(last.shape, generator=g).to(last.device, last.dtype)
         grads = torch.autograd.grad((out, last), list(inputs.values()), (grad_out, grad_last))
     return out, last, dict(zip(inputs, grads))
 

@@ -145,7 +145,7 @@ def _selective_scan_bwd(
             B.ndim == 4, C.ndim == 4, D is not None, z is not None,
             delta_bias is not None, bool(delta_softplus), dlast is not None,
             BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk,
-            LOG2_CHUNK=cfg.chunk.bit_length() - 1, INT=_tl_int(dtype), num_warps=cfg.num_warps,
+            LOG2_CHUNK=cfg.chunk.bit_length() - 1, INT=_tl_int(dtype), num_warps=cfg.num_warps_bwd,
         )
     else:
         for t in (dh0, dA_part, dD_part, dbias_part, dB_part, dC_part):
