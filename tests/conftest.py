@@ -2,8 +2,8 @@
 
 TRITON_INTERPRET=1 must be set before any kernel is defined (triton.jit reads it then), so it
 is set here, before the test modules import ssm. With it, the "triton" backend is registered
-for CPU tensors as well, and every cross-backend test in tests/scan runs it against the
-reference. On a machine with CUDA the variable is left alone and the kernels are compiled.
+for CPU tensors as well, and tests/scan/test_triton.py runs it against the reference. On a
+machine with CUDA the variable is left alone: the kernels are compiled and run on the GPU.
 
 The interpreter runs an associative scan with a user combine function one element at a time
 in Python (``ScanOps.generic_scan``), and re-patches triton.language on every call of a jit
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -31,6 +30,8 @@ def _log_depth_generic_scan(self, input):
     which is the inclusive scan for any associative combine function. The association order
     is a tree, as on a GPU, instead of the interpreter's left-to-right fold, so results may
     differ from it in the last bits; tests/scan/test_triton.py compares the two."""
+    import numpy as np  # the interpreter's own dependency
+
     axis = self.axis
     datas = [np.array(arg.handle.data, copy=True) for arg in input]
     dtypes = [arg.dtype for arg in input]

@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="the triton package is not installed (it is on Linux)")
+
 from ssm.scan import _dispatch, backends, linear_scan, selective_scan
 from ssm.scan.triton import _heuristics, _launch
 from tests.helpers import assert_close

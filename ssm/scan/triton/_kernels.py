@@ -88,7 +88,7 @@ def _selective_scan_fwd_kernel(
 
     u, delta, z, out: contiguous (B, D, L); A: contiguous (D, N); D, delta_bias: (D,);
     h0, last: contiguous (B, D, N); B, C: any strides."""
-    pid_b = tl.program_id(0)
+    pid_b = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements
     segment_start = tl.program_id(1) * SEGMENT
     d = segment_start + tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     d_mask = d < segment_start + SEGMENT
@@ -183,7 +183,7 @@ def _selective_scan_bwd_kernel(
     through it, carrying dLoss/dh into the chunk before. Reductions over channels (dB, dC when
     time-varying) and over batch rows and time (dA, dD, d delta_bias, fixed dB, dC) are written
     as partial sums, one per program, and summed in a fixed order by the launcher."""
-    pid_b = tl.program_id(0)
+    pid_b = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements
     pid_s = tl.program_id(1)
     pid_j = tl.program_id(2)
     segment_start = pid_s * SEGMENT
@@ -361,7 +361,7 @@ def _linear_scan_kernel(
     and da_t = λ_t·h_{t∓1} (the forward's state before step t, or h0 / 0 at its first step).
     """
     pid = tl.program_id(0)
-    p = pid // n_q_blocks
+    p = (pid // n_q_blocks).to(tl.int64)  # offsets past 2**31 elements
     q = (pid % n_q_blocks) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_mask = q < Q
     s_local = tl.arange(0, BLOCK_T)
