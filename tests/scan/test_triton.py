@@ -303,3 +303,13 @@ def test_on_device_against_ref(dtype):
     a = linear_inputs((4, 5000, 24), 1, dtype=dtype)
     a_up = {k: v.detach().float().requires_grad_() for k, v in a.items()}
     linear.check_against_ref(a, "triton", 1, True, dtype, ref_inputs=a_up)
+
+
+def test_missing_triton_is_a_clear_import_error(monkeypatch):
+    """Importing ssm never imports triton; a launch without it says what to install."""
+    import ssm.scan.triton as package
+
+    monkeypatch.setitem(sys.modules, "ssm.scan.triton._kernels", None)  # as if its import failed
+    monkeypatch.delattr(package, "_kernels", raising=False)
+    with pytest.raises(ImportError, match="pip install triton"):
+        _launch._kernels()
