@@ -252,6 +252,26 @@ def test_compile_without_graph_breaks():
     assert_compiled_matches_eager(g, list(a.values()))
 
 
+def test_compile_with_dynamic_lengths():
+    """With dynamic shapes the fake implementation sees a symbolic L (the number of saved
+    chunk states is computed from it): one compiled graph serves two lengths."""
+    def f(*tensors):
+        out, last = selective_scan(*tensors[:8], True, True, initial_state=tensors[8], backend="triton")
+        return (out * out).sum() + last.sum()
+
+    torch.compiler.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for length in (CHUNK + 5, 2 * CHUNK + 9):
+        x = list(small(length, B_form="varying").values())
+        with torch._dynamo.config.patch(error_on_recompile=length != CHUNK + 5):
+            got = [compiled(*x)]
+        got += torch.autograd.grad(got[0], x)
+        expected = [f(*x)]
+        expected += torch.autograd.grad(expected[0], x)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+
+
 # ----------------------------------------------------------------------------- test machinery
 
 

@@ -38,7 +38,8 @@ class SelectiveScanConfig:
     num_warps_bwd: int  # backward: about twice the live tiles of the forward
 
     def n_chunks(self, length: int) -> int:
-        return max(1, -(-length // self.chunk))
+        # (works on torch.compile's symbolic lengths too: the fake op computes it)
+        return (length + self.chunk - 1) // self.chunk
 
     def grid(self, batch: int, dim: int) -> tuple[int, int, int]:
         return batch, dim // self.segment, -(-self.segment // self.block_d)
@@ -61,7 +62,9 @@ def selective_scan_config(
     """
     segment = math.gcd(b_per_group, c_per_group)
     block_n = next_power_of_2(N)
-    chunk = min(SELECTIVE_CHUNK, next_power_of_2(length))
+    # The same chunk for every length: the shape of the saved states must be computable from
+    # a symbolic length when torch.compile traces with dynamic shapes.
+    chunk = SELECTIVE_CHUNK
     block_d = max(1, min(next_power_of_2(segment), SELECTIVE_TILE // (block_n * chunk)))
     tile = block_d * block_n * chunk
     # Compiled for sm_90 at a (4, 16, 32) tile: forward 128 registers a thread with 4 warps,
