@@ -44,7 +44,7 @@ def variants():
     bwd = dict(HAS_DLAST=True, LOG2_CHUNK=cfg.chunk.bit_length() - 1, INT=tl.int32)
     for varying in (True, False):
         BC = dict(B_VARYING=varying, C_VARYING=varying)
-        yield _kernels._selective_scan_fwd_kernel, {**flags, **BC, "HAS_H0": True}, cfg.num_warps
+        yield _kernels._selective_scan_fwd_kernel, {**flags, **BC, "HAS_H0": True, "SAVE_CHUNK_STATES": True}, cfg.num_warps
         yield _kernels._selective_scan_bwd_kernel, {**flags, **BC, **bwd}, cfg.num_warps_bwd
     lin = _heuristics.linear_scan_config(65536, 4)
     for backward in (False, True):

@@ -148,6 +148,13 @@ def test_selective_only_chunk_states_are_saved():
     first = {k: v[..., :CHUNK] if v.ndim >= 3 and k != "initial_state" else v for k, v in x.items()}
     _, state = selective.forward(first, "ref")
     torch.testing.assert_close(chunk_states[:, :, 1], state.detach(), rtol=1e-5, atol=1e-5)
+    # with no backward to come (inference) nothing is saved, and the results are the same
+    args = (x["u"], x["delta"], x["A"], B, C, x["D"], x["z"], x["delta_bias"], x["initial_state"], True, False)
+    out2, last2, none = selective_scan_fwd(*args)
+    assert none.shape == (2, 5, 0, 4)
+    assert torch.equal(out2, out) and torch.equal(last2, last)
+    with torch.no_grad():
+        assert torch.equal(selective.forward(x, "triton")[0], out)
 
 
 def test_selective_split_sequence_and_empty_inputs():

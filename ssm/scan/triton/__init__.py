@@ -62,7 +62,10 @@ def selective_scan_triton(
     u, delta, z: (B, D, L); A: (D, N); B, C: (D, N) fixed or (B, G, N, L); D, delta_bias: (D,);
     initial_state: (B, D, N). Returns out (B, D, L) in u's dtype and the last state (B, D, N)
     in float32 (float64 for float64 inputs)."""
-    out, last, _ = selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
+    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    # Chunk states are only for a backward: not written when none can follow (inference).
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    out, last, _ = selective_scan_fwd(*tensors, delta_softplus, save)
     return out, last
 
 

@@ -82,6 +82,7 @@ def _selective_scan_fwd_kernel(
     SEGMENT, COMPUTE: tl.constexpr,
     B_VARYING: tl.constexpr, C_VARYING: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_H0: tl.constexpr,
+    SAVE_CHUNK_STATES: tl.constexpr,  # off when no gradient will be asked for
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """out (B, D, L), last state (B, D, N) and the state before each chunk (B, D, n_chunks, N).
@@ -125,7 +126,8 @@ def _selective_scan_fwd_kernel(
     chunk_offsets = ((pid_b * dim + d[:, None]) * n_chunks) * N + n[None, :]  # (B, D, n_chunks, N)
 
     for c in range(0, n_chunks):
-        tl.store(chunk_states_ptr + chunk_offsets + c * N, h, mask=dn_mask)
+        if SAVE_CHUNK_STATES:
+            tl.store(chunk_states_ptr + chunk_offsets + c * N, h, mask=dn_mask)
         t = c * CHUNK + t_local
         t_mask = t < L
         mask = d_mask[:, None] & t_mask[None, :]

@@ -62,22 +62,26 @@ def _BC_args(M: torch.Tensor, dim: int):
     return strides, _heuristics.channels_per_group(M.ndim, M.shape[1], dim)
 
 
-def _selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus: bool):
+def _selective_scan_fwd(
+    u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus: bool, save_chunk_states: bool = True
+):
     """u, delta, z: (B, D, L); A: (D, N); B, C: (D, N) or (B, G, N, L); D, delta_bias: (D,);
     initial_state: (B, D, N). Returns out (B, D, L) in u's dtype, the last state (B, D, N) and
     the state before each chunk (B, D, n_chunks, N), both in the compute dtype (float32, or
-    float64 for float64 inputs)."""
+    float64 for float64 inputs); with ``save_chunk_states=False`` (no backward to come) the
+    last is (B, D, 0, N) and nothing is written for it."""
     K = _kernels()
     batch, dim, length = u.shape
     N = A.shape[1]
     dtype = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     cfg = selective_scan_config(u, B, C)
     n_chunks = cfg.n_chunks(length)
+    saved_chunks = n_chunks if save_chunk_states else 0
     u, delta, A, z, D, delta_bias = _contiguous(u, delta, A, z, D, delta_bias)
     h0 = None if initial_state is None else initial_state.contiguous()
     out = torch.empty_like(u)
     last = torch.empty(batch, dim, N, device=u.device, dtype=dtype)
-    chunk_states = torch.empty(batch, dim, n_chunks, N, device=u.device, dtype=dtype)
+    chunk_states = torch.empty(batch, dim, saved_chunks, N, device=u.device, dtype=dtype)
     if out.numel() == 0:
         last.zero_() if h0 is None else last.copy_(h0)
         return out, last, chunk_states.zero_()
@@ -90,7 +94,7 @@ def _selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delt
         *B_strides, *C_strides, B_per_group, C_per_group,
         cfg.segment, _tl_dtype(dtype),
         B.ndim == 4, C.ndim == 4, D is not None, z is not None,
-        delta_bias is not None, bool(delta_softplus), h0 is not None,
+        delta_bias is not None, bool(delta_softplus), h0 is not None, bool(save_chunk_states),
         BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, num_warps=cfg.num_warps,
     )
     return out, last, chunk_states

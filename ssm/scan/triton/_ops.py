@@ -44,16 +44,19 @@ def selective_scan_fwd(
     delta_bias: Optional[Tensor],
     initial_state: Optional[Tensor],
     delta_softplus: bool,
+    save_chunk_states: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _launch._selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus)
+    return _launch._selective_scan_fwd(
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk_states
+    )
 
 
 @selective_scan_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk_states=True):
     batch, dim, length = u.shape
     N = A.shape[1]
     dtype = _state_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    n_chunks = _launch.selective_scan_config(u, B, C).n_chunks(length)
+    n_chunks = _launch.selective_scan_config(u, B, C).n_chunks(length) if save_chunk_states else 0
     return (
         torch.empty_like(u),
         u.new_empty(batch, dim, N, dtype=dtype),
@@ -92,7 +95,7 @@ def _(dout, dlast, u, delta, A, B, C, D, z, delta_bias, chunk_states, delta_soft
 
 
 def _selective_setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus = inputs
+    u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, _save = inputs
     ctx.mark_non_differentiable(output[2])
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, output[2])
     ctx.delta_softplus = delta_softplus
@@ -114,6 +117,7 @@ def _selective_backward(ctx, dout, dlast, _dchunk_states):
         None if z is None else dz,
         None if delta_bias is None else dbias,
         None if h0_dtype is None else dh0.to(h0_dtype),
+        None,
         None,
     )
 
