@@ -38,7 +38,7 @@ def signature(fn, constexprs: dict, io_type: str) -> dict:
 
 
 def variants():
-    cfg = _heuristics.selective_scan_config(1536, 16, 2048, 1536, 1536)
+    cfg = _heuristics.selective_scan_config(1536, 16, 1536, 1536)
     blocks = dict(BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk)
     flags = dict(COMPUTE=tl.float32, HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, **blocks)
     bwd = dict(HAS_DLAST=True, LOG2_CHUNK=cfg.chunk.bit_length() - 1, INT=tl.int32)

@@ -51,9 +51,10 @@ def channels_per_group(M_ndim: int, M_groups: int, dim: int) -> int:
 
 
 def selective_scan_config(
-    dim: int, N: int, length: int, b_per_group: int, c_per_group: int
+    dim: int, N: int, b_per_group: int, c_per_group: int
 ) -> SelectiveScanConfig:
-    """Block sizes for the selective scan of (batch, dim, L) inputs with state size N.
+    """Block sizes for the selective scan of (batch, dim, L) inputs with state size N (the
+    same for every L).
 
     ``b_per_group`` / ``c_per_group``: channels per group of B and C (``dim`` when fixed).
     Programs cover channels within one segment of ``gcd`` of the two, so every program reads

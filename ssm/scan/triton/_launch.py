@@ -46,11 +46,10 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 def selective_scan_config(u, B, C) -> _heuristics.SelectiveScanConfig:
-    batch, dim, length = u.shape
+    dim = u.shape[1]
     return _heuristics.selective_scan_config(
         dim,
         B.shape[-2] if B.ndim == 4 else B.shape[1],
-        length,
         _heuristics.channels_per_group(B.ndim, B.shape[1], dim),
         _heuristics.channels_per_group(C.ndim, C.shape[1], dim),
     )
