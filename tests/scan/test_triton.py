@@ -22,7 +22,6 @@ pytest.importorskip("triton", reason="the triton package is not installed (it is
 
 from ssm.scan import _dispatch, backends, linear_scan, selective_scan
 from ssm.scan.triton import _heuristics, _launch
-from tests.helpers import assert_close
 from tests.scan import test_linear_scan as linear
 from tests.scan import test_selective_scan as selective
 

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _heuristics, _launch
+from . import _launch
 
 _NONE = (0,)  # shape of the placeholder returned for an absent optional input
 
@@ -169,4 +169,4 @@ def _linear_backward(ctx, grad):
 
 linear_scan_fwd.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 
-__all__ = ["selective_scan_fwd", "selective_scan_bwd", "linear_scan_fwd", "linear_scan_bwd", "_heuristics"]
+__all__ = ["selective_scan_fwd", "selective_scan_bwd", "linear_scan_fwd", "linear_scan_bwd"]
