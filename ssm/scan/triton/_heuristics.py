@@ -8,6 +8,14 @@ These defaults follow the register budget of the designs they come from (mamba-s
 scan keeps a chunk of states per thread; accelerated-scan scans one chunk per program and
 carries across chunks). They have NOT been tuned on a GPU: no GPU was available when they were
 written. Tuning belongs here, not in the kernels.
+
+Memory that the block sizes set (float32, for the selective scan of (batch, dim, L) inputs):
+- saved for the backward: one state per chunk, batch·dim·N·L / CHUNK elements;
+- during the backward only: for time-varying B (and C), one partial sum of dB (dC) per channel
+  block, batch·(dim / BLOCK_D)·N·L elements, summed in a fixed order afterwards (what keeps
+  the gradients deterministic without atomics). At N = 16, CHUNK = 32, BLOCK_D = 4 that is
+  4·batch·dim·L elements, written and read once: the first thing to measure on a GPU, and to
+  trade against CHUNK (a larger BLOCK_D·CHUNK tile needs more registers).
 """
 
 from __future__ import annotations
