@@ -339,3 +339,16 @@ def test_missing_triton_is_a_clear_import_error(monkeypatch):
     monkeypatch.delattr(package, "_kernels", raising=False)
     with pytest.raises(ImportError, match="pip install triton"):
         _launch._kernels()
+
+
+@pytest.mark.parametrize("use", ["out", "last_state"])
+def test_selective_gradient_of_one_output_only(use):
+    """A loss of only one output: the other's gradient never arrives (None upstream)."""
+    x = small(CHUNK + 2, B_form="grouped")
+    grads = {}
+    for backend in ("ref", "triton"):
+        out, last = selective.forward(x, backend)
+        loss = (out * out).sum() if use == "out" else (last * last).sum()
+        grads[backend] = torch.autograd.grad(loss, list(x.values()), allow_unused=True, materialize_grads=True)
+    for name, got, expected in zip(x, grads["triton"], grads["ref"]):
+        torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4, msg=lambda m: f"d{name}: {m}")
