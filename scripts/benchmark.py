@@ -10,7 +10,14 @@ and on CUDA also mamba-ssm's ``selective_scan_fn`` when that is installed. Per i
   runs: the most memory held at once beyond what was allocated before the run (the inputs);
 - the largest difference of its forward output and gradients from those of ``ref`` (when it is
   run) and of each peer, so that a fast wrong answer cannot go unnoticed: a difference beyond
-  the dtype's tolerance is reported and makes the exit status 1.
+  the dtype's tolerance is reported and makes the exit status 1;
+- achieved bandwidth: the bytes an implementation cannot avoid moving, divided by its time,
+  and that as a fraction of the device's copy bandwidth measured in the same run (a
+  ``copy_`` of a large buffer: bytes read + written over time). The bytes counted
+  (``required_bytes``): forward, every input read once and the output written once;
+  forward+backward, that plus the backward's own minimum: the inputs and the upstream
+  gradient read, every input's gradient written. Recomputation, saved activations and
+  intermediate states are not counted: they are what a fused kernel avoids.
 
 Inputs (channels first, as in ``ssm.scan``; random with ``--seed``):
 
@@ -92,6 +99,10 @@ class Result:
     max_abs_diff: dict[str, float] = field(default_factory=dict)  # of the forward output
     max_grad_rel_diff: dict[str, float] = field(default_factory=dict)  # worst input's gradient
     speedup: dict[str, float] = field(default_factory=dict)  # peer fwd+bwd ms / this row's
+    forward_gbps: float = 0.0  # required bytes / time, 1e9 bytes per second
+    fwd_bwd_gbps: float = 0.0
+    forward_copy_fraction: float = 0.0  # of the measured copy bandwidth
+    fwd_bwd_copy_fraction: float = 0.0
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -233,7 +244,7 @@ def extra_peak_bytes(step: Callable[[], object], device: torch.device) -> tuple[
     return peak, result
 
 
-def measure(case: Case, device: torch.device, warmup: int, repeats: int):
+def measure(case: Case, device: torch.device, warmup: int, repeats: int, copy_gbps: float):
     """Time and measure one case; also return its output and gradients (float32, our layout)."""
 
     def forward():
@@ -254,8 +265,37 @@ def measure(case: Case, device: torch.device, warmup: int, repeats: int):
         forward_peak_bytes=forward_peak,
         fwd_bwd_peak_bytes=fwd_bwd_peak,
     )
+    set_bandwidth(result, case.inputs, out, copy_gbps)
     ours = from_peer_layout if case.swapped else (lambda x: x)
     return result, ours(out).float(), [ours(g).float() for g in grads]
+
+
+def required_bytes(inputs, output: torch.Tensor) -> tuple[int, int]:
+    """(forward, forward+backward) bytes that any implementation must move: forward reads every
+    input and writes the output; the backward reads every input and the output's gradient and
+    writes every input's gradient."""
+    inputs_bytes = sum(x.numel() * x.element_size() for x in inputs)
+    output_bytes = output.numel() * output.element_size()
+    forward = inputs_bytes + output_bytes
+    return forward, forward + 2 * inputs_bytes + output_bytes
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int, warmup: int = 2, repeats: int = 5) -> float:
+    """The device's copy bandwidth in 1e9 bytes/s: a ``copy_`` between two buffers of
+    ``nbytes`` each moves 2·nbytes (read and write); the median of ``repeats`` runs."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, warmup, repeats)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def set_bandwidth(result: "Result", inputs, output: torch.Tensor, copy_gbps: float) -> None:
+    """Fill in ``result``'s achieved bandwidths from its times."""
+    forward, fwd_bwd = required_bytes(inputs, output)
+    result.forward_gbps = forward / (result.forward_ms * 1e-3) / 1e9
+    result.fwd_bwd_gbps = fwd_bwd / (result.fwd_bwd_ms * 1e-3) / 1e9
+    result.forward_copy_fraction = result.forward_gbps / copy_gbps
+    result.fwd_bwd_copy_fraction = result.fwd_bwd_gbps / copy_gbps
 
 
 def relative_difference(x: torch.Tensor, reference: torch.Tensor) -> float:
@@ -285,7 +325,7 @@ def compare(results, outputs, grads, reference: str, tolerance: float) -> list[s
 # ----------------------------------------------------------------------------- reporting
 
 
-def describe(args, device: torch.device) -> str:
+def describe(args, device: torch.device, copy_gbps: float) -> str:
     if device.type == "cuda":
         where = f"cuda: {torch.cuda.get_device_name(device)}"
     else:
@@ -296,13 +336,16 @@ def describe(args, device: torch.device) -> str:
         f"length={args.length} {args.dtype} | {where} | torch {torch.__version__}{versions}\n"
         f"median of {args.repeats} after {args.warmup} warm-up; "
         "peak = most memory held at once beyond the inputs (MiB); "
-        "x vs P = P's fwd+bwd ms / the row's"
+        "x vs P = P's fwd+bwd ms / the row's\n"
+        f"GB/s = required input+output bytes / time; % copy = of the measured copy bandwidth, "
+        f"{copy_gbps:.1f} GB/s"
     )
 
 
 def format_table(results: list[Result]) -> str:
     peers = [r.name for r in results if r.is_peer]
-    headers = ["", "fwd ms", "fwd+bwd ms", "fwd peak", "fwd+bwd peak"]
+    headers = ["", "fwd ms", "fwd+bwd ms", "fwd GB/s", "fwd % copy", "fwd+bwd GB/s",
+               "fwd+bwd % copy", "fwd peak", "fwd+bwd peak"]
     headers += [f"x vs {p.removesuffix(' (peer)')}" for p in peers] or ["x vs peer"]
     rows = [headers]
     for r in results:
@@ -310,6 +353,10 @@ def format_table(results: list[Result]) -> str:
             r.name,
             f"{r.forward_ms:.2f}",
             f"{r.fwd_bwd_ms:.2f}",
+            f"{r.forward_gbps:.3g}",
+            f"{100 * r.forward_copy_fraction:.0f}%",
+            f"{r.fwd_bwd_gbps:.3g}",
+            f"{100 * r.fwd_bwd_copy_fraction:.0f}%",
             f"{r.forward_peak_bytes / MiB:.1f}",
             f"{r.fwd_bwd_peak_bytes / MiB:.1f}",
         ]
@@ -360,6 +407,10 @@ def parse_args(argv):
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before those")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--copy-mib", type=int, default=None,
+        help="buffer size of the copy-bandwidth measurement (default 1024 on cuda, 64 on cpu)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results there")
     generation = parser.add_argument_group("--op generate")
     generation.add_argument("--d-model", type=int, default=256)
@@ -475,11 +526,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_peer:
         cases += peer_cases(op, device, inputs, grad_out)
 
+    copy_mib = args.copy_mib or (1024 if device.type == "cuda" else 64)
+    copy_gbps = copy_bandwidth_gbps(device, copy_mib * MiB, repeats=max(args.repeats, 3))
     results, outputs, grads = [], {}, {}
     for case in cases:
         print(f"measuring {case.name} ...", file=sys.stderr, flush=True)
         result, outputs[case.name], grads[case.name] = measure(
-            case, device, args.warmup, args.repeats
+            case, device, args.warmup, args.repeats, copy_gbps
         )
         results.append(result)
 
@@ -491,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     for reference in references:
         failures += compare(results, outputs, grads, reference, TOLERANCE[dtype])
 
-    print(describe(args, device))
+    print(describe(args, device, copy_gbps))
     print()
     print(format_table(results))
     print()
@@ -511,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "peers": peer_versions(),
+            "copy_gbps": copy_gbps,
         }
         report = {
             "config": config,

@@ -39,3 +39,29 @@ def test_generation_mode_checks_cached_against_recomputed_tokens(tmp_path):
     assert report["same_tokens"] is True
     assert set(report["step_ms"]) == {"2", "40"} and all(v > 0 for v in report["step_ms"].values())
     assert all(v > 0 for v in report["generate_s"].values())
+
+
+def test_bandwidth_columns(tmp_path):
+    """Achieved bandwidth = required bytes / time, and its fraction of the measured copy
+    bandwidth, for every row (on the CPU here; the same code runs with --device cuda)."""
+    import torch
+
+    script = runpy.run_path(str(SCRIPT))
+    u = torch.zeros(2, 3, 5)  # 120 bytes
+    A = torch.zeros(3, 4, dtype=torch.float64)  # 96 bytes
+    out = torch.zeros(2, 3, 5, dtype=torch.bfloat16)  # 60 bytes
+    assert script["required_bytes"]((u, A), out) == (120 + 96 + 60, 276 + 2 * 216 + 60)
+    assert script["copy_bandwidth_gbps"](torch.device("cpu"), 1 << 20, warmup=0, repeats=1) > 0
+
+    path = tmp_path / "b.json"
+    tiny = ["--batch", "1", "--dim", "4", "--state", "2", "--length", "9", "--device", "cpu"]
+    assert script["main"]([*tiny, "--repeats", "1", "--warmup", "0", "--copy-mib", "1", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    copy = report["environment"]["copy_gbps"]
+    assert copy > 0
+    for row in report["results"]:
+        forward_bytes = 4 * (3 * 1 * 4 * 9 + 4 * 2 + 2 * 1 * 2 * 9 + 2 * 4) + 4 * 4 * 9  # inputs + out
+        expected = forward_bytes / (row["forward_ms"] * 1e-3) / 1e9
+        assert math.isclose(row["forward_gbps"], expected, rel_tol=1e-9)
+        assert math.isclose(row["forward_copy_fraction"], row["forward_gbps"] / copy, rel_tol=1e-9)
+        assert row["fwd_bwd_gbps"] > 0 and row["fwd_bwd_copy_fraction"] > 0

@@ -11,6 +11,7 @@ Backends (``backend=`` argument; ``backends(op)`` lists them):
     "ref"    sequential float32 loop, the ground truth (reference.py)
     "pscan"  parallel scan in pure PyTorch with its own backward (pscan.py)
     "chunked" the chunked SSD algorithm, for ssd only (chunked.py)
+    "triton" fused Triton kernels for CUDA; on CPU only under TRITON_INTERPRET=1 (triton/)
     "auto"   the best one for the inputs' device (chosen in _dispatch.py)
 """
 
@@ -26,6 +27,8 @@ from .selective import selective_scan
 from .ssd import OP as _SSD
 from .ssd import ssd
 from .step import selective_scan_step, ssd_step
+from .triton import linear_scan_triton, selective_scan_triton
+from . import triton as _triton
 
 _dispatch.register(_SELECTIVE, "ref", selective_scan_ref)
 _dispatch.register(_SELECTIVE, "pscan", selective_scan_pscan)
@@ -33,6 +36,8 @@ _dispatch.register(_LINEAR, "ref", linear_scan_ref)
 _dispatch.register(_LINEAR, "pscan", linear_scan_pscan)
 _dispatch.register(_SSD, "ref", ssd_ref)
 _dispatch.register(_SSD, "chunked", ssd_chunked)
+_dispatch.register(_SELECTIVE, "triton", selective_scan_triton, devices=_triton.devices(), available=_triton.available)
+_dispatch.register(_LINEAR, "triton", linear_scan_triton, devices=_triton.devices(), available=_triton.available)
 
 
 def backends(op: str, device=None) -> list[str]:

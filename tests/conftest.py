@@ -1,0 +1,93 @@
+"""Test-session setup: Triton kernels run on the CPU in Triton's interpreter when there is no GPU.
+
+TRITON_INTERPRET=1 must be set before any kernel is defined (triton.jit reads it then), so it
+is set here, before the test modules import ssm. With it, the "triton" backend is registered
+for CPU tensors as well, and tests/scan/test_triton.py runs it against the reference. On a
+machine with CUDA the variable is left alone: the kernels are compiled and run on the GPU.
+
+The interpreter runs an associative scan with a user combine function one element at a time
+in Python (``ScanOps.generic_scan``), and re-patches triton.language on every call of a jit
+function from a kernel (tl.sum included), which together make the Triton tests take many
+minutes. ``_speed_up_interpreter`` replaces the scan by a log-depth scan over whole arrays
+(the same combine function, associated as a tree, as on a GPU) and patches the language once
+per module. tests/scan/test_triton.py checks the scan against the original.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _log_depth_generic_scan(self, input):
+    """ScanOps.generic_scan as a Hillis-Steele scan: log2(n) combine calls on whole arrays.
+
+    Step j combines every element with the one 2**j before it (earlier operand on the left),
+    which is the inclusive scan for any associative combine function. The association order
+    is a tree, as on a GPU, instead of the interpreter's left-to-right fold, so results may
+    differ from it in the last bits; tests/scan/test_triton.py compares the two."""
+    import numpy as np  # the interpreter's own dependency
+
+    axis = self.axis
+    datas = [np.array(arg.handle.data, copy=True) for arg in input]
+    dtypes = [arg.dtype for arg in input]
+    length = datas[0].shape[axis]
+
+    keep = [slice(None)] * datas[0].ndim
+    offset = 1
+    while offset < length:
+        # Whole arrays (block shapes must stay powers of two): the first `offset` positions
+        # combine with wrapped-around values and are then put back.
+        left = [self.to_tensor(np.roll(d, offset, axis), t) for d, t in zip(datas, dtypes)]
+        right = [self.to_tensor(d, t) for d, t in zip(datas, dtypes)]
+        ret = self.combine_fn.fn(*left, *right)
+        ret = ret if isinstance(ret, tuple) else (ret,)
+        keep[axis] = slice(offset, length)
+        for d, r in zip(datas, ret):
+            d[tuple(keep)] = np.asarray(r.handle.data if hasattr(r, "handle") else r)[tuple(keep)]
+        offset *= 2
+    return [self.to_tensor(d, t) for d, t in zip(datas, dtypes)]
+
+
+_LANGUAGE_PATCHED: set[int] = set()
+
+
+def _device_call_patching_once(self, *args, **kwargs):
+    """InterpretedFunction.__call__ (a jit function called from a kernel, tl.sum included)
+    without re-patching triton.language on every call: the interpreter patches it each time
+    (about a millisecond), although the patches a device call makes are never undone."""
+    from triton.runtime import interpreter
+
+    key = id(self.fn.__globals__)
+    if key not in _LANGUAGE_PATCHED:
+        interpreter._patch_lang(self.fn)
+        _LANGUAGE_PATCHED.add(key)
+    fn = self.rewrite()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        raise interpreter.InterpreterError(repr(e)) from e
+
+
+def _speed_up_interpreter() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no triton: the triton tests fail on import, with the reason
+        return
+    scan_ops = getattr(interpreter, "ScanOps", None)
+    if scan_ops is None or not hasattr(scan_ops, "generic_scan"):
+        return  # another triton version: keep its own (slow but correct) scan
+    scan_ops._elementwise_generic_scan = scan_ops.generic_scan
+    scan_ops.generic_scan = _log_depth_generic_scan
+    function = getattr(interpreter, "InterpretedFunction", None)
+    if function is not None and hasattr(interpreter, "_patch_lang"):
+        function.__call__ = _device_call_patching_once
+
+
+_speed_up_interpreter()

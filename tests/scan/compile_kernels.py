@@ -1,0 +1,84 @@
+"""Compile every Triton kernel of ssm.scan.triton for a GPU target, without a GPU.
+
+Triton's interpreter (what the tests run the kernels in) executes the kernel bodies as
+Python and accepts code that the compiler rejects; this compiles them to a cubin for
+sm_90 (Hopper) instead, through ptxas shipped with triton, and prints each kernel's
+registers and local (spill) memory. Run without TRITON_INTERPRET (the kernels must be
+JIT functions):
+
+    python -m tests.scan.compile_kernels            # inputs in bf16 and in fp32
+    python -m tests.scan.compile_kernels bf16       # what tests/scan/test_triton.py runs
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ssm.scan.triton import _heuristics, _kernels
+
+IO = {"u_ptr", "delta_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr", "dout_ptr", "du_ptr", "ddelta_ptr", "dz_ptr"}
+
+
+def signature(fn, constexprs: dict, io_type: str) -> dict:
+    """Pointers ending in _ptr (16-bit for the (B, D, L)-sized ones), int32 for the rest."""
+    return {
+        name: "constexpr" if name in constexprs
+        else (f"*{io_type}" if name in IO else "*fp32") if name.endswith("_ptr")
+        else "i32"
+        for name in fn.arg_names
+    }
+
+
+def variants():
+    cfg = _heuristics.selective_scan_config(1536, 16, 1536, 1536)
+    blocks = dict(BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk)
+    flags = dict(COMPUTE=tl.float32, HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, **blocks)
+    bwd = dict(HAS_DLAST=True, LOG2_CHUNK=cfg.chunk.bit_length() - 1, INT=tl.int32)
+    for varying in (True, False):
+        BC = dict(B_VARYING=varying, C_VARYING=varying)
+        yield _kernels._selective_scan_fwd_kernel, {**flags, **BC, "HAS_H0": True, "SAVE_CHUNK_STATES": True}, cfg.num_warps
+        yield _kernels._selective_scan_bwd_kernel, {**flags, **BC, **bwd}, cfg.num_warps_bwd
+    lin = _heuristics.linear_scan_config(65536, 4)
+    for backward in (False, True):
+        constexprs = dict(COMPUTE=tl.float32, REVERSE=True, HAS_H0=True, BACKWARD=backward,
+                          BLOCK_T=lin.block_t, BLOCK_Q=lin.block_q)
+        yield _kernels._linear_scan_kernel, constexprs, lin.num_warps
+
+
+def resource_usage(cubin: bytes) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return "?"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return " ".join(word for line in out.splitlines() if "REG:" in line
+                    for word in line.split() if word.startswith(("REG:", "LOCAL:")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    io_types = (sys.argv[1:] if argv is None else argv) or ["bf16", "fp32"]
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter does not compile", file=sys.stderr)
+        return 2
+    target = GPUTarget("cuda", 90, 32)
+    for io_type in io_types:
+        for fn, constexprs, num_warps in variants():
+            source = ASTSource(fn, signature(fn, constexprs, io_type), constexprs)
+            kernel = triton.compile(source, target=target, options={"num_warps": num_warps})
+            flags = ",".join(k for k, v in constexprs.items() if v is True)
+            print(f"{fn.__name__} {io_type} {flags} warps={num_warps}: {resource_usage(kernel.asm['cubin'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
