@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -93,6 +94,9 @@ def trainer_kwargs(config: TrainConfig) -> dict:
 def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
     """Run ``config`` (resuming when ``config.resume`` is set); returns where the results are."""
     started = time.perf_counter()
+    # Lightning warns that a mid-epoch resume is unreliable unless the dataloader is stateful;
+    # ours is a stream indexed by the step count (data.StepSampler), which resumes exactly.
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
     pl.seed_everything(config.seed, workers=True, verbose=False)
     data = TaskDataModule(config.data, seed=config.seed)
     model = build_model(config, data.vocab_size)
