@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_shape, check_tensor, compute_dtype
+from .reference import ssd_skip_and_gate, ssd_time_step
 
 
 def selective_scan_step(
@@ -105,22 +106,11 @@ def ssd_step(
     if groups == 0 or heads % groups:
         raise ValueError(f"B has G = {groups} groups, but H = {heads} is not divisible by G")
     dtype = compute_dtype(state, x, dt, A, B, C, D, z, dt_bias)
-    dt = dt.to(dtype)
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dtype)
-    if dt_softplus:
-        dt = F.softplus(dt)
-    if dt_limit[0] > 0.0 or dt_limit[1] < math.inf:
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    dt = ssd_time_step(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (batch, H)
     B = B.to(dtype).repeat_interleave(heads // groups, dim=1)[:, :, None, :]  # (batch, H, 1, N)
     C = C.to(dtype).repeat_interleave(heads // groups, dim=1)[:, :, None, :]
     x32 = x.to(dtype)
     decay = torch.exp(dt * A.to(dtype))[..., None, None]  # (batch, H, 1, 1)
     h = decay * state.to(dtype) + (dt[..., None] * x32)[..., None] * B
-    y = (h * C).sum(-1)  # (batch, H, P)
-    if D is not None:
-        D = D.to(dtype)
-        y = y + (D[:, None] if D.ndim == 1 else D) * x32
-    if z is not None:
-        y = y * F.silu(z.to(dtype))
+    y = ssd_skip_and_gate((h * C).sum(-1), x32, D, z)  # (batch, H, P)
     return y.to(x.dtype), h
