@@ -453,13 +453,24 @@ def benchmark_generation(args) -> int:
     print(f"MambaLM d_model={args.d_model} n_layer={args.layers} vocab=256 ({params / 1e6:.2f} M parameters), "
           f"{describe_device(device)}")
 
-    step_ms = {}
+    # Prefill one cache per position, then time single steps at the positions in turn (so that
+    # warm-up and machine noise fall on all of them alike); report the median per position.
+    samples: dict[int, list[float]] = {p: [] for p in args.positions}
     with torch.no_grad():
+        caches = {}
         for position in args.positions:
-            cache = model.allocate_inference_cache(1, device=device)
-            model(torch.randint(0, 256, (1, position), device=device), cache=cache)
-            token = torch.tensor([1], device=device)
-            step_ms[position] = median_ms(lambda: model.step(token, cache), device, args.warmup, args.repeats)
+            caches[position] = model.allocate_inference_cache(1, device=device)
+            model(torch.randint(0, 256, (1, position), device=device), cache=caches[position])
+        token = torch.tensor([1], device=device)
+        for i in range(args.warmup + max(args.repeats, 10)):
+            for position, cache in caches.items():
+                synchronize(device)
+                start = time.perf_counter()
+                model.step(token, cache)
+                synchronize(device)
+                if i >= args.warmup:
+                    samples[position].append((time.perf_counter() - start) * 1e3)
+    step_ms = {p: statistics.median(v) for p, v in samples.items()}
     first = args.positions[0]
     print("\nposition   step ms   / step ms at position", first)
     for position, ms in step_ms.items():
