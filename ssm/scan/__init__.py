@@ -6,10 +6,12 @@
 Backends (``backend=`` argument; ``backends(op)`` lists them):
     "ref"    sequential float32 loop, the ground truth (reference.py)
     "pscan"  parallel scan in pure PyTorch with its own backward (pscan.py)
+    "cpu"    chunked sequential sweeps compiled to C++, with a reverse-sweep backward (cpu.py)
     "auto"   the best one for the inputs' device (chosen in _dispatch.py)
 """
 
 from . import _dispatch
+from .cpu import linear_scan_cpu, selective_scan_cpu
 from .linear import OP as _LINEAR
 from .linear import linear_scan
 from .pscan import linear_scan_pscan, selective_scan_pscan
@@ -21,6 +23,8 @@ _dispatch.register(_SELECTIVE, "ref", selective_scan_ref)
 _dispatch.register(_SELECTIVE, "pscan", selective_scan_pscan)
 _dispatch.register(_LINEAR, "ref", linear_scan_ref)
 _dispatch.register(_LINEAR, "pscan", linear_scan_pscan)
+_dispatch.register(_SELECTIVE, "cpu", selective_scan_cpu, devices=("cpu",))
+_dispatch.register(_LINEAR, "cpu", linear_scan_cpu, devices=("cpu",))
 
 
 def backends(op: str, device=None) -> list[str]:
