@@ -60,9 +60,9 @@ def _grouped(v: torch.Tensor, M: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def _group_sum(v: torch.Tensor, G: int) -> torch.Tensor:
-    """(B, D, N) -> (B, G, N): the sum over the channels of each group."""
-    b, d, n = v.shape
-    return v.view(b, G, d // G, n).sum(2)
+    """(..., B, D, N) -> (..., B, G, N): the sum over the channels of each group."""
+    *lead, d, n = v.shape
+    return v.view(*lead, G, d // G, n).sum(-2)
 
 
 def _selective_chunk(h, A, delta, u, B, C):
@@ -98,24 +98,22 @@ def _selective_chunk_bwd(h, lam_next, A, delta, u, B, C, gy, acc_A, acc_B, acc_C
     for t in range(T - 1, -1, -1):
         gy_t = gy[t].unsqueeze(-1)  # (B, D, 1)
         lam = g + _grouped(gy_t, C, t)  # λ_t (B, D, N)
-        if C.ndim == 2:
-            acc_C = acc_C + gy_t * states[t + 1]
-        else:
-            d_C[t] = _group_sum(gy_t * states[t + 1], C.shape[2])
+        d_C[t] = gy_t * states[t + 1]  # per channel; summed over groups below
         delta_t, u_t = delta[t], u[t]  # (B, D)
-        drive = lam * (delta_t * u_t).unsqueeze(-1)
-        if B.ndim == 2:
-            acc_B = acc_B + drive
-        else:
-            d_B[t] = _group_sum(drive, B.shape[2])
-        d_x = _grouped(lam, B, t).sum(-1)  # d(Δ_t·u_t) (B, D)
+        d_B[t] = lam * (delta_t * u_t).unsqueeze(-1)
+        lam_B = _grouped(lam, B, t)  # λ_t·B_t; d(Δ_t·u_t) is its sum over N
         s = lam * states[t] * decays[t]
-        d_delta[t] = (s * A).sum(-1) + d_x * u_t
-        d_u[t] = d_x * delta_t
+        # Written as single sums over N (no arithmetic after them), so that the compiled
+        # loop over channels stays one fused loop.
+        d_delta[t] = (s * A + lam_B * u_t.unsqueeze(-1)).sum(-1)  # (B, D)
+        d_u[t] = (lam_B * delta_t.unsqueeze(-1)).sum(-1)
         acc_A = acc_A + s * delta_t.unsqueeze(-1)
         g = decays[t] * lam
-    d_B = acc_B if B.ndim == 2 else torch.stack(d_B)
-    d_C = acc_C if C.ndim == 2 else torch.stack(d_C)
+    # The sums over channels (time-varying B, C) or over time (fixed) are done once per chunk,
+    # after the sweep: inside it they would split the fused per-channel loop at every step.
+    d_B, d_C = torch.stack(d_B), torch.stack(d_C)  # (T, B, D, N)
+    d_B = acc_B + d_B.sum(0) if B.ndim == 2 else _group_sum(d_B, B.shape[2])
+    d_C = acc_C + d_C.sum(0) if C.ndim == 2 else _group_sum(d_C, C.shape[2])
     return g, torch.stack(d_delta), torch.stack(d_u), d_B, d_C, acc_A
 
 
@@ -155,7 +153,11 @@ class _Body:
         if not (full and COMPILE and not self.failed):
             return self.fn(*args)
         if self._compiled is None:
-            self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False)
+            # max_fusion_size: the backward chunk is ~300 ops; with inductor's default (64)
+            # its per-channel loop is cut in ~25 loops, each ending in a thread barrier.
+            self._compiled = torch.compile(
+                self.fn, fullgraph=True, options={"max_fusion_size": 1024}
+            )
         try:
             return self._compiled(*args)
         except Exception as error:  # noqa: BLE001 - any compile failure means: run eagerly
@@ -216,6 +218,10 @@ class SelectiveScanCPUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, delta, u, A, B, C, h0):
+        # Detached, so that the chunk body sees the same kind of tensors (no requires_grad)
+        # here and on the no-grad path and is compiled once for both.
+        delta, u, A, B, C = (x.detach() for x in (delta, u, A, B, C))
+        h0 = None if h0 is None else h0.detach()
         length, batch, dim = delta.shape
         h = delta.new_zeros(batch, dim, A.shape[1]) if h0 is None else h0
         states = delta.new_empty(len(_chunks(length)), batch, dim, A.shape[1])
@@ -326,6 +332,7 @@ class LinearScanCPUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, x, h0, reverse: bool):
+        a, x, h0 = a.detach(), x.detach(), (None if h0 is None else h0.detach())
         h, _ = _linear_sweep(a, x, h0, reverse, adjoint=False)
         ctx.save_for_backward(a, h, h0)
         ctx.reverse = reverse
