@@ -37,6 +37,7 @@ import warnings
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ._checks import compute_dtype
 from .reference import discretization_step, skip_and_gate
@@ -150,7 +151,8 @@ class _Body:
         self.failed = False
 
     def __call__(self, full: bool, *args):
-        if not (full and COMPILE and not self.failed):
+        if not (full and COMPILE and not self.failed) or _get_current_dispatch_mode() is not None:
+            # (dynamo does not trace under a TorchDispatchMode such as FlopCounterMode)
             return self.fn(*args)
         if self._compiled is None:
             # max_fusion_size: the backward chunk is ~300 ops; with inductor's default (64)
