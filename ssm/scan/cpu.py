@@ -22,6 +22,14 @@ so forward+backward memory is O(B·D·L) plus (L / CHUNK)·B·D·N for the chunk
 (with CHUNK ≥ N that is itself O(B·D·L)), never O(B·D·L·N). Under ``torch.no_grad()`` (or
 when no input needs a gradient) the forward saves nothing.
 
+Costs: the first call compiles the forward chunk and, on the first backward, the backward
+chunk (measured on a loaded 2-core machine: tens of seconds each; inductor caches them on disk,
+so later processes load them in seconds). A new sequence length reuses them (the compiled code
+only ever sees CHUNK steps); a second batch size or width recompiles once with those sizes
+symbolic (torch's automatic dynamic shapes), and not again. The compiled chunk is one parallel
+loop over batch × channels, so each chunk ends in a thread barrier: on an oversubscribed machine
+(more busy threads than cores) ``torch.set_num_threads(1)`` is much faster.
+
 Environment: ``SSM_CPU_COMPILE=0`` runs the chunks eagerly without a warning (``COMPILE``
 below is the switch; tests set it).
 
