@@ -316,7 +316,8 @@ def selective_scan_cpu(
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args):
         y, last = SelectiveScanCPUFn.apply(*args)
     else:  # inference: no autograd node, no chunk states kept
-        delta_tm, u_tm, A_, B_, C_, h0 = args
+        # (detached like inside the autograd Function, so the same compiled chunk serves both)
+        delta_tm, u_tm, A_, B_, C_, h0 = (None if x is None else x.detach() for x in args)
         h = delta_tm.new_zeros(*delta_tm.shape[1:], A_.shape[1]) if h0 is None else h0
         y, last = _selective_sweep(delta_tm, u_tm, A_, B_, C_, h)
     out = skip_and_gate(y.movedim(0, -1), u, D, z)  # (B, D, L)
@@ -387,5 +388,6 @@ def linear_scan_cpu(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, x, h0)):
         h = LinearScanCPUFn.apply(a, x, h0, reverse)
     else:
-        h, _ = _linear_sweep(a, x, h0, reverse, adjoint=False)
+        h0 = None if h0 is None else h0.detach()
+        h, _ = _linear_sweep(a.detach(), x.detach(), h0, reverse, adjoint=False)
     return h.view(moved).movedim(0, dim).to(out_dtype)
