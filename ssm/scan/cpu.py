@@ -180,9 +180,10 @@ def _warn_once(error: Exception) -> None:
     global _warned
     if not _warned:
         _warned = True
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
         warnings.warn(
             "ssm.scan 'cpu' backend: torch.compile could not compile the fused chunk "
-            f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}); "
+            f"({type(error).__name__}: {first_line}); "
             "running the chunks eagerly (correct, several times slower). A C++ compiler "
             "(gcc/clang) makes it fast; set SSM_CPU_COMPILE=0 to silence this.",
             RuntimeWarning,
