@@ -12,12 +12,14 @@ Backends (``backend=`` argument; ``backends(op)`` lists them):
     "pscan"  parallel scan in pure PyTorch with its own backward (pscan.py)
     "chunked" the chunked SSD algorithm, for ssd only (chunked.py)
     "triton" fused Triton kernels for CUDA; on CPU only under TRITON_INTERPRET=1 (triton/)
+    "cpu"    chunked sequential sweeps compiled to C++, with a reverse-sweep backward (cpu.py)
     "auto"   the best one for the inputs' device (chosen in _dispatch.py)
 """
 
 from . import _dispatch
 from .chunked import ssd_chunked
 from .generic import associative_scan, scan
+from .cpu import linear_scan_cpu, selective_scan_cpu
 from .linear import OP as _LINEAR
 from .linear import linear_scan
 from .pscan import linear_scan_pscan, selective_scan_pscan
@@ -38,6 +40,8 @@ _dispatch.register(_SSD, "ref", ssd_ref)
 _dispatch.register(_SSD, "chunked", ssd_chunked)
 _dispatch.register(_SELECTIVE, "triton", selective_scan_triton, devices=_triton.devices(), available=_triton.available)
 _dispatch.register(_LINEAR, "triton", linear_scan_triton, devices=_triton.devices(), available=_triton.available)
+_dispatch.register(_SELECTIVE, "cpu", selective_scan_cpu, devices=("cpu",))
+_dispatch.register(_LINEAR, "cpu", linear_scan_cpu, devices=("cpu",))
 
 
 def backends(op: str, device=None) -> list[str]:

@@ -40,6 +40,7 @@ _REGISTRY: dict[str, dict[str, Backend]] = {}
 # types not listed. Fast paths are put in front of these lists as they are added.
 _AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
     "*": ("pscan", "chunked", "ref"),
+    "cpu": ("cpu", "pscan", "chunked", "ref"),
     "cuda": ("triton", "pscan", "chunked", "ref"),
 }
 
