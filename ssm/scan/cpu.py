@@ -273,6 +273,19 @@ class SelectiveScanCPUFn(torch.autograd.Function):
         return d_delta, d_u, acc_A.sum(0), d_B, d_C, (g if ctx.has_h0 else None)
 
 
+def _pad_to_chunks(M: torch.Tensor) -> torch.Tensor:
+    """Time-major M (L, ...) padded with zeros to whole chunks, so that every chunk runs the
+    compiled body (a short last chunk would run eagerly, several times slower). Padded steps
+    have Δ = 0 and u = 0: no decay and no input, so the state passes through unchanged; their
+    outputs are dropped. Fixed (D, N) B or C is returned as is."""
+    if M.ndim == 2:
+        return M
+    pad = -M.shape[0] % CHUNK
+    if pad:
+        M = torch.cat([M, M.new_zeros(pad, *M.shape[1:])])
+    return M.contiguous()
+
+
 def _time_major(M: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, D, L) -> (L, B, D), or B/C (B, G, N, L) -> (L, B, G, N); (D, N) unchanged."""
     if M.ndim == 2:
@@ -306,12 +319,13 @@ def selective_scan_cpu(
     out_dtype = u.dtype
     u = u.to(dtype)
     delta = discretization_step(delta.to(dtype), delta_bias, delta_softplus)  # (B, D, L)
+    length = u.shape[-1]
     args = (
-        delta.movedim(-1, 0).contiguous(),  # (L, B, D)
-        u.movedim(-1, 0).contiguous(),
+        _pad_to_chunks(delta.movedim(-1, 0)),  # (L', B, D), L' = L rounded up to whole chunks
+        _pad_to_chunks(u.movedim(-1, 0)),
         A.to(dtype).contiguous(),  # (D, N)
-        _time_major(B, dtype),  # (L, B, G, N) or (D, N)
-        _time_major(C, dtype),
+        _pad_to_chunks(_time_major(B, dtype)),  # (L', B, G, N) or (D, N)
+        _pad_to_chunks(_time_major(C, dtype)),
         None if initial_state is None else initial_state.to(dtype).contiguous(),  # (B, D, N)
     )
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args):
@@ -321,7 +335,7 @@ def selective_scan_cpu(
         delta_tm, u_tm, A_, B_, C_, h0 = (None if x is None else x.detach() for x in args)
         h = delta_tm.new_zeros(*delta_tm.shape[1:], A_.shape[1]) if h0 is None else h0
         y, last = _selective_sweep(delta_tm, u_tm, A_, B_, C_, h)
-    out = skip_and_gate(y.movedim(0, -1), u, D, z)  # (B, D, L)
+    out = skip_and_gate(y[:length].movedim(0, -1), u, D, z)  # (B, D, L)
     return out.to(out_dtype), last
 
 
