@@ -97,6 +97,8 @@ def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
     # Lightning warns that a mid-epoch resume is unreliable unless the dataloader is stateful;
     # ours is a stream indexed by the step count (data.StepSampler), which resumes exactly.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+    # pytorch-lightning 2.6 calls a torch pytree API that newer torch deprecates; not ours to fix.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     pl.seed_everything(config.seed, workers=True, verbose=False)
     data = TaskDataModule(config.data, seed=config.seed)
     model = build_model(config, data.vocab_size)
