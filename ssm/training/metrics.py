@@ -88,13 +88,20 @@ class LogLines(pl.Callback):
         step = trainer.global_step
         if step % self.every and step != trainer.max_steps:
             return
+        self._print(trainer, f"step {step}/{trainer.max_steps}",
+                    (("train/loss", "loss {:.4f}"), ("train/acc", "acc {:.3f}"), ("train/tokens_per_s", "{:,.0f} tokens/s")))
+
+    @rank_zero_only
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._print(trainer, f"validation at step {trainer.global_step}",
+                        (("val/loss", "val/loss {:.4f}"), ("val/acc", "val/acc {:.3f}"), ("val/bpb", "val/bpb {:.3f}")))
+
+    def _print(self, trainer, head: str, fields) -> None:
         m = trainer.callback_metrics
-        parts = [f"step {step}/{trainer.max_steps}"]
-        for key, fmt in (("train/loss", "loss {:.4f}"), ("train/acc", "acc {:.3f}"), ("val/loss", "val/loss {:.4f}"),
-                         ("val/acc", "val/acc {:.3f}"), ("train/tokens_per_s", "{:,.0f} tokens/s")):
-            if key in m:
-                parts.append(fmt.format(float(m[key])))
-        parts.append(f"{time.perf_counter() - self.start:.0f} s")
+        parts = [head] + [fmt.format(float(m[key])) for key, fmt in fields if key in m]
+        if self.start is not None:
+            parts.append(f"{time.perf_counter() - self.start:.0f} s")
         print("  ".join(parts), file=sys.stdout, flush=True)
 
 
