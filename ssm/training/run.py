@@ -105,7 +105,8 @@ def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
     module = LanguageModelTask(model, config.optim, config.trainer.max_steps)
     kwargs = trainer_kwargs(config)
     ckpt_path = checkpoint_of(config.resume) if config.resume else None
-    resume_step = torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"] if ckpt_path else None
+    # (memory-mapped: only the step count is read here; Lightning loads the checkpoint itself)
+    resume_step = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)["global_step"] if ckpt_path else None
 
     run_dir = resolve_run_dir(config)
     os.environ[_RUN_DIR_ENV] = str(run_dir)
