@@ -11,10 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ._checks import check_shape, check_tensor, compute_dtype
-from .reference import ssd_skip_and_gate, ssd_time_step
+from .reference import discretization_step, skip_and_gate, ssd_skip_and_gate, ssd_time_step
 
 
 def selective_scan_step(
@@ -45,18 +44,12 @@ def selective_scan_step(
     check_shape("A", A, (dim, N), "(dim, N)")
     dtype = compute_dtype(state, u, delta, A, B, C, D, z, delta_bias)
     B, C = (_per_channel_step(n, M, batch, dim, N, dtype) for n, M in (("B", B), ("C", C)))
-    delta = delta.to(dtype)
-    if delta_bias is not None:
-        delta = delta + delta_bias.to(dtype)
-    if delta_softplus:
-        delta = F.softplus(delta)
+    # The reference's own formulas, on a length-1 time axis: (batch, dim) -> (batch, dim, 1).
+    delta = discretization_step(delta.to(dtype)[..., None], delta_bias, delta_softplus)[..., 0]
     u32 = u.to(dtype)
     h = torch.exp(delta[..., None] * A.to(dtype)) * state.to(dtype) + (delta * u32)[..., None] * B
     y = (h * C).sum(-1)  # (batch, dim)
-    if D is not None:
-        y = y + D.to(dtype) * u32
-    if z is not None:
-        y = y * F.silu(z.to(dtype))
+    y = skip_and_gate(y[..., None], u32[..., None], D, None if z is None else z[..., None])[..., 0]
     return y.to(u.dtype), h
 
 
