@@ -16,6 +16,17 @@ class LayerCache:
     conv_state: torch.Tensor
     ssm_state: torch.Tensor
 
+    @classmethod
+    def zeros(cls, batch: int, conv1d: torch.nn.Conv1d, state_shape: tuple, dtype=None, device=None) -> "LayerCache":
+        """An empty history for a mixer whose causal convolution is ``conv1d`` and whose SSM
+        state is (batch, *state_shape); the conv state takes ``dtype`` (default: conv1d's)."""
+        device = device or conv1d.weight.device
+        channels, kernel = conv1d.weight.shape[0], conv1d.weight.shape[-1]
+        return cls(
+            conv_state=torch.zeros(batch, channels, kernel, device=device, dtype=dtype or conv1d.weight.dtype),
+            ssm_state=torch.zeros(batch, *state_shape, device=device, dtype=torch.float32),
+        )
+
     @property
     def batch_size(self) -> int:
         return self.conv_state.shape[0]

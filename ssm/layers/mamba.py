@@ -88,12 +88,7 @@ class Mamba(nn.Module):
         self.out_proj = nn.Linear(D, d_model, bias=bias, **kw)
 
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
-        device = device or self.out_proj.weight.device
-        conv_dtype = dtype or self.conv1d.weight.dtype
-        return LayerCache(
-            conv_state=torch.zeros(batch, self.d_inner, self.d_conv, device=device, dtype=conv_dtype),
-            ssm_state=torch.zeros(batch, self.d_inner, self.d_state, device=device, dtype=torch.float32),
-        )
+        return LayerCache.zeros(batch, self.conv1d, (self.d_inner, self.d_state), dtype, device)
 
     def forward(self, hidden_states: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
