@@ -6,11 +6,11 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..models import MambaLM
 from .config import TrainConfig, load_config
-from .data import IGNORE, TaskDataModule
+from .data import TaskDataModule
+from .module import scored_token_metrics
 
 
 def load_run(run_dir: str | Path, device=None) -> tuple[TrainConfig, MambaLM]:
@@ -31,10 +31,7 @@ def evaluate(model: MambaLM, data: TaskDataModule, seq_len: int | None = None) -
     total_loss, correct, count = 0.0, 0, 0
     for inputs, targets in data.val_dataloader(seq_len):
         inputs, targets = inputs.to(device), targets.to(device)
-        logits = model(inputs).float()
-        scored = targets != IGNORE
-        total_loss += float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"))
-        correct += int(((logits.argmax(-1) == targets) & scored).sum())
-        count += int(scored.sum())
+        loss_sum, n_correct, n = scored_token_metrics(model(inputs), targets)
+        total_loss, correct, count = total_loss + float(loss_sum), correct + int(n_correct), count + n
     loss = total_loss / max(count, 1)
     return {"val/loss": loss, "val/bpb": loss / math.log(2), "val/acc": correct / max(count, 1)}

@@ -29,6 +29,17 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def scored_token_metrics(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Over the positions a task scores (targets != -100): the summed cross-entropy (nats),
+    the number of correct argmax predictions, and how many positions there are.
+    logits (B, L, V), targets (B, L)."""
+    logits = logits.float()
+    loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    scored = targets != IGNORE
+    correct = ((logits.argmax(-1) == targets) & scored).sum()
+    return loss_sum, correct, int(scored.sum())
+
+
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Learning-rate factor: linear from 0 to 1 over ``warmup`` steps, then a cosine down to
     ``min_ratio`` at ``total``."""
@@ -55,12 +66,8 @@ class LanguageModelTask(pl.LightningModule):
 
     def _loss_and_accuracy(self, batch):
         inputs, targets = batch
-        logits = self.model(inputs).float()  # (B, L, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-        scored = targets != IGNORE
-        correct = (logits.argmax(-1) == targets) & scored
-        n = int(scored.sum())
-        return loss, correct.sum() / max(n, 1), n
+        loss_sum, correct, n = scored_token_metrics(self.model(inputs), targets)
+        return loss_sum / max(n, 1), correct / max(n, 1), n
 
     def training_step(self, batch, batch_idx):
         loss, acc, n = self._loss_and_accuracy(batch)
