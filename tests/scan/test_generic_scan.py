@@ -257,8 +257,8 @@ def test_gradient_of_length_without_xs_reaches_parameters():
 # memory
 
 
-def saved_bytes(run) -> int:
-    """Bytes of the distinct storages autograd keeps for the backward of ``run()``."""
+def saved_bytes(run) -> tuple[int, object]:
+    """(Bytes of the distinct storages autograd keeps for the backward of ``run()``, its result)."""
     storages = {}
 
     def pack(t):
