@@ -56,7 +56,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -65,6 +64,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ssm.memory import extra_peak_bytes
 from ssm.scan import backends, linear_scan, selective_scan
 
 OPS = {"selective": "selective_scan", "linear": "linear_scan"}
@@ -211,37 +211,6 @@ def median_ms(step: Callable[[], object], device: torch.device, warmup: int, rep
         synchronize(device)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
-
-
-def extra_peak_bytes(step: Callable[[], object], device: torch.device) -> tuple[int, object]:
-    """Run ``step()`` once; return the most memory it held at once beyond what was allocated
-    before it started, and what it returned."""
-    if device.type == "cuda":
-        synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        result = step()
-        synchronize(device)
-        return max(torch.cuda.max_memory_allocated(device) - before, 0), result
-
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        result = step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    # Each "[memory]" event is one allocation (+Bytes) or free (-Bytes). Their running sum is
-    # the memory held beyond the start. The events' "Total Allocated" is no substitute: it is a
-    # process-wide counter that keeps tensors freed while no profiler ran, so it drifts upward
-    # from one profiling session to the next.
-    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    held = peak = 0
-    for event in memory:
-        held += event["args"]["Bytes"]
-        peak = max(peak, held)
-    return peak, result
 
 
 def measure(case: Case, device: torch.device, warmup: int, repeats: int, copy_gbps: float):

@@ -22,51 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 
+from ssm.memory import extra_peak_bytes, saved_bytes
 from ssm.scan import scan
 
 MiB = 2**20
-
-
-def saved_bytes(run) -> tuple[int, object]:
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return sum(storages.values()), out
-
-
-def extra_peak_bytes(run, device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        run()
-        torch.cuda.synchronize(device)
-        return max(torch.cuda.max_memory_allocated(device) - before, 0)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    held = peak = 0
-    for event in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
-        held += event["args"]["Bytes"]
-        peak = max(peak, held)
-    return peak
 
 
 def measure(length: int, batch: int, width: int, checkpoint, device: torch.device, repeats: int) -> dict:
@@ -98,7 +62,7 @@ def measure(length: int, batch: int, width: int, checkpoint, device: torch.devic
     seconds = statistics.median(times)
     saved, loss = saved_bytes(forward)
     del loss
-    peak = extra_peak_bytes(forward_backward, device)
+    peak, _ = extra_peak_bytes(forward_backward, device)
     return dict(
         length=length, batch=batch, width=width, checkpoint=str(checkpoint),
         carry_bytes=batch * width * 4, saved_bytes=saved, peak_bytes=peak, seconds=seconds,

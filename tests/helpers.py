@@ -1,11 +1,21 @@
-"""Shared test utilities: NaN-poisoned allocations and dtype-aware comparisons."""
+"""What the tests share: input cases for each scan op, the comparison of a backend with the
+float64 reference, NaN-poisoned allocations, dtype-aware closeness. Test modules import from
+here, never from each other.
+
+Shape symbols: B batch, L length, D channels, N state size, G groups, H heads, P head dim.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ssm.scan import linear_scan, selective_scan, ssd
+
+# ----------------------------------------------------------------------------- poisoning
 
 _UNINITIALISED = {
     torch.ops.aten.empty,
@@ -33,7 +43,10 @@ def poisoned():
         yield
 
 
-# Tolerances for comparing a backend with the float32 reference, by the inputs' dtype.
+# ----------------------------------------------------------------------------- closeness
+
+# Absolute-and-relative tolerances by dtype, for comparisons between two runs of our own code
+# (for a backend against the reference use check_against_reference).
 TOLERANCES = {
     torch.float64: dict(rtol=1e-9, atol=1e-10),
     torch.float32: dict(rtol=2e-4, atol=2e-4),
@@ -51,3 +64,261 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(
         actual.double(), expected.double(), rtol=tol["rtol"], atol=tol["atol"] * scale, msg=lambda m: f"{what}: {m}"
     )
+
+
+# Relative tolerances against the float64 reference, (forward, gradients), by the dtype of the
+# backend's inputs. Half-precision results are rounded to their dtype (a relative error up to
+# 2^-8 for bfloat16, 2^-11 for float16 per element) before they are compared.
+REFERENCE_TOLERANCES = {
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (1e-4, 1e-3),
+    torch.float16: (2e-3, 4e-3),
+    torch.bfloat16: (1.5e-2, 3e-2),
+}
+
+
+def assert_relative(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    """``actual`` equals ``expected`` (float64) to a relative tolerance that small elements
+    cannot hide behind large ones:
+
+    - over the whole tensor, ‖actual − expected‖ ≤ tol·‖expected‖ (relative RMS);
+    - element by element, |actual − expected| ≤ 10·tol·(|expected| + 0.01·rms(expected)): every
+      element not tiny next to the tensor's typical size is checked against its own size.
+    """
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert not torch.isnan(actual).any(), f"{what}: NaN in the result (an element left unwritten?)"
+    if expected.numel() == 0:
+        return
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    err = (a - e).abs()
+    rms = e.pow(2).mean().sqrt().item()
+    if rms == 0.0:
+        assert err.max().item() <= tol, f"{what}: expected all zeros, got max |value| {err.max().item():.3g}"
+        return
+    relative_rms = err.pow(2).mean().sqrt().item() / rms
+    assert relative_rms <= tol, f"{what}: relative RMS error {relative_rms:.3g} > {tol:.3g}"
+    bound = 10 * tol * (e.abs() + 0.01 * rms)
+    worst = (err / bound).flatten().argmax().item()
+    assert err.flatten()[worst] <= bound.flatten()[worst], (
+        f"{what}: element {worst} (of {e.numel()}) is {a.flatten()[worst].item():.6g}, expected "
+        f"{e.flatten()[worst].item():.6g} (|error| {err.flatten()[worst].item():.3g} > bound "
+        f"{bound.flatten()[worst].item():.3g}; the tensor's RMS is {rms:.3g})"
+    )
+
+
+def as_float64(inputs: dict) -> dict:
+    """Float64 leaf copies of ``inputs`` (the same values, rounded as the originals are)."""
+    return {k: v.detach().double().requires_grad_(v.requires_grad) for k, v in inputs.items()}
+
+
+def run_with_grads(call, inputs: dict, backend: str, upstream=None, seed: int = 1):
+    """``call(inputs, backend)`` -> a tuple of outputs, then the gradients of every input under
+    upstream gradients (random float64 values rounded to each output's dtype, unless given);
+    every allocation poisoned with NaN. Returns (outputs, {name: grad}, upstream)."""
+    with poisoned():
+        outs = call(inputs, backend)
+        if upstream is None:
+            g = torch.Generator().manual_seed(seed)
+            upstream = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device, o.dtype) for o in outs]
+        else:
+            upstream = [u.to(o.device, o.dtype) for u, o in zip(upstream, outs)]
+        differentiable = [k for k, v in inputs.items() if v.requires_grad]
+        grads = torch.autograd.grad(outs, [inputs[k] for k in differentiable], upstream)
+    return outs, dict(zip(differentiable, grads)), upstream
+
+
+def check_against_reference(call, inputs: dict, backend: str, dtype: torch.dtype | None = None, names=None):
+    """``backend`` on ``inputs`` against the "ref" backend on float64 copies of the same values,
+    under the same upstream gradients (as rounded for the backend), every output and every
+    gradient compared with :func:`assert_relative` at the tolerances of ``dtype`` (default: the
+    dtype of the first input). Gradients must keep their inputs' dtypes. Returns the backend's
+    (outputs, grads)."""
+    dtype = dtype or next(iter(inputs.values())).dtype
+    fwd_tol, grad_tol = REFERENCE_TOLERANCES[dtype]
+    outs, grads, upstream = run_with_grads(call, inputs, backend)
+    ref_outs, ref_grads, _ = run_with_grads(call, as_float64(inputs), "ref", [u.double() for u in upstream])
+    names = names or [f"output {i}" for i in range(len(outs))]
+    for name, out, ref in zip(names, outs, ref_outs):
+        assert_relative(out, ref, fwd_tol, f"{backend} {name}")
+    for name, grad in grads.items():
+        assert grad.dtype == inputs[name].dtype, f"{backend} d{name}: dtype {grad.dtype} != {inputs[name].dtype}"
+        assert_relative(grad, ref_grads[name], grad_tol, f"{backend} d{name}")
+    return outs, grads
+
+
+def _uniform(g: torch.Generator, dtype: torch.dtype):
+    def rand(*shape, lo=-1.0, hi=1.0, dt=None):
+        return (lo + (hi - lo) * torch.rand(*shape, generator=g, dtype=torch.float64)).to(dt or dtype)
+
+    return rand
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of states and of A, D and the biases for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- selective_scan
+
+SELECTIVE_FORMS = ["fixed", "varying", "grouped"]  # B/C as (D, N), (B, N, L), (B, G, N, L)
+
+
+def selective_inputs(
+    length: int,
+    *,
+    batch: int = 2,
+    dim: int = 6,
+    N: int = 4,
+    groups: int = 3,
+    B_form: str = "varying",
+    C_form: str | None = None,
+    D: bool = True,
+    z: bool = True,
+    bias: bool = True,
+    initial_state: bool = True,
+    wide_delta: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> dict:
+    """Inputs for selective_scan in the ranges a Mamba layer sees, as leaf tensors. With a bias,
+    Δ = softplus(delta + bias) lies around 0.05..1; ``wide_delta`` spreads the pre-softplus
+    value over [-12, 26], across softplus's threshold (20) and far below 0."""
+    g = torch.Generator().manual_seed(seed)
+    rand = _uniform(g, dtype)
+
+    def bc(form):
+        return {
+            "fixed": lambda: rand(dim, N),
+            "varying": lambda: rand(batch, N, length),
+            "grouped": lambda: rand(batch, groups, N, length),
+        }[form]()
+
+    fp32 = state_dtype(dtype)
+    if wide_delta:
+        delta = rand(batch, dim, length, lo=-10.0, hi=28.0)
+    elif bias:
+        delta = rand(batch, dim, length, lo=-1.0, hi=0.5)
+    else:
+        delta = rand(batch, dim, length, lo=0.01, hi=0.8)
+    x = dict(u=rand(batch, dim, length), delta=delta, A=-rand(dim, N, lo=0.1, hi=3.0, dt=fp32), B=bc(B_form), C=bc(C_form or B_form))
+    if D:
+        x["D"] = rand(dim, dt=fp32)
+    if z:
+        x["z"] = rand(batch, dim, length)
+    if bias:
+        x["delta_bias"] = rand(dim, lo=-2.0, hi=-1.0, dt=fp32)
+    if initial_state:
+        x["initial_state"] = rand(batch, dim, N, dt=fp32)
+    for t in x.values():
+        t.requires_grad_(True)
+    return x
+
+
+def selective_call(inputs: dict, backend: str, **kw):
+    """(out, last_state) of selective_scan on ``inputs``, with softplus when there is a bias."""
+    return selective_scan(**inputs, delta_softplus="delta_bias" in inputs, return_last_state=True, backend=backend, **kw)
+
+
+def check_selective(inputs: dict, backend: str, dtype: torch.dtype | None = None):
+    """``backend`` against the float64 reference; out in u's dtype, the state in float32 (or
+    float64)."""
+    (out, last), grads = check_against_reference(selective_call, inputs, backend, dtype, ["out", "last_state"])
+    assert out.dtype == inputs["u"].dtype
+    assert last.dtype == state_dtype(inputs["u"].dtype)
+    return (out, last), grads
+
+
+# ----------------------------------------------------------------------------- linear_scan
+
+
+def linear_inputs(shape, dim, *, initial_state=True, dtype=torch.float32, seed=0) -> dict:
+    """Gates in [0, 1.05) (some above 1), inputs and initial state standard normal."""
+    g = torch.Generator().manual_seed(seed)
+    gates = torch.rand(shape, generator=g, dtype=torch.float64).mul(1.05).to(dtype)
+    inputs = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    x = dict(gates=gates, inputs=inputs)
+    if initial_state:
+        state_shape = list(shape)
+        del state_shape[dim]
+        x["initial_state"] = torch.randn(state_shape, generator=g, dtype=torch.float64).to(dtype)
+    for t in x.values():
+        t.requires_grad_(True)
+    return x
+
+
+def linear_call(dim: int, reverse: bool):
+    def call(inputs, backend):
+        return (linear_scan(**inputs, dim=dim, reverse=reverse, backend=backend),)
+
+    return call
+
+
+def check_linear(inputs: dict, backend: str, dim: int, reverse: bool, dtype: torch.dtype | None = None):
+    (states,), grads = check_against_reference(linear_call(dim, reverse), inputs, backend, dtype, ["states"])
+    assert states.dtype == inputs["inputs"].dtype
+    return states, grads
+
+
+# ----------------------------------------------------------------------------- ssd
+
+
+def ssd_inputs(length, *, batch=2, heads=4, head_dim=3, groups=2, N=5, D="heads", z=True, bias=True,
+               initial_state=True, dtype=torch.float32, seed=0) -> dict:
+    """Inputs for ssd, as leaf tensors; ``D`` is "none", "heads" (H,) or "channels" (H, P)."""
+    g = torch.Generator().manual_seed(seed)
+    rand = _uniform(g, dtype)
+    fp32 = state_dtype(dtype)
+    x = dict(
+        x=rand(batch, length, heads, head_dim),
+        dt=rand(batch, length, heads, lo=-2.0, hi=1.0),
+        A=-rand(heads, lo=0.5, hi=4.0, dt=fp32),
+        B=rand(batch, length, groups, N),
+        C=rand(batch, length, groups, N),
+    )
+    if D == "heads":
+        x["D"] = rand(heads, dt=fp32)
+    elif D == "channels":
+        x["D"] = rand(heads, head_dim, dt=fp32)
+    if z:
+        x["z"] = rand(batch, length, heads, head_dim)
+    if bias:
+        x["dt_bias"] = rand(heads, lo=-3.0, hi=-1.0, dt=fp32)
+    if initial_state:
+        x["initial_state"] = rand(batch, heads, head_dim, N, dt=fp32)
+    for t in x.values():
+        t.requires_grad_(True)
+    return x
+
+
+def ssd_call(chunk_size: int = 8, dt_limit=(0.0, math.inf)):
+    def call(inputs, backend):
+        return ssd(**inputs, dt_softplus=True, dt_limit=dt_limit, return_last_state=True,
+                   chunk_size=chunk_size, backend=backend)
+
+    return call
+
+
+def check_ssd(inputs: dict, backend: str, dtype: torch.dtype | None = None, chunk_size: int = 8, dt_limit=(0.0, math.inf)):
+    (out, last), grads = check_against_reference(
+        ssd_call(chunk_size, dt_limit), inputs, backend, dtype, ["out", "last_state"]
+    )
+    assert out.dtype == inputs["x"].dtype
+    assert last.dtype == state_dtype(inputs["x"].dtype)
+    return (out, last), grads
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def assert_compiled_matches_eager(f, inputs, **tolerance):
+    """``torch.compile(f, fullgraph=True)`` (any graph break is an error) gives the eager loss
+    and gradients (within ``tolerance`` when the two run different algorithms). The
+    "aot_eager" compiler traces forward and backward as inductor would, but runs them eagerly."""
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+
+    def loss_and_grads(fn):
+        loss = fn(*inputs)
+        return [loss, *torch.autograd.grad(loss, inputs)]
+
+    for got, expected in zip(loss_and_grads(compiled), loss_and_grads(f)):
+        torch.testing.assert_close(got, expected, **tolerance)

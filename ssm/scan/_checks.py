@@ -47,3 +47,43 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
+
+
+def check_cu_seqlens(cu_seqlens, length: int, batch: int, device: torch.device) -> torch.Tensor:
+    """Validate packed-sequence boundaries and return them as int64 on ``device``.
+
+    ``cu_seqlens`` is a 1-D integer tensor (S + 1,) of cumulative lengths: it starts at 0, never
+    decreases and ends at the packed length L; sequence s occupies positions
+    cu_seqlens[s] .. cu_seqlens[s + 1] - 1 of a batch of one. Zero-length sequences are allowed
+    (their last state is their initial state). The convention of flash-linear-attention and of
+    mamba-ssm's varlen Mamba-2."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must have dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be 1-D with at least 2 entries (num_seqs + 1), got shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on device '{cu_seqlens.device}' but the inputs are on '{device}'")
+    if batch != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed along L in a batch of 1, got batch = {batch}")
+    values = cu_seqlens.tolist()
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]} (cu_seqlens = {_shorten(values)})")
+    if values[-1] != length:
+        raise ValueError(
+            f"cu_seqlens must end at the packed length L = {length}, got {values[-1]} (cu_seqlens = {_shorten(values)})"
+        )
+    drops = [i for i in range(len(values) - 1) if values[i + 1] < values[i]]
+    if drops:
+        i = drops[0]
+        raise ValueError(
+            f"cu_seqlens must not decrease, but cu_seqlens[{i + 1}] = {values[i + 1]} < cu_seqlens[{i}] = {values[i]}"
+        )
+    return cu_seqlens.to(torch.int64)
+
+
+def _shorten(values: list) -> str:
+    return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:5]))}, ..., {', '.join(map(str, values[-5:]))}]"

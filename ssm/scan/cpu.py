@@ -48,7 +48,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ._checks import compute_dtype
-from .reference import discretization_step, skip_and_gate
+from ._common import selective_delta, selective_skip_and_gate
 
 CHUNK = 16  # steps per compiled chunk
 COMPILE = os.environ.get("SSM_CPU_COMPILE", "1") not in ("0", "false", "off")
@@ -318,7 +318,7 @@ def selective_scan_cpu(
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     out_dtype = u.dtype
     u = u.to(dtype)
-    delta = discretization_step(delta.to(dtype), delta_bias, delta_softplus)  # (B, D, L)
+    delta = selective_delta(delta.to(dtype), delta_bias, delta_softplus)  # (B, D, L)
     length = u.shape[-1]
     args = (
         _pad_to_chunks(delta.movedim(-1, 0)),  # (L', B, D), L' = L rounded up to whole chunks
@@ -335,7 +335,7 @@ def selective_scan_cpu(
         delta_tm, u_tm, A_, B_, C_, h0 = (None if x is None else x.detach() for x in args)
         h = delta_tm.new_zeros(*delta_tm.shape[1:], A_.shape[1]) if h0 is None else h0
         y, last = _selective_sweep(delta_tm, u_tm, A_, B_, C_, h)
-    out = skip_and_gate(y[:length].movedim(0, -1), u, D, z)  # (B, D, L)
+    out = selective_skip_and_gate(y[:length].movedim(0, -1), u, D, z)  # (B, D, L)
     return out.to(out_dtype), last
 
 

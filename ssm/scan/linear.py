@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch
+from . import triton
+from ._backends import BackendTable
 from ._checks import check_same_device, check_shape, check_tensor
+from .cpu import linear_scan_cpu
+from .pscan import linear_scan_pscan
+from .reference import linear_scan_ref
 
-OP = "linear_scan"
+# Backends take (gates, inputs, dim, initial_state, reverse) with dim non-negative and return
+# the states.
+BACKENDS = BackendTable(
+    "linear_scan",
+    auto={"cpu": ("cpu", "pscan"), "cuda": ("triton", "pscan"), "*": ("pscan",)},
+)
+BACKENDS.add("ref", linear_scan_ref)
+BACKENDS.add("pscan", linear_scan_pscan)
+BACKENDS.add("cpu", linear_scan_cpu, devices=("cpu",))
+BACKENDS.add("triton", triton.linear_scan_triton, devices=triton.devices, hint=triton.hint)
 
 
 def linear_scan(
@@ -47,8 +60,8 @@ def linear_scan(
         check_tensor("initial_state", initial_state)
         check_shape("initial_state", initial_state, state_shape, f"inputs.shape without dim {dim}")
     check_same_device("inputs", inputs, gates=gates, initial_state=initial_state)
-    impl = _dispatch.resolve(OP, backend, inputs.device)
+    impl = BACKENDS.resolve(backend, inputs.device)
 
     if inputs.shape[dim] == 0:
         return inputs.new_empty(inputs.shape, dtype=torch.promote_types(gates.dtype, inputs.dtype))
-    return impl.fn(gates, inputs, dim, initial_state, bool(reverse))
+    return impl.fn(gates, inputs, dim, initial_state, bool(reverse)).contiguous()

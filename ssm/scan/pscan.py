@@ -15,8 +15,8 @@ accumulated through the recurrence,
 
 Nothing here writes into a caller's tensor.
 
-Shape symbols: B batch, D channels, L length, N state size, G groups; P and Q are the
-flattened dimensions before and after the scanned one.
+Shape symbols: B batch, L length, D channels, N state size, G groups; E and F are the
+flattened dimensions before and after the scanned one of a linear scan.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import math
 import torch
 
 from ._checks import compute_dtype
-from .reference import discretization_step, skip_and_gate
+from ._common import selective_delta, selective_skip_and_gate
 
 
 def _into(out: torch.Tensor, fn, *args) -> torch.Tensor:
@@ -45,9 +45,9 @@ def _pscan(
     reverse: bool,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All states of h_t = a_t·h_prev + x_t along dim 1 of (P, T, Q) tensors; h_prev is the
-    previous step in scan order (t-1, or t+1 when ``reverse``) and ``h0`` (P, Q) or 0 before
-    the first step. Writes the states into ``out`` (any (P, T, Q) view; a new tensor if None)
+    """All states of h_t = a_t·h_prev + x_t along dim 1 of (E, L, F) tensors; h_prev is the
+    previous step in scan order (t-1, or t+1 when ``reverse``) and ``h0`` (E, F) or 0 before
+    the first step. Writes the states into ``out`` (any (E, L, F) view; a new tensor if None)
     and returns it."""
     if out is None:
         out = torch.empty_like(x)
@@ -69,7 +69,7 @@ def _pscan(
     # h0 passes through unchanged, because composing the scan's first pair with h0 gives the
     # first composed step applied to h0.
     h_pairs = _pscan(
-        a_second * a_first,  # (P, n, Q)
+        a_second * a_first,  # (E, L/2, F)
         torch.addcmul(x[:, second], a_second, x[:, first]),
         h0,
         reverse,
@@ -91,7 +91,7 @@ def _pscan(
 
 
 class LinearScanFn(torch.autograd.Function):
-    """Differentiable parallel linear scan over dim 1 of (P, T, Q) tensors of one dtype."""
+    """Differentiable parallel linear scan over dim 1 of (E, L, F) tensors of one dtype."""
 
     @staticmethod
     def forward(ctx, a, x, h0, reverse: bool):
@@ -116,7 +116,7 @@ class LinearScanFn(torch.autograd.Function):
         a_next = torch.empty_like(a)
         a_next[:, before] = a[:, after]
         a_next[:, end] = 0  # the last step in scan order has no successor; this slot is unused
-        lam = _pscan(a_next, grad_h.contiguous(), None, not reverse)  # (P, T, Q)
+        lam = _pscan(a_next, grad_h.contiguous(), None, not reverse)  # (E, L, F)
 
         grad_a = grad_h0 = None
         if need_a:  # da_t = λ_t·h_prev(t), with h_prev = h0 (or 0) at the first step
@@ -129,7 +129,7 @@ class LinearScanFn(torch.autograd.Function):
 
 
 def _as_3d(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """View ``x`` as (P, T, Q) with the scanned dimension in the middle."""
+    """View ``x`` as (E, L, F) with the scanned dimension in the middle."""
     return x.reshape(math.prod(x.shape[:dim]), x.shape[dim], math.prod(x.shape[dim + 1 :]))
 
 
@@ -144,7 +144,7 @@ def linear_scan_pscan(
     dtype = compute_dtype(gates, inputs, initial_state)
     out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
     shape = inputs.shape
-    a = _as_3d(gates.to(dtype), dim)  # (P, T, Q)
+    a = _as_3d(gates.to(dtype), dim)  # (E, L, F)
     x = _as_3d(inputs.to(dtype), dim)
     h0 = None if initial_state is None else initial_state.to(dtype).reshape(a.shape[0], a.shape[2])
     h = LinearScanFn.apply(a.contiguous(), x.contiguous(), h0, reverse)
@@ -174,7 +174,7 @@ def selective_scan_pscan(
     N = A.shape[1]
     out_dtype = u.dtype
     u, delta, A = u.to(dtype), delta.to(dtype), A.to(dtype)
-    delta = discretization_step(delta, delta_bias, delta_softplus)  # (B, D, L)
+    delta = selective_delta(delta, delta_bias, delta_softplus)  # (B, D, L)
 
     delta_t = delta.transpose(1, 2).contiguous()  # (B, L, D)
     decay = torch.exp_(delta_t[..., None] * A)  # (B, L, D, N); in place: one temporary fewer
@@ -197,6 +197,6 @@ def selective_scan_pscan(
         G = C.shape[1]
         C_t = C.to(dtype).permute(0, 3, 1, 2)[..., None]  # (B, L, G, N, 1)
         y = torch.matmul(h.view(batch, length, G, dim // G, N), C_t).view(batch, length, dim)
-    out = skip_and_gate(y.transpose(1, 2), u, D, z)  # (B, D, L)
+    out = selective_skip_and_gate(y.transpose(1, 2), u, D, z)  # (B, D, L)
     # A copy, so that holding on to the last state does not keep all of h alive.
     return out.to(out_dtype), h[:, -1].clone()

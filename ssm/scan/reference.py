@@ -1,9 +1,11 @@
 """Sequential reference implementations: the ground truth every other backend is tested against.
 
 They are written to be read, not to be fast: one Python loop over time, state in float32
-(float64 when the inputs are float64), gradients by autograd through the loop.
+(float64 when the inputs are float64), gradients by autograd through the loop. They share no
+helper with the fast paths (those use _common.py), so that a bug in a shared piece of
+arithmetic cannot hide from the comparison.
 
-Shape symbols: B batch, D channels, L length, N state size, G groups.
+Shape symbols: B batch, L length, D channels, N state size, G groups, H heads, P head dim.
 """
 
 from __future__ import annotations
@@ -12,37 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import compute_dtype
-
-
-def discretization_step(
-    delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool
-) -> torch.Tensor:
-    """Δ = softplus(delta + delta_bias) (each part only when asked). delta: (B, D, L)."""
-    if delta_bias is not None:
-        delta = delta + delta_bias.to(delta.dtype)[:, None]
-    if delta_softplus:
-        delta = F.softplus(delta)
-    return delta
-
-
-def skip_and_gate(
-    y: torch.Tensor, u: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None
-) -> torch.Tensor:
-    """y + D·u, then · silu(z) (each part only when given). All (B, D, L) but D: (D,)."""
-    if D is not None:
-        y = y + D.to(y.dtype)[:, None] * u
-    if z is not None:
-        y = y * F.silu(z.to(y.dtype))
-    return y
-
-
-def per_channel(M: torch.Tensor, dim: int) -> torch.Tensor:
-    """B or C as (D, N) when fixed, or (B, D, N, L) when time-varying: each of the ``dim``
-    channels gets a copy of its group's values (channel d uses group d // (dim / G))."""
-    if M.ndim == 2:  # fixed: (D, N)
-        return M
-    groups = M.shape[1]  # (B, G, N, L)
-    return M.repeat_interleave(dim // groups, dim=1)  # (B, D, N, L)
 
 
 def selective_scan_ref(
@@ -71,9 +42,17 @@ def selective_scan_ref(
     batch, dim, length = u.shape
     out_dtype = u.dtype
     u, delta, A = u.to(dtype), delta.to(dtype), A.to(dtype)
-    delta = discretization_step(delta, delta_bias, delta_softplus)  # (B, D, L)
-    B = per_channel(B.to(dtype), dim)  # (D, N) or (B, D, N, L)
-    C = per_channel(C.to(dtype), dim)
+    if delta_bias is not None:
+        delta = delta + delta_bias.to(dtype)[:, None]
+    if delta_softplus:
+        delta = F.softplus(delta)  # (B, D, L)
+    # Each channel gets its own copy of B and C: (D, N) when fixed, (B, D, N, L) when time-
+    # varying, channel d reading group d // (D / G).
+    B, C = B.to(dtype), C.to(dtype)
+    if B.ndim == 4:
+        B = B.repeat_interleave(dim // B.shape[1], dim=1)
+    if C.ndim == 4:
+        C = C.repeat_interleave(dim // C.shape[1], dim=1)
 
     if initial_state is None:
         h = u.new_zeros(batch, dim, A.shape[1])  # (B, D, N)
@@ -93,8 +72,11 @@ def selective_scan_ref(
         h = decay * h + (delta_t * u_t)[..., None] * B_t
         ys.append((h * C_t).sum(-1))  # (B, D)
     y = torch.stack(ys, dim=-1)  # (B, D, L)
-    out = skip_and_gate(y, u, D, z)
-    return out.to(out_dtype), h
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * u
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    return y.to(out_dtype), h
 
 
 def linear_scan_ref(
@@ -119,35 +101,6 @@ def linear_scan_ref(
         h = a_steps[t] * h + x_steps[t]
         states[t] = h
     return torch.stack(states, dim=dim).to(out_dtype)
-
-
-def ssd_time_step(
-    dt: torch.Tensor,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    dt_limit: tuple[float, float],
-) -> torch.Tensor:
-    """Δ = clamp(softplus(dt + dt_bias), *dt_limit) (each part only when asked). dt: (B, L, H)."""
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dt.dtype)
-    if dt_softplus:
-        dt = F.softplus(dt)
-    lo, hi = dt_limit
-    if lo > 0.0 or hi < float("inf"):
-        dt = dt.clamp(min=lo, max=hi)
-    return dt
-
-
-def ssd_skip_and_gate(
-    y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None
-) -> torch.Tensor:
-    """y + D·x, then · silu(z). y, x, z: (B, L, H, P); D: (H,) or (H, P)."""
-    if D is not None:
-        D = D.to(y.dtype)
-        y = y + (D[:, None] if D.ndim == 1 else D) * x
-    if z is not None:
-        y = y * F.silu(z.to(y.dtype))
-    return y
 
 
 def ssd_ref(
@@ -178,8 +131,13 @@ def ssd_ref(
     batch, length, heads, head_dim = x.shape
     groups, N = B.shape[2], B.shape[3]
     out_dtype = x.dtype
-    x, A = x.to(dtype), A.to(dtype)
-    dt = ssd_time_step(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (B, L, H)
+    x, A, dt = x.to(dtype), A.to(dtype), dt.to(dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if tuple(dt_limit) != (0.0, float("inf")):  # the default limits mean "no clamp"
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])  # (B, L, H)
     B = B.to(dtype).repeat_interleave(heads // groups, dim=2)  # (B, L, H, N)
     C = C.to(dtype).repeat_interleave(heads // groups, dim=2)
 
@@ -193,5 +151,9 @@ def ssd_ref(
         h = decay * h + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]
         ys.append((h * C_t[:, :, None, :]).sum(-1))  # (B, H, P)
     y = torch.stack(ys, dim=1)  # (B, L, H, P)
-    out = ssd_skip_and_gate(y, x, D, z)
-    return out.to(out_dtype), h
+    if D is not None:
+        D = D.to(dtype)
+        y = y + (D[:, None] if D.ndim == 1 else D) * x  # D: (H,) or (H, P)
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    return y.to(out_dtype), h

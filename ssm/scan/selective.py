@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch
+from . import triton
+from ._backends import BackendTable
 from ._checks import check_same_device, check_shape, check_tensor, compute_dtype
+from .cpu import selective_scan_cpu
+from .pscan import selective_scan_pscan
+from .reference import selective_scan_ref
 
-OP = "selective_scan"
+# Backends take the public arguments less return_last_state, in the same order, with B and C
+# as (D, N) or (B, G, N, L), and return (out, last_state).
+BACKENDS = BackendTable(
+    "selective_scan",
+    auto={"cpu": ("cpu", "pscan"), "cuda": ("triton", "pscan"), "*": ("pscan",)},
+)
+BACKENDS.add("ref", selective_scan_ref)
+BACKENDS.add("pscan", selective_scan_pscan)
+BACKENDS.add("cpu", selective_scan_cpu, devices=("cpu",))
+BACKENDS.add("triton", triton.selective_scan_triton, devices=triton.devices, hint=triton.hint)
 
 
 def _check_BC(name: str, M: torch.Tensor, batch: int, dim: int, N: int, length: int) -> torch.Tensor:
@@ -64,8 +77,8 @@ def selective_scan(
     is always computed in float32 or wider, whatever the input dtype. Gradients flow to every
     tensor argument, into ``initial_state`` and from ``last_state``.
 
-    ``backend``: ``"auto"`` (the best one for the inputs' device) or a name from
-    ``ssm.scan.backends("selective_scan")``.
+    ``backend``: ``"auto"`` (the best one for the inputs' device: "cpu" on the CPU, "triton"
+    on CUDA, "pscan" elsewhere) or a name from ``ssm.scan.backends("selective_scan")``.
     """
     check_tensor("u", u, ndim=3)
     batch, dim, length = u.shape
@@ -91,7 +104,7 @@ def selective_scan(
         "u", u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
         initial_state=initial_state,
     )
-    impl = _dispatch.resolve(OP, backend, u.device)
+    impl = BACKENDS.resolve(backend, u.device)
 
     if length == 0:
         out = u.new_empty(batch, dim, 0)
@@ -103,4 +116,5 @@ def selective_scan(
         return out, initial_state.to(state_dtype, copy=True)
 
     out, last_state = impl.fn(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state)
+    out = out.contiguous()  # as mamba-ssm's are: callers may .view() it
     return (out, last_state) if return_last_state else out

@@ -6,10 +6,16 @@ import math
 
 import torch
 
-from . import _dispatch
+from ._backends import BackendTable
 from ._checks import check_same_device, check_shape, check_tensor, compute_dtype
+from .chunked import ssd_chunked
+from .reference import ssd_ref
 
-OP = "ssd"
+# Backends take the public arguments less return_last_state, in the same order, and return
+# (out, last_state).
+BACKENDS = BackendTable("ssd", auto={"*": ("chunked",)})
+BACKENDS.add("ref", ssd_ref)
+BACKENDS.add("chunked", ssd_chunked)
 
 
 def ssd(
@@ -85,7 +91,7 @@ def ssd(
     check_same_device(
         "x", x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_state=initial_state
     )
-    impl = _dispatch.resolve(OP, backend, x.device)
+    impl = BACKENDS.resolve(backend, x.device)
 
     if length == 0:
         out = x.new_empty(x.shape)
@@ -99,4 +105,5 @@ def ssd(
     out, last_state = impl.fn(
         x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), tuple(dt_limit), initial_state, chunk_size
     )
+    out = out.contiguous()  # as mamba-ssm's are: callers may .view() it
     return (out, last_state) if return_last_state else out

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ._checks import check_shape, check_tensor, compute_dtype
-from .reference import discretization_step, skip_and_gate, ssd_skip_and_gate, ssd_time_step
+from ._common import selective_delta, selective_skip_and_gate, ssd_delta, ssd_skip_and_gate
 
 
 def selective_scan_step(
@@ -45,11 +45,11 @@ def selective_scan_step(
     dtype = compute_dtype(state, u, delta, A, B, C, D, z, delta_bias)
     B, C = (_per_channel_step(n, M, batch, dim, N, dtype) for n, M in (("B", B), ("C", C)))
     # The reference's own formulas, on a length-1 time axis: (batch, dim) -> (batch, dim, 1).
-    delta = discretization_step(delta.to(dtype)[..., None], delta_bias, delta_softplus)[..., 0]
+    delta = selective_delta(delta.to(dtype)[..., None], delta_bias, delta_softplus)[..., 0]
     u32 = u.to(dtype)
     h = torch.exp(delta[..., None] * A.to(dtype)) * state.to(dtype) + (delta * u32)[..., None] * B
     y = (h * C).sum(-1)  # (batch, dim)
-    y = skip_and_gate(y[..., None], u32[..., None], D, None if z is None else z[..., None])[..., 0]
+    y = selective_skip_and_gate(y[..., None], u32[..., None], D, None if z is None else z[..., None])[..., 0]
     return y.to(u.dtype), h
 
 
@@ -99,7 +99,7 @@ def ssd_step(
     if groups == 0 or heads % groups:
         raise ValueError(f"B has G = {groups} groups, but H = {heads} is not divisible by G")
     dtype = compute_dtype(state, x, dt, A, B, C, D, z, dt_bias)
-    dt = ssd_time_step(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (batch, H)
+    dt = ssd_delta(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (batch, H)
     B = B.to(dtype).repeat_interleave(heads // groups, dim=1)[:, :, None, :]  # (batch, H, 1, N)
     C = C.to(dtype).repeat_interleave(heads // groups, dim=1)[:, :, None, :]
     x32 = x.to(dtype)

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ssm.scan.triton import _heuristics, _kernels
+from ssm.scan.triton import linear_scan, selective_scan
 
 IO = {"u_ptr", "delta_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr", "dout_ptr", "du_ptr", "ddelta_ptr", "dz_ptr"}
 
@@ -38,19 +38,25 @@ def signature(fn, constexprs: dict, io_type: str) -> dict:
 
 
 def variants():
-    cfg = _heuristics.selective_scan_config(1536, 16, 1536, 1536)
+    """(JIT function, its compile-time arguments, warps) of every kernel at a mamba-130m layer's
+    shape, each with every option on (the flags @triton.heuristics would derive)."""
+    import torch
+
+    u, B = torch.empty(1, 1536, 1), torch.empty(1, 1, 16, 1)
+    cfg = selective_scan.config(u, B, B)
     blocks = dict(BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk)
-    flags = dict(COMPUTE=tl.float32, HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, **blocks)
+    flags = dict(COMPUTE=tl.float32, HAS_D=True, HAS_Z=True, HAS_DELTA_BIAS=True, SOFTPLUS=True, **blocks)
     bwd = dict(HAS_DLAST=True, LOG2_CHUNK=cfg.chunk.bit_length() - 1, INT=tl.int32)
     for varying in (True, False):
         BC = dict(B_VARYING=varying, C_VARYING=varying)
-        yield _kernels._selective_scan_fwd_kernel, {**flags, **BC, "HAS_H0": True, "SAVE_CHUNK_STATES": True}, cfg.num_warps
-        yield _kernels._selective_scan_bwd_kernel, {**flags, **BC, **bwd}, cfg.num_warps_bwd
-    lin = _heuristics.linear_scan_config(65536, 4)
+        fwd = {**flags, **BC, "HAS_INITIAL_STATE": True, "SAVE_CHUNK_STATES": True}
+        yield selective_scan._selective_scan_fwd_kernel.fn, fwd, cfg.num_warps
+        yield selective_scan._selective_scan_bwd_kernel.fn, {**flags, **BC, **bwd}, cfg.num_warps_bwd
+    lin = linear_scan.config(65536, 4)
     for backward in (False, True):
-        constexprs = dict(COMPUTE=tl.float32, REVERSE=True, HAS_H0=True, BACKWARD=backward,
-                          BLOCK_T=lin.block_t, BLOCK_Q=lin.block_q)
-        yield _kernels._linear_scan_kernel, constexprs, lin.num_warps
+        constexprs = dict(COMPUTE=tl.float32, REVERSE=True, HAS_INITIAL_STATE=True, BACKWARD=backward,
+                          BLOCK_T=lin.block_t, BLOCK_F=lin.block_f)
+        yield linear_scan._linear_scan_kernel.fn, constexprs, lin.num_warps
 
 
 def resource_usage(cubin: bytes) -> str:

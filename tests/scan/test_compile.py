@@ -10,20 +10,7 @@ import pytest
 import torch
 
 from ssm.scan import linear_scan, selective_scan
-
-
-def loss_and_grads(fn, inputs):
-    loss = fn(*inputs)
-    return [loss, *torch.autograd.grad(loss, inputs)]
-
-
-def assert_compiled_matches_eager(f, inputs, **tolerance):
-    """fullgraph=True makes any graph break an error; the compiled loss and gradients must
-    equal the eager ones (within ``tolerance`` when the two run different algorithms: the
-    "cpu" backend traces the parallel scan under torch.compile)."""
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    for got, expected in zip(loss_and_grads(compiled, inputs), loss_and_grads(f, inputs)):
-        torch.testing.assert_close(got, expected, **tolerance)
+from tests.helpers import assert_compiled_matches_eager
 
 
 @pytest.mark.parametrize("backend", ["pscan", "cpu"])

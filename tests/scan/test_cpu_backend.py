@@ -14,29 +14,29 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from ssm.scan import _dispatch, cpu, linear_scan, selective_scan
-from tests.helpers import assert_close
-from tests.scan import test_linear_scan as lin
-from tests.scan import test_selective_scan as sel
+from ssm.scan import cpu, linear_scan, selective_scan
+from ssm.scan.linear import BACKENDS as LINEAR_BACKENDS
+from ssm.scan.selective import BACKENDS as SELECTIVE_BACKENDS
+from tests.helpers import assert_close, check_linear, check_selective, linear_inputs, selective_call, selective_inputs
 
 T = cpu.CHUNK
 
 
 def test_auto_picks_cpu_for_cpu_tensors():
-    assert _dispatch.resolve("selective_scan", "auto", torch.device("cpu")).name == "cpu"
-    assert _dispatch.resolve("linear_scan", "auto", torch.device("cpu")).name == "cpu"
+    assert SELECTIVE_BACKENDS.resolve("auto", torch.device("cpu")).name == "cpu"
+    assert LINEAR_BACKENDS.resolve("auto", torch.device("cpu")).name == "cpu"
 
 
 @pytest.mark.parametrize("length", [T - 1, T, T + 1, 2 * T - 1, 2 * T + 1])
 @pytest.mark.parametrize("form", ["fixed", "grouped"])
 def test_selective_chunk_boundaries(length, form):
-    sel.check_against_ref(sel.make_inputs(length, B_form=form, C_form="varying"), "cpu")
+    check_selective(selective_inputs(length, B_form=form, C_form="varying"), "cpu")
 
 
 @pytest.mark.parametrize("length", [T - 1, T, T + 1, 2 * T + 1])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_linear_chunk_boundaries(length, reverse):
-    lin.check_against_ref(lin.make_inputs((2, length, 3), 1), "cpu", 1, reverse)
+    check_linear(linear_inputs((2, length, 3), 1), "cpu", 1, reverse)
 
 
 def grads_against_ref(run, inputs, outputs, what):
@@ -50,7 +50,7 @@ def grads_against_ref(run, inputs, outputs, what):
 
 
 def run_selective(inputs, backend):
-    out, last = sel.forward(inputs, backend)
+    out, last = selective_call(inputs, backend)
     g = torch.Generator().manual_seed(1)
     upstream = (torch.randn(out.shape, generator=g), torch.randn(last.shape, generator=g))
     grads = torch.autograd.grad((out, last), list(inputs.values()), upstream)
@@ -75,18 +75,18 @@ def test_compiled_chunks_match_ref_and_do_not_recompile_per_length(compiled_cpu_
     counters.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a compile failure would warn
-        inputs = sel.make_inputs(2 * T + 5, B_form="varying", C_form="grouped")
+        inputs = selective_inputs(2 * T + 5, B_form="varying", C_form="grouped")
         grads_against_ref(run_selective, inputs, ["out", "last_state"], "selective")
         graphs = counters["stats"]["unique_graphs"]
         assert graphs >= 2  # the forward and the backward chunk
         assert cpu._SELECTIVE_FWD._compiled is not None and not cpu._SELECTIVE_FWD.failed
         assert not cpu._SELECTIVE_BWD.failed
-        inputs = sel.make_inputs(4 * T - 1, B_form="varying", C_form="grouped", seed=3)
+        inputs = selective_inputs(4 * T - 1, B_form="varying", C_form="grouped", seed=3)
         grads_against_ref(run_selective, inputs, ["out", "last_state"], "selective")
         assert counters["stats"]["unique_graphs"] == graphs, "a new length recompiled the chunks"
 
         for reverse in (False, True):  # the linear scan: its forward and adjoint chunks
-            x = lin.make_inputs((2, 3 * T + 2, 5), 1)
+            x = linear_inputs((2, 3 * T + 2, 5), 1)
             grads_against_ref(run_linear(reverse), x, ["states"], f"linear reverse={reverse}")
         assert cpu._LINEAR._compiled is not None and not cpu._LINEAR.failed
 
@@ -109,13 +109,13 @@ def test_eager_fallback_warns_once_and_stays_correct(monkeypatch):
 
     # (not under poisoned(): under a dispatch mode the chunks run eagerly without compiling)
     with pytest.warns(RuntimeWarning, match="running the chunks eagerly") as record:
-        grads_against_ref(run_selective, sel.make_inputs(2 * T + 3), ["out", "last_state"], "selective")
+        grads_against_ref(run_selective, selective_inputs(2 * T + 3), ["out", "last_state"], "selective")
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
     assert cpu._SELECTIVE_FWD.failed and cpu._SELECTIVE_BWD.failed
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no second warning
-        grads_against_ref(run_selective, sel.make_inputs(3 * T, seed=2), ["out", "last_state"], "selective")
-        grads_against_ref(run_linear(False), lin.make_inputs((2, 2 * T + 1, 3), 1), ["states"], "linear")
+        grads_against_ref(run_selective, selective_inputs(3 * T, seed=2), ["out", "last_state"], "selective")
+        grads_against_ref(run_linear(False), linear_inputs((2, 2 * T + 1, 3), 1), ["states"], "linear")
     assert cpu._LINEAR.failed
 
 
@@ -141,20 +141,20 @@ def test_no_grad_saves_nothing(monkeypatch):
         return sweep(delta, u, A, B, C, h, states)
 
     monkeypatch.setattr(cpu, "_selective_sweep", spy)
-    inputs = sel.make_inputs(3 * T + 2)
+    inputs = selective_inputs(3 * T + 2)
 
     with torch.no_grad():
-        shapes, (out, last) = saved_by(lambda: sel.forward(inputs, "cpu"))
+        shapes, (out, last) = saved_by(lambda: selective_call(inputs, "cpu"))
     assert shapes == [] and out.grad_fn is None and last.grad_fn is None
     assert seen == [None], "the no-grad forward allocated chunk states"
 
     detached = {k: v.detach() for k, v in inputs.items()}  # nothing requires grad
-    shapes, (out, last) = saved_by(lambda: sel.forward(detached, "cpu"))
+    shapes, (out, last) = saved_by(lambda: selective_call(detached, "cpu"))
     assert shapes == [] and out.grad_fn is None
 
     # With gradients the chunk states are kept (so the test above can fail), and nothing
     # saved is as large as (batch, dim, L, N): memory is O(batch·dim·L) (L padded to whole chunks).
-    shapes, (out, last) = saved_by(lambda: sel.forward(inputs, "cpu"))
+    shapes, (out, last) = saved_by(lambda: selective_call(inputs, "cpu"))
     batch, dim, length = inputs["u"].shape
     N = inputs["A"].shape[1]
     assert (-(-length // T), batch, dim, N) in shapes
@@ -163,7 +163,7 @@ def test_no_grad_saves_nothing(monkeypatch):
 
 
 def test_linear_no_grad_saves_nothing():
-    x = lin.make_inputs((2, 2 * T + 3, 3), 1)
+    x = linear_inputs((2, 2 * T + 3, 3), 1)
     with torch.no_grad():
         shapes, states = saved_by(lambda: linear_scan(**x, dim=1, backend="cpu"))
     assert shapes == [] and states.grad_fn is None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssm.scan import _dispatch, backends, linear_scan, selective_scan
+from ssm.scan import backends, linear_scan, selective_scan
+from ssm.scan.linear import BACKENDS as LINEAR_BACKENDS
+from ssm.scan.selective import BACKENDS as SELECTIVE_BACKENDS
 
 BATCH, DIM, L, N = 2, 6, 5, 4
 
@@ -99,7 +101,7 @@ def test_unknown_backend_lists_available(fn):
 
 def test_backend_that_cannot_run_on_the_device_is_refused_not_replaced():
     calls = []
-    _dispatch.register("linear_scan", "gpu-only", lambda *a: calls.append(a), devices=("cuda",))
+    LINEAR_BACKENDS.add("gpu-only", lambda *a: calls.append(a), devices=("cuda",))
     try:
         assert "gpu-only" in backends("linear_scan") and "gpu-only" not in backends("linear_scan", "cpu")
         with pytest.raises(ValueError) as err:
@@ -107,15 +109,60 @@ def test_backend_that_cannot_run_on_the_device_is_refused_not_replaced():
         assert "cannot run on device 'cpu'" in str(err.value) and "'pscan'" in str(err.value)
         assert calls == []
     finally:
-        _dispatch.unregister("linear_scan", "gpu-only")
+        LINEAR_BACKENDS.remove("gpu-only")
 
 
 def test_auto_uses_a_registered_backend():
     a, x = torch.rand(3, 7), torch.rand(3, 7)
     torch.testing.assert_close(linear_scan(a, x), linear_scan(a, x, backend="ref"))
-    assert _dispatch.resolve("selective_scan", "auto", torch.device("cpu")).name in backends("selective_scan", "cpu")
+    assert SELECTIVE_BACKENDS.resolve("auto", torch.device("cpu")).name in backends("selective_scan", "cpu")
 
 
 def test_backends_rejects_unknown_op():
     with pytest.raises(ValueError, match="unknown op"):
         backends("quadratic_scan")
+
+
+def test_where_a_backend_runs_is_asked_when_resolving(monkeypatch):
+    """A backend's device list is read at each call (e.g. the Triton backend follows
+    TRITON_INTERPRET as it is then), never frozen when the table was built."""
+    where = ["cuda"]
+    LINEAR_BACKENDS.add("movable", lambda gates, inputs, *rest: inputs.clone(), devices=lambda: tuple(where))
+    try:
+        a, x = torch.rand(3, 7), torch.rand(3, 7)
+        with pytest.raises(ValueError, match="cannot run on device 'cpu'"):
+            linear_scan(a, x, backend="movable")
+        where.append("cpu")
+        assert torch.equal(linear_scan(a, x, backend="movable"), x)
+    finally:
+        LINEAR_BACKENDS.remove("movable")
+
+
+CU_SEQLENS_CASES = {
+    "not a tensor": ([0, 2, 5], 5, 1, ["cu_seqlens", "torch.Tensor"]),
+    "float": (torch.tensor([0.0, 5.0]), 5, 1, ["cu_seqlens", "int32 or torch.int64", "float32"]),
+    "2-D": (torch.tensor([[0, 5]]), 5, 1, ["cu_seqlens", "1-D", "(1, 2)"]),
+    "one entry": (torch.tensor([0]), 5, 1, ["cu_seqlens", "at least 2"]),
+    "not from 0": (torch.tensor([1, 5]), 5, 1, ["cu_seqlens", "start at 0", "got 1"]),
+    "not to L": (torch.tensor([0, 2, 4]), 5, 1, ["cu_seqlens", "end at", "L = 5", "got 4"]),
+    "decreasing": (torch.tensor([0, 3, 2, 5]), 5, 1, ["cu_seqlens", "not decrease", "cu_seqlens[2] = 2"]),
+    "batch 2": (torch.tensor([0, 5]), 5, 2, ["cu_seqlens", "batch of 1", "batch = 2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CU_SEQLENS_CASES))
+def test_cu_seqlens_errors(case):
+    from ssm.scan._checks import check_cu_seqlens
+
+    value, length, batch, words = CU_SEQLENS_CASES[case]
+    with pytest.raises(ValueError) as err:
+        check_cu_seqlens(value, length, batch, torch.device("cpu"))
+    for word in words:
+        assert word in str(err.value), f"{word!r} not in {str(err.value)!r}"
+
+
+def test_cu_seqlens_accepts_empty_sequences_and_int32():
+    from ssm.scan._checks import check_cu_seqlens
+
+    got = check_cu_seqlens(torch.tensor([0, 0, 3, 3, 5], dtype=torch.int32), 5, 1, torch.device("cpu"))
+    assert got.dtype == torch.int64 and got.tolist() == [0, 0, 3, 3, 5]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ssm.scan import associative_scan, linear_scan, scan
+from ssm.memory import saved_bytes
 from tests.helpers import assert_close, poisoned
 
 CHECKPOINTS = [None, 1, 3, "sqrt"]
@@ -255,20 +256,6 @@ def test_gradient_of_length_without_xs_reaches_parameters():
 
 # --------------------------------------------------------------------------------------------
 # memory
-
-
-def saved_bytes(run) -> tuple[int, object]:
-    """(Bytes of the distinct storages autograd keeps for the backward of ``run()``, its result)."""
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return sum(storages.values()), out
 
 
 @pytest.fixture

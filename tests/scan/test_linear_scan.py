@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ssm.scan import backends, linear_scan
-from tests.helpers import assert_close, poisoned
+from tests.helpers import check_linear, linear_call, linear_inputs, run_with_grads
 
 # "triton" runs on the CPU only in Triton's (slow) interpreter; tests/scan/test_triton.py
 # runs it against the reference at sizes the interpreter gets through quickly.
@@ -14,47 +14,13 @@ FAST_BACKENDS = [b for b in backends("linear_scan", "cpu") if b not in ("ref", "
 LENGTHS = [1, 2, 3, 7, 63, 64, 65, 257, 1000]
 
 
-def make_inputs(shape, dim, *, initial_state=True, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    gates = torch.rand(shape, generator=g, dtype=torch.float64).mul(1.05).to(dtype)  # some > 1
-    inputs = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-    x = dict(gates=gates, inputs=inputs)
-    if initial_state:
-        state_shape = list(shape)
-        del state_shape[dim]
-        x["initial_state"] = torch.randn(state_shape, generator=g, dtype=torch.float64).to(dtype)
-    for t in x.values():
-        t.requires_grad_(True)
-    return x
-
-
-def run(x: dict, backend: str, dim: int, reverse: bool, seed: int = 1):
-    with poisoned():
-        states = linear_scan(**x, dim=dim, reverse=reverse, backend=backend)
-        grad = torch.randn(states.shape, generator=torch.Generator().manual_seed(seed)).to(states.device, states.dtype)
-        grads = torch.autograd.grad(states, list(x.values()), grad)
-    return states, dict(zip(x, grads))
-
-
-def check_against_ref(x, backend, dim, reverse, dtype=torch.float32, ref_inputs=None):
-    """``backend`` on ``x`` against ``ref`` on ``ref_inputs`` (default: the same inputs), with
-    the tolerance of ``dtype``; states and gradients keep the inputs' dtypes."""
-    states_ref, grads_ref = run(ref_inputs or x, "ref", dim, reverse)
-    states, grads = run(x, backend, dim, reverse)
-    assert states.dtype == x["inputs"].dtype
-    assert_close(states, states_ref, dtype, f"{backend} states")
-    for name in x:
-        assert grads[name].dtype == x[name].dtype, f"{backend} d{name} dtype"
-        assert_close(grads[name], grads_ref[name], dtype, f"{backend} d{name}")
-
-
 @pytest.mark.parametrize("initial_state", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_dim_minus_one(backend, length, reverse, initial_state):
-    x = make_inputs((2, 3, length), -1, initial_state=initial_state)
-    check_against_ref(x, backend, -1, reverse)
+    x = linear_inputs((2, 3, length), -1, initial_state=initial_state)
+    check_linear(x, backend, -1, reverse)
 
 
 @pytest.mark.parametrize("initial_state", [False, True])
@@ -62,16 +28,16 @@ def test_dim_minus_one(backend, length, reverse, initial_state):
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_dim_one(backend, length, reverse, initial_state):
-    x = make_inputs((2, length, 3, 2), 1, initial_state=initial_state)
-    check_against_ref(x, backend, 1, reverse)
+    x = linear_inputs((2, length, 3, 2), 1, initial_state=initial_state)
+    check_linear(x, backend, 1, reverse)
 
 
 @pytest.mark.parametrize("dim", [0, -2])
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_other_dims(backend, dim):
-    x = make_inputs((17, 4, 3), dim)
-    check_against_ref(x, backend, dim, reverse=False)
-    check_against_ref(x, backend, dim, reverse=True)
+    x = linear_inputs((17, 4, 3), dim)
+    check_linear(x, backend, dim, False)
+    check_linear(x, backend, dim, True)
 
 
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
@@ -88,7 +54,7 @@ def test_one_dimensional_inputs(backend):
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
 def test_gradcheck(backend, reverse):
-    x = make_inputs((2, 6, 3), 1, dtype=torch.float64)
+    x = linear_inputs((2, 6, 3), 1, dtype=torch.float64)
     names = list(x)
 
     def f(*tensors):
@@ -100,24 +66,22 @@ def test_gradcheck(backend, reverse):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
 def test_half_precision(backend, dtype):
-    low = make_inputs((3, 300), -1, dtype=dtype)
-    upcast = {k: v.detach().float().requires_grad_() for k, v in low.items()}
-    check_against_ref(low, backend, -1, False, dtype, ref_inputs=upcast)
+    check_linear(linear_inputs((3, 300), -1, dtype=dtype), backend, -1, False)
 
 
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
 def test_inputs_are_not_modified(backend):
-    x = make_inputs((2, 3, 50), -1)
+    x = linear_inputs((2, 3, 50), -1)
     before = {k: v.detach().clone() for k, v in x.items()}
-    run(x, backend, -1, False)
-    run(x, backend, -1, True)
+    run_with_grads(linear_call(-1, False), x, backend)
+    run_with_grads(linear_call(-1, True), x, backend)
     for k, v in x.items():
         assert torch.equal(v.detach(), before[k]), f"{backend} modified {k}"
 
 
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
 def test_length_zero(backend):
-    x = make_inputs((2, 0, 3), 1)
+    x = linear_inputs((2, 0, 3), 1)
     states = linear_scan(**x, dim=1, backend=backend)
     assert states.shape == (2, 0, 3)
 
@@ -132,8 +96,16 @@ def test_mixed_dtypes_promote():
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
 def test_empty_non_scanned_dims(backend):
     for shape in [(0, 5, 3), (2, 5, 0)]:
-        x = make_inputs(shape, 1)
+        x = linear_inputs(shape, 1)
         states = linear_scan(**x, dim=1, backend=backend)
         assert states.shape == shape
         states.sum().backward()
         assert x["gates"].grad.shape == shape
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_outputs_are_contiguous(backend):
+    for dim in (0, 1, 2):
+        states = linear_scan(**linear_inputs((4, 5, 6), dim), dim=dim, backend=backend)
+        assert states.is_contiguous(), dim
+        states.view(-1)

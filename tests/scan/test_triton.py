@@ -20,14 +20,26 @@ import torch
 
 pytest.importorskip("triton", reason="the triton package is not installed (it is on Linux)")
 
-from ssm.scan import _dispatch, backends, linear_scan, selective_scan
-from ssm.scan.triton import _heuristics, _launch
-from tests.scan import test_linear_scan as linear
-from tests.scan import test_selective_scan as selective
+import ssm.scan.triton
+from ssm.scan import backends, linear_scan, selective_scan
+from ssm.scan import linear as linear_op
+from ssm.scan import selective as selective_op
+from ssm.scan.triton import linear_scan as triton_linear
+from ssm.scan.triton import selective_scan as triton_selective
+from tests.helpers import (
+    SELECTIVE_FORMS,
+    assert_compiled_matches_eager,
+    check_linear,
+    check_selective,
+    linear_inputs,
+    run_with_grads,
+    selective_call,
+    selective_inputs,
+)
 
 ON_DEVICE = torch.cuda.is_available()
 DEVICE = "cuda" if ON_DEVICE else "cpu"
-CHUNK = _heuristics.SELECTIVE_CHUNK
+CHUNK = triton_selective.CHUNK
 gpu = pytest.mark.skipif(not ON_DEVICE, reason="needs a CUDA device")
 
 
@@ -38,17 +50,17 @@ def to_device(inputs: dict) -> dict:
 def small(length: int, **kw) -> dict:
     """Selective-scan inputs: batch 2, dim 5 (the channel block is 8), N 4 unless given."""
     kw = {"batch": 2, "dim": 5, "N": 4, "groups": 5, **kw}
-    return to_device(selective.make_inputs(length, **kw))
+    return to_device(selective_inputs(length, **kw))
 
 
 def test_backend_runs_here_and_never_by_default_on_cpu():
     """The tests below run the kernels, they do not skip: without CUDA, under the interpreter."""
     assert ON_DEVICE or os.environ.get("TRITON_INTERPRET") == "1"
-    for op in ("selective_scan", "linear_scan"):
+    for op, table in (("selective_scan", selective_op.BACKENDS), ("linear_scan", linear_op.BACKENDS)):
         assert "triton" in backends(op, DEVICE)
         assert "triton" in backends(op, "cuda")
-        assert _dispatch.resolve(op, "auto", torch.device("cpu")).name != "triton"
-        assert _dispatch.resolve(op, "auto", torch.device("cuda")).name == "triton"
+        assert table.resolve("auto", torch.device("cpu")).name != "triton"
+        assert table.resolve("auto", torch.device("cuda")).name == "triton"
 
 
 # ----------------------------------------------------------------------------- selective scan
@@ -56,7 +68,7 @@ def test_backend_runs_here_and_never_by_default_on_cpu():
 
 @pytest.mark.parametrize("length", [1, 19, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, 300])
 def test_selective_lengths(length):
-    selective.check_against_ref(small(length, B_form="varying", C_form="grouped"), "triton")
+    check_selective(small(length, B_form="varying", C_form="grouped"), "triton")
 
 
 OPTIONS = list(itertools.product([False, True], repeat=4))  # D, z, delta_bias, initial_state
@@ -66,14 +78,14 @@ OPTIONS = list(itertools.product([False, True], repeat=4))  # D, z, delta_bias, 
 def test_selective_options(D, z, bias, initial_state):
     """Every combination of the optional inputs (each a compile-time flag of the kernels), with
     the form of B and C taking turns."""
-    form = selective.FORMS[OPTIONS.index((D, z, bias, initial_state)) % 3]
+    form = SELECTIVE_FORMS[OPTIONS.index((D, z, bias, initial_state)) % 3]
     inputs = small(CHUNK + 3, B_form=form, D=D, z=z, bias=bias, initial_state=initial_state)
-    selective.check_against_ref(inputs, "triton")
+    check_selective(inputs, "triton")
 
 
 @pytest.mark.parametrize("B_form,C_form", [("fixed", "varying"), ("grouped", "fixed"), ("varying", "grouped"), ("fixed", "fixed")])
 def test_selective_B_C_forms(B_form, C_form):
-    selective.check_against_ref(small(23, B_form=B_form, C_form=C_form), "triton")
+    check_selective(small(23, B_form=B_form, C_form=C_form), "triton")
 
 
 @pytest.mark.parametrize("dim,groups", [(9, 3), (12, 4), (6, 2)])
@@ -81,12 +93,20 @@ def test_selective_groups_and_channel_blocks(dim, groups):
     """Groups of 3 channels (a block of 4 covers one group), several blocks per group, and B
     and C with different numbers of groups (the programs split on the finer of the two)."""
     x = small(21, dim=dim, groups=groups, B_form="grouped")
-    x["C"] = to_device(selective.make_inputs(21, batch=2, dim=dim, N=4, groups=dim // 3 if dim % 3 == 0 else 1, B_form="grouped", seed=5))["B"]
-    selective.check_against_ref(x, "triton")
+    x["C"] = to_device(selective_inputs(21, batch=2, dim=dim, N=4, groups=dim // 3 if dim % 3 == 0 else 1, B_form="grouped", seed=5))["B"]
+    check_selective(x, "triton")
+
+
+def test_selective_delta_across_every_branch_of_softplus():
+    """The kernels' own softplus: pre-softplus values above the threshold (20) and far below 0."""
+    x = small(CHUNK + 9, wide_delta=True, B_form="grouped")
+    pre = x["delta"] + x["delta_bias"][:, None]
+    assert pre.max() > 21 and pre.min() < -8
+    check_selective(x, "triton")
 
 
 def test_selective_state_size_not_a_power_of_two():
-    selective.check_against_ref(small(19, N=3, B_form="grouped"), "triton")
+    check_selective(small(19, N=3, B_form="grouped"), "triton")
 
 
 def test_selective_strided_B_C():
@@ -95,24 +115,22 @@ def test_selective_strided_B_C():
     for name in ("B", "C"):
         x[name] = x[name].detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
         assert not x[name].is_contiguous()
-    selective.check_against_ref(x, "triton")
+    check_selective(x, "triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_selective_half_precision(dtype):
-    low = to_device(selective.make_inputs(2 * CHUNK + 5, batch=2, dim=5, N=4, groups=5, dtype=dtype))
-    upcast = {k: v.detach().float().requires_grad_() for k, v in low.items()}
-    selective.check_against_ref(low, "triton", dtype, ref_inputs=upcast)
+    check_selective(to_device(selective_inputs(2 * CHUNK + 5, batch=2, dim=5, N=4, groups=5, dtype=dtype)), "triton")
 
 
 def test_selective_float64_tightly():
-    x = to_device(selective.make_inputs(CHUNK + 7, batch=2, dim=5, N=4, groups=5, B_form="grouped", dtype=torch.float64))
-    selective.check_against_ref(x, "triton", torch.float64)
+    x = to_device(selective_inputs(CHUNK + 7, batch=2, dim=5, N=4, groups=5, B_form="grouped", dtype=torch.float64))
+    check_selective(x, "triton")
 
 
-@pytest.mark.parametrize("form", selective.FORMS)
+@pytest.mark.parametrize("form", SELECTIVE_FORMS)
 def test_selective_gradcheck(form):
-    x = to_device(selective.make_inputs(5, batch=1, dim=2, N=2, groups=2, B_form=form, dtype=torch.float64))
+    x = to_device(selective_inputs(5, batch=1, dim=2, N=2, groups=2, B_form=form, dtype=torch.float64))
     names = list(x)
 
     def f(*tensors):
@@ -126,93 +144,90 @@ def test_selective_gradients_are_deterministic(B_form):
     """Two backward passes on the same inputs are bitwise equal (no atomics: partial sums are
     added in a fixed order)."""
     x = small(2 * CHUNK + 3, dim=12, groups=2, B_form=B_form)
-    _, _, first = selective.run(x, "triton")
-    _, _, second = selective.run(x, "triton")
+    _, first, _ = run_with_grads(selective_call, x, "triton")
+    _, second, _ = run_with_grads(selective_call, x, "triton")
     for name in x:
         assert torch.equal(first[name], second[name]), name
 
 
 def test_selective_only_chunk_states_are_saved():
     """Activation memory: the forward saves one state per chunk, never the (B, D, L, N) states."""
-    from ssm.scan.triton._ops import selective_scan_fwd
-
+    selective_scan_fwd = triton_selective.selective_scan_fwd
     x = small(300)
     B, C = x["B"].unsqueeze(1), x["C"].unsqueeze(1)  # (batch, 1, N, L), as selective_scan passes them
     out, last, chunk_states = selective_scan_fwd(
-        x["u"], x["delta"], x["A"], B, C, x["D"], x["z"], x["delta_bias"], x["initial_state"], True
+        x["u"], x["delta"], x["A"], B, C, x["D"], x["z"], x["delta_bias"], True, x["initial_state"]
     )
     assert chunk_states.shape == (2, 5, -(-300 // CHUNK), 4)
     torch.testing.assert_close(chunk_states[:, :, 0], x["initial_state"].detach())
     # the state before chunk 1 is the last state of a run over chunk 0 alone
     first = {k: v[..., :CHUNK] if v.ndim >= 3 and k != "initial_state" else v for k, v in x.items()}
-    _, state = selective.forward(first, "ref")
+    _, state = selective_call(first, "ref")
     torch.testing.assert_close(chunk_states[:, :, 1], state.detach(), rtol=1e-5, atol=1e-5)
     # with no backward to come (inference) nothing is saved, and the results are the same
-    args = (x["u"], x["delta"], x["A"], B, C, x["D"], x["z"], x["delta_bias"], x["initial_state"], True, False)
+    args = (x["u"], x["delta"], x["A"], B, C, x["D"], x["z"], x["delta_bias"], True, x["initial_state"], False)
     out2, last2, none = selective_scan_fwd(*args)
     assert none.shape == (2, 5, 0, 4)
     assert torch.equal(out2, out) and torch.equal(last2, last)
     with torch.no_grad():
-        assert torch.equal(selective.forward(x, "triton")[0], out)
+        assert torch.equal(selective_call(x, "triton")[0], out)
 
 
 def test_selective_split_sequence_and_empty_inputs():
     x = small(40, initial_state=False)
-    out, last = selective.forward(x, "triton")
+    out, last = selective_call(x, "triton")
     first = {k: v[..., :25] if v.ndim >= 3 else v for k, v in x.items()}
     second = {k: v[..., 25:] if v.ndim >= 3 else v for k, v in x.items()}
-    out1, state1 = selective.forward(first, "triton")
-    out2, state2 = selective.forward({**second, "initial_state": state1}, "triton")
+    out1, state1 = selective_call(first, "triton")
+    out2, state2 = selective_call({**second, "initial_state": state1}, "triton")
     torch.testing.assert_close(torch.cat([out1, out2], -1), out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state2, last, rtol=1e-5, atol=1e-5)
-    out, last = selective.forward(small(9, batch=0), "triton")
+    out, last = selective_call(small(9, batch=0), "triton")
     assert out.shape == (0, 5, 9) and last.shape == (0, 5, 4)
-    out, last = selective.forward(small(0), "triton")
+    out, last = selective_call(small(0), "triton")
     assert out.shape == (2, 5, 0)
 
 
 # ----------------------------------------------------------------------------- linear scan
 
 
-def linear_inputs(shape, dim, **kw):
-    return to_device(linear.make_inputs(shape, dim, **kw))
+def linear_small(shape, dim, **kw):
+    return to_device(linear_inputs(shape, dim, **kw))
 
 
 @pytest.mark.parametrize("initial_state", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("shape,dim", [((2, 3, 1), -1), ((2, 3, 19), -1), ((2, 300, 3), 1), ((300, 2, 3), 0)])
 def test_linear_shapes(shape, dim, reverse, initial_state):
-    x = linear_inputs(shape, dim, initial_state=initial_state)
-    linear.check_against_ref(x, "triton", dim, reverse)
+    x = linear_small(shape, dim, initial_state=initial_state)
+    check_linear(x, "triton", dim, reverse)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_linear_block_boundaries(reverse):
     """Lengths one either side of the time block (the carry between blocks)."""
-    block_t = _heuristics.linear_scan_config(1 << 20, 3).block_t
+    block_t = triton_linear.config(1 << 20, 3).block_t
     for length in (block_t - 1, block_t + 1):
-        x = linear_inputs((length, 3), 0)
-        linear.check_against_ref(x, "triton", 0, reverse)
+        x = linear_small((length, 3), 0)
+        check_linear(x, "triton", 0, reverse)
 
 
 def test_linear_long_reverse():
     """65536 steps, reverse, from an initial state: against the reference, which runs the
     same recurrence one step at a time (gates below 1 keep the states bounded)."""
-    x = linear_inputs((65536, 2), 0)
+    x = linear_small((65536, 2), 0)
     x["gates"] = (0.5 * x["gates"].detach()).requires_grad_()
-    linear.check_against_ref(x, "triton", 0, reverse=True)
+    check_linear(x, "triton", 0, reverse=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_linear_half_precision(dtype):
-    low = linear_inputs((3, 100), -1, dtype=dtype)
-    upcast = {k: v.detach().float().requires_grad_() for k, v in low.items()}
-    linear.check_against_ref(low, "triton", -1, False, dtype, ref_inputs=upcast)
+    check_linear(linear_small((3, 100), -1, dtype=dtype), "triton", -1, False)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_linear_gradcheck(reverse):
-    x = linear_inputs((2, 6, 3), 1, dtype=torch.float64)
+    x = linear_small((2, 6, 3), 1, dtype=torch.float64)
     names = list(x)
 
     def f(*tensors):
@@ -222,15 +237,16 @@ def test_linear_gradcheck(reverse):
 
 
 def test_linear_deterministic_and_mixed_dtypes():
-    x = linear_inputs((2, 70, 3), 1)
-    _, first = linear.run(x, "triton", 1, True)
-    _, second = linear.run(x, "triton", 1, True)
+    x = linear_small((2, 70, 3), 1)
+    call = lambda inputs, backend: (linear_scan(**inputs, dim=1, reverse=True, backend=backend),)  # noqa: E731
+    _, first, _ = run_with_grads(call, x, "triton")
+    _, second, _ = run_with_grads(call, x, "triton")
     for name in x:
         assert torch.equal(first[name], second[name]), name
     gates = torch.rand(4, 10, dtype=torch.bfloat16, device=DEVICE)
     assert linear_scan(gates, torch.randn(4, 10, device=DEVICE), backend="triton").dtype == torch.float32
     for shape in [(0, 5, 3), (2, 5, 0)]:
-        assert linear_scan(*linear_inputs(shape, 1, initial_state=False).values(), dim=1, backend="triton").shape == shape
+        assert linear_scan(*linear_small(shape, 1, initial_state=False).values(), dim=1, backend="triton").shape == shape
 
 
 # ----------------------------------------------------------------------------- torch.compile
@@ -239,8 +255,6 @@ def test_linear_deterministic_and_mixed_dtypes():
 def test_compile_without_graph_breaks():
     """fullgraph=True fails on any graph break; "aot_eager" traces forward and backward (the
     custom ops are opaque nodes with fake implementations) and runs them eagerly."""
-    from tests.scan.test_compile import assert_compiled_matches_eager
-
     x = small(37, B_form="grouped", C_form="varying")
     names = list(x)
 
@@ -250,7 +264,7 @@ def test_compile_without_graph_breaks():
 
     assert_compiled_matches_eager(f, list(x.values()))
 
-    a = linear_inputs((3, 21, 5), 1)
+    a = linear_small((3, 21, 5), 1)
 
     def g(gates, inputs, h0):
         return linear_scan(gates, inputs, dim=1, initial_state=h0, reverse=True, backend="triton").pow(2).sum()
@@ -287,11 +301,11 @@ def test_log_depth_interpreter_scan_matches_the_original(monkeypatch):
     one: they agree to rounding."""
     from triton.runtime import interpreter
 
-    x = linear_inputs((2, 40, 3), 1)
-    args = (x["gates"].detach(), x["inputs"].detach(), x["initial_state"].detach(), True, torch.float32)
-    fast = _launch._linear_scan_fwd(*args)
+    x = linear_small((2, 40, 3), 1)
+    args = (x["gates"].detach(), x["inputs"].detach(), x["initial_state"].detach(), True)
+    fast = triton_linear._linear_scan_fwd(*args)
     monkeypatch.setattr(interpreter.ScanOps, "generic_scan", interpreter.ScanOps._elementwise_generic_scan)
-    slow = _launch._linear_scan_fwd(*args)
+    slow = triton_linear._linear_scan_fwd(*args)
     torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
     assert not torch.equal(fast, torch.zeros_like(fast))
 
@@ -322,23 +336,20 @@ def test_kernels_compile_for_a_gpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_on_device_against_ref(dtype):
     """A Mamba-130m-like shape on the GPU, compiled kernels, against the reference."""
-    x = selective.make_inputs(1100, batch=2, dim=96, N=16, groups=1, dtype=dtype)
-    low = to_device(x)
-    upcast = {k: v.detach().float().requires_grad_() for k, v in low.items()}
-    selective.check_against_ref(low, "triton", dtype, ref_inputs=upcast)
-    a = linear_inputs((4, 5000, 24), 1, dtype=dtype)
-    a_up = {k: v.detach().float().requires_grad_() for k, v in a.items()}
-    linear.check_against_ref(a, "triton", 1, True, dtype, ref_inputs=a_up)
+    check_selective(to_device(selective_inputs(1100, batch=2, dim=96, N=16, groups=1, dtype=dtype)), "triton")
+    check_linear(linear_small((4, 5000, 24), 1, dtype=dtype), "triton", 1, True)
 
 
-def test_missing_triton_is_a_clear_import_error(monkeypatch):
-    """Importing ssm never imports triton; a launch without it says what to install."""
-    import ssm.scan.triton as package
-
-    monkeypatch.setitem(sys.modules, "ssm.scan.triton._kernels", None)  # as if its import failed
-    monkeypatch.delattr(package, "_kernels", raising=False)
-    with pytest.raises(ImportError, match="pip install triton"):
-        _launch._kernels()
+def test_without_triton_the_backend_is_refused_saying_what_to_install(monkeypatch):
+    """Importing ssm never imports triton (checked in a fresh process); without triton the
+    backend runs nowhere, and asking for it says what to install."""
+    done = subprocess.run([sys.executable, "-c", "import sys, ssm, ssm.scan; print('triton' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
+    monkeypatch.setitem(sys.modules, "triton", None)  # as if it were not installed
+    assert not ssm.scan.triton.available() and ssm.scan.triton.devices() == ()
+    with pytest.raises(ValueError, match="pip install triton"):
+        selective_call(small(5), "triton")
 
 
 @pytest.mark.parametrize("use", ["out", "last_state"])
@@ -347,7 +358,7 @@ def test_selective_gradient_of_one_output_only(use):
     x = small(CHUNK + 2, B_form="grouped")
     grads = {}
     for backend in ("ref", "triton"):
-        out, last = selective.forward(x, backend)
+        out, last = selective_call(x, backend)
         loss = (out * out).sum() if use == "out" else (last * last).sum()
         grads[backend] = torch.autograd.grad(loss, list(x.values()), allow_unused=True, materialize_grads=True)
     for name, got, expected in zip(x, grads["triton"], grads["ref"]):

@@ -1,0 +1,57 @@
+"""The @triton.jit helpers that both Triton ops use, and the conversions their launchers share.
+
+Imports triton: only the op modules import this, and only when a Triton kernel is launched.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+# Whether this process defined its kernels for Triton's interpreter: triton.jit reads
+# TRITON_INTERPRET when a kernel is defined, i.e. when an op module is first imported.
+DEFINED_INTERPRETED = interpreting()
+
+
+def check_launchable(x: torch.Tensor) -> None:
+    """The kernels were defined for the mode ``x``'s device needs (CPU tensors need the
+    interpreter, CUDA tensors the compiler); say how to fix it otherwise."""
+    if x.device.type == "cpu" and not DEFINED_INTERPRETED:
+        raise RuntimeError(
+            "the 'triton' backend runs CPU tensors only in Triton's interpreter, and this process "
+            "defined its kernels without it: set TRITON_INTERPRET=1 before the first Triton launch"
+        )
+    if x.device.type != "cpu" and DEFINED_INTERPRETED:
+        raise RuntimeError(
+            "this process defined its Triton kernels for the interpreter (TRITON_INTERPRET=1 at "
+            f"the first launch), which cannot run {x.device.type} tensors; unset it in a new process"
+        )
+
+
+def compute_dtype(*tensors) -> torch.dtype:
+    """The state's dtype: float64 if any input is float64, else float32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton type of a state of torch dtype ``dtype`` (float32 or float64)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@triton.jit
+def first_order_combine(a_left, x_left, a_right, x_right):
+    """(a_r, x_r) ∘ (a_l, x_l): apply the left step, then the right one (h -> a·h + x)."""
+    return a_right * a_left, a_right * x_left + x_right
+
+
+@triton.jit
+def softplus(x):
+    """log(1 + e^x) without overflow; x itself above 20, as torch's softplus does."""
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))

@@ -1,0 +1,237 @@
+"""Backend "triton" of ``linear_scan``, top to bottom: launch heuristics, the kernel, launchers,
+the custom ops with their autograd formula, and the backend entry point.
+
+    _linear_scan_kernel  →  _linear_scan_fwd / _linear_scan_bwd  →  ssm::linear_scan_fwd / _bwd  →  linear_scan_triton
+
+One kernel serves both directions: the backward of a scan is a scan of the upstream gradient
+in the other direction on the gates shifted by one step (λ_t = g_t + a_{next}·λ_{next}), so
+the backward launches the same kernel with BACKWARD set, which also writes the gates' gradient.
+A program scans BLOCK_T steps of BLOCK_F lanes at a time and carries the state across blocks.
+
+Shape symbols: the inputs are viewed as (E, L, F): E the flattened dimensions before the
+scanned one, L its length, F those after it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._jit import check_launchable, compute_dtype, first_order_combine, next_power_of_2, tl_dtype
+
+# ----------------------------------------------------------------------------- launch heuristics
+
+TILE = 2048  # elements of one (BLOCK_T, BLOCK_F) tile
+
+
+@dataclass(frozen=True)
+class Config:
+    block_t: int  # time steps per iteration (power of two)
+    block_f: int  # lanes of the trailing dimension per program (power of two)
+    num_warps: int
+
+
+def config(length: int, F: int) -> Config:
+    """Block sizes for the scan of (E, L, F) tensors along L."""
+    block_f = min(next_power_of_2(F), 64)
+    block_t = max(1, min(next_power_of_2(length), TILE // block_f))
+    # Compiled for sm_90 at 2048 x 1 (forward, backward): no spills with 8 warps.
+    return Config(block_t, block_f, 4 if block_t * block_f <= 1024 else 8)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@triton.heuristics({
+    "COMPUTE": lambda a: tl_dtype(compute_dtype(a["gates_ptr"], a["inputs_ptr"], a["initial_state_ptr"])),
+    "HAS_INITIAL_STATE": lambda a: a["initial_state_ptr"] is not None,
+    "BACKWARD": lambda a: a["dgates_ptr"] is not None,
+})
+@triton.jit
+def _linear_scan_kernel(
+    gates_ptr, inputs_ptr, initial_state_ptr, out_ptr,
+    states_ptr, dgates_ptr,  # backward only: the forward's states (read) and the gates' gradient
+    L, F, n_f_blocks,
+    REVERSE: tl.constexpr,
+    COMPUTE: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    """States of h_t = a_t·h_prev + x_t along L of contiguous (E, L, F) tensors, h_prev being
+    the step before in scan order (t-1, or t+1 when REVERSE), the initial state (E, F) or 0
+    before the first.
+
+    The scan order is realised by index arithmetic: block k holds scan steps
+    k·BLOCK_T + 0..BLOCK_T-1, which live at t = s (forward) or t = L-1-s (reverse), so the
+    in-register scan always runs forwards (no associative_scan(reverse=True)).
+
+    BACKWARD: the adjoint of a forward scan run in direction not-REVERSE, i.e. this kernel is
+    launched with the opposite REVERSE flag: out = λ with λ_t = x_t + a_{prev(t)}·λ_{prev(t)}
+    (x = upstream gradient, a = the forward's gates, read one step back in this scan's order),
+    and dgates_t = λ_t·h_{t∓1} (the forward's state before step t, or the initial state / 0 at
+    its first step).
+    """
+    pid = tl.program_id(0)
+    e = (pid // n_f_blocks).to(tl.int64)  # offsets past 2**31 elements
+    f = (pid % n_f_blocks) * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_mask = f < F
+    s_local = tl.arange(0, BLOCK_T)
+    base = e * L * F
+    if HAS_INITIAL_STATE and not BACKWARD:
+        carry = tl.load(initial_state_ptr + e * F + f, mask=f_mask, other=0.0).to(COMPUTE)
+    else:
+        carry = tl.zeros([BLOCK_F], dtype=COMPUTE)
+
+    for k in range(0, tl.cdiv(L, BLOCK_T)):
+        s = k * BLOCK_T + s_local  # scan step
+        if REVERSE:
+            t = L - 1 - s
+        else:
+            t = s
+        mask = (s < L)[:, None] & f_mask[None, :]
+        offsets = base + t[:, None] * F + f[None, :]  # (BLOCK_T, BLOCK_F)
+        x = tl.load(inputs_ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
+        if BACKWARD:
+            # the gate of step s is a at scan step s-1; there is none before the first step
+            if REVERSE:
+                t_gate = t + 1
+            else:
+                t_gate = t - 1
+            gate_mask = mask & (s >= 1)[:, None]
+            a = tl.load(gates_ptr + base + t_gate[:, None] * F + f[None, :], mask=gate_mask, other=0.0)
+        else:
+            a = tl.load(gates_ptr + offsets, mask=mask, other=1.0)
+        a_prod, x_sum = tl.associative_scan((a.to(COMPUTE), x), 0, first_order_combine)
+        h = x_sum + a_prod * carry[None, :]
+        tl.store(out_ptr + offsets, h, mask=mask)
+        carry = tl.sum(tl.where((s_local == BLOCK_T - 1)[:, None], h, 0.0), axis=0)
+
+        if BACKWARD:
+            # the forward's previous state of step t: t-1 in its order, i.e. t+1 here if REVERSE
+            if REVERSE:
+                t_prev = t - 1
+            else:
+                t_prev = t + 1
+            prev_mask = mask & (t_prev >= 0)[:, None] & (t_prev < L)[:, None]
+            h_prev = tl.load(states_ptr + base + t_prev[:, None] * F + f[None, :], mask=prev_mask, other=0.0)
+            h_prev = h_prev.to(COMPUTE)
+            if HAS_INITIAL_STATE:
+                is_first = mask & ((t_prev < 0) | (t_prev >= L))[:, None]
+                h0 = tl.load(initial_state_ptr + e * F + f, mask=f_mask, other=0.0).to(COMPUTE)
+                h_prev = tl.where(is_first, h0[None, :], h_prev)
+            tl.store(dgates_ptr + offsets, h * h_prev, mask=mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _launch(gates, inputs, initial_state, out, states, dgates, reverse: bool):
+    E, L, F = out.shape
+    cfg = config(L, F)
+    n_f_blocks = -(-F // cfg.block_f)
+    check_launchable(out)
+    _linear_scan_kernel[(E * n_f_blocks,)](
+        gates_ptr=gates, inputs_ptr=inputs, initial_state_ptr=initial_state, out_ptr=out,
+        states_ptr=states, dgates_ptr=dgates,
+        L=L, F=F, n_f_blocks=n_f_blocks, REVERSE=bool(reverse),
+        BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f, num_warps=cfg.num_warps,
+    )
+
+
+def _linear_scan_fwd(gates, inputs, initial_state, reverse: bool):
+    """States (E, L, F) in the inputs' promoted dtype, computed in the state dtype (float32, or
+    float64 for float64 inputs); initial_state: (E, F) or None."""
+    gates, inputs = gates.contiguous(), inputs.contiguous()
+    initial_state = None if initial_state is None else initial_state.contiguous()
+    out = torch.empty(inputs.shape, device=inputs.device, dtype=torch.promote_types(gates.dtype, inputs.dtype))
+    if out.numel():
+        _launch(gates, inputs, initial_state, out, None, None, reverse)
+    return out
+
+
+def _linear_scan_bwd(grad, gates, states, initial_state, reverse: bool):
+    """(dgates, dinputs, dinitial_state) of :func:`_linear_scan_fwd` given its states."""
+    E, L, F = states.shape
+    grad, gates, states = grad.contiguous(), gates.contiguous(), states.contiguous()
+    initial_state = None if initial_state is None else initial_state.contiguous()
+    dtype = compute_dtype(gates, states, initial_state)
+    lam = torch.empty(E, L, F, device=states.device, dtype=dtype)
+    dgates = torch.empty(E, L, F, device=states.device, dtype=dtype)
+    if lam.numel():
+        _launch(gates, grad, initial_state, lam, states, dgates, not reverse)
+    first = L - 1 if reverse else 0
+    dinitial_state = None if initial_state is None else gates[:, first].to(dtype) * lam[:, first]
+    return dgates, lam, dinitial_state
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+_NONE = (0,)  # shape of the placeholder a custom op returns for an absent optional input
+
+
+@torch.library.custom_op("ssm::linear_scan_fwd", mutates_args=())
+def linear_scan_fwd(gates: Tensor, inputs: Tensor, initial_state: Optional[Tensor], reverse: bool) -> Tensor:
+    return _linear_scan_fwd(gates, inputs, initial_state, reverse)
+
+
+@linear_scan_fwd.register_fake
+def _(gates, inputs, initial_state, reverse):
+    return torch.empty_like(inputs, dtype=torch.promote_types(gates.dtype, inputs.dtype))
+
+
+@torch.library.custom_op("ssm::linear_scan_bwd", mutates_args=())
+def linear_scan_bwd(
+    grad: Tensor, gates: Tensor, states: Tensor, initial_state: Optional[Tensor], reverse: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    dgates, dinputs, dinitial_state = _linear_scan_bwd(grad, gates, states, initial_state, reverse)
+    if dinitial_state is None:
+        dinitial_state = states.new_empty(_NONE, dtype=dgates.dtype)
+    return dgates, dinputs, dinitial_state
+
+
+@linear_scan_bwd.register_fake
+def _(grad, gates, states, initial_state, reverse):
+    dtype = compute_dtype(gates, states, initial_state)
+    dinitial_state = states.new_empty(_NONE if initial_state is None else initial_state.shape, dtype=dtype)
+    return states.new_empty(states.shape, dtype=dtype), states.new_empty(states.shape, dtype=dtype), dinitial_state
+
+
+def _setup_context(ctx, inputs, output):
+    gates, inputs_, initial_state, reverse = inputs
+    ctx.save_for_backward(gates, output, initial_state)
+    ctx.reverse = reverse
+    ctx.dtypes = (gates.dtype, inputs_.dtype, None if initial_state is None else initial_state.dtype)
+
+
+def _backward(ctx, grad):
+    gates, states, initial_state = ctx.saved_tensors
+    dgates, dinputs, dinitial_state = linear_scan_bwd(grad, gates, states, initial_state, ctx.reverse)
+    gates_dtype, inputs_dtype, initial_state_dtype = ctx.dtypes
+    return (
+        dgates.to(gates_dtype),
+        dinputs.to(inputs_dtype),
+        None if initial_state is None else dinitial_state.to(initial_state_dtype),
+        None,
+    )
+
+
+linear_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- backend entry point
+
+
+def linear_scan_triton(
+    gates: Tensor, inputs: Tensor, dim: int, initial_state: Tensor | None, reverse: bool
+) -> Tensor:
+    """Backend "triton" of :func:`ssm.scan.linear_scan` (``dim`` non-negative)."""
+    shape = inputs.shape
+    E, L, F = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+    initial_state = None if initial_state is None else initial_state.reshape(E, F)
+    states = linear_scan_fwd(gates.reshape(E, L, F), inputs.reshape(E, L, F), initial_state, reverse)
+    return states.reshape(shape)
