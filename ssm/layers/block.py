@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import LayerCache
+from .norm import upcast
 
 
 class GatedMLP(nn.Module):
@@ -45,7 +46,7 @@ class Block(nn.Module):
 
     def _add(self, hidden, residual):
         residual = hidden if residual is None else hidden + residual
-        return residual.float() if self.residual_in_fp32 else residual
+        return upcast(residual) if self.residual_in_fp32 else residual
 
     def forward(self, hidden, residual=None, cache: LayerCache | None = None, step: bool = False):
         residual = self._add(hidden, residual)

@@ -11,6 +11,7 @@ from torch import nn
 from ..scan import selective_scan, selective_scan_step
 from .cache import LayerCache, check_sequence, check_token
 from .conv import causal_conv1d, causal_conv1d_step
+from .norm import upcast
 
 
 def no_weight_decay(p: nn.Parameter) -> nn.Parameter:
@@ -104,8 +105,8 @@ class Mamba(nn.Module):
         dt, B, C = self.x_proj(x.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # (B, D, L)
         y, last_state = selective_scan(
-            x, dt, -torch.exp(self.A_log.float()), B.transpose(1, 2), C.transpose(1, 2),  # B, C: (B, N, L)
-            self.D.float(), z, self.dt_proj.bias.float(), delta_softplus=True, return_last_state=True,
+            x, dt, -torch.exp(upcast(self.A_log)), B.transpose(1, 2), C.transpose(1, 2),  # B, C: (B, N, L)
+            upcast(self.D), z, upcast(self.dt_proj.bias), delta_softplus=True, return_last_state=True,
             initial_state=None if cache is None else cache.ssm_state, backend=self.backend,
         )
         if cache is not None:
@@ -122,8 +123,8 @@ class Mamba(nn.Module):
         x = F.silu(x)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         y, cache.ssm_state = selective_scan_step(
-            cache.ssm_state, x, F.linear(dt, self.dt_proj.weight), -torch.exp(self.A_log.float()), B, C,
-            self.D.float(), z, self.dt_proj.bias.float(), delta_softplus=True,
+            cache.ssm_state, x, F.linear(dt, self.dt_proj.weight), -torch.exp(upcast(self.A_log)), B, C,
+            upcast(self.D), z, upcast(self.dt_proj.bias), delta_softplus=True,
         )
         out = self.out_proj(y)
         return out if hidden_states.ndim == 2 else out[:, None]

@@ -10,7 +10,7 @@ from ..scan import ssd, ssd_step
 from .cache import LayerCache, check_sequence, check_token
 from .conv import causal_conv1d, causal_conv1d_step
 from .mamba import dt_bias_init, no_weight_decay
-from .norm import RMSNormGated
+from .norm import RMSNormGated, upcast
 
 
 class Mamba2(nn.Module):
@@ -23,7 +23,8 @@ class Mamba2(nn.Module):
     Parameters (as mamba-ssm's ``Mamba2``): in_proj (2·d_inner + 2·G·N + H, d_model),
     conv1d (d_ssm + 2·G·N, 1, d_conv) + bias, dt_bias (H,), A_log (H,), D (H,) or (d_ssm,),
     norm.weight (d_ssm,), out_proj (d_model, d_inner).
-    ``backend`` is passed to ``ssm.scan.ssd``.
+    ``backend`` is passed to ``ssm.scan.ssd``. ``dt_limit`` clamps Δ in ``step`` as in
+    ``forward`` (mamba-ssm's and transformers' steps ignore it), so decoding equals the forward.
     """
 
     def __init__(
@@ -91,7 +92,7 @@ class Mamba2(nn.Module):
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **kw)
 
     def _D(self) -> torch.Tensor:
-        return self.D.float().view(self.nheads, self.headdim) if self.D_has_hdim else self.D.float()
+        return upcast(self.D).view(self.nheads, self.headdim) if self.D_has_hdim else upcast(self.D)
 
     def _split(self, zxbcdt: torch.Tensor):
         """in_proj output (..., d_in_proj) → z0, x0 (MLP branch), z, xBC, dt."""
@@ -126,9 +127,9 @@ class Mamba2(nn.Module):
         heads = (batch, length, self.nheads, self.headdim)
         groups = (batch, length, self.ngroups, self.d_state)
         y, last_state = ssd(
-            x.reshape(heads), dt, -torch.exp(self.A_log.float()), B.reshape(groups), C.reshape(groups),
+            x.reshape(heads), dt, -torch.exp(upcast(self.A_log)), B.reshape(groups), C.reshape(groups),
             self._D(), None if self.rmsnorm else z.reshape(heads),
-            dt_bias=self.dt_bias.float(), dt_softplus=True, dt_limit=self.dt_limit,
+            dt_bias=upcast(self.dt_bias), dt_softplus=True, dt_limit=self.dt_limit,
             initial_state=None if cache is None else cache.ssm_state, return_last_state=True,
             chunk_size=self.chunk_size, backend=self.backend,
         )
@@ -147,9 +148,9 @@ class Mamba2(nn.Module):
         x, B, C = F.silu(xBC).split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         heads, groups = (batch, self.nheads, self.headdim), (batch, self.ngroups, self.d_state)
         y, cache.ssm_state = ssd_step(
-            cache.ssm_state, x.reshape(heads), dt, -torch.exp(self.A_log.float()), B.reshape(groups),
+            cache.ssm_state, x.reshape(heads), dt, -torch.exp(upcast(self.A_log)), B.reshape(groups),
             C.reshape(groups), self._D(), None if self.rmsnorm else z.reshape(heads),
-            dt_bias=self.dt_bias.float(), dt_softplus=True, dt_limit=self.dt_limit,
+            dt_bias=upcast(self.dt_bias), dt_softplus=True, dt_limit=self.dt_limit,
         )
         out = self._finish(y.reshape(batch, self.d_ssm), z, z0, x0)
         return out if hidden_states.ndim == 2 else out[:, None]

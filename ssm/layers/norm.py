@@ -7,6 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or as it is when wider (float64 models compute in float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x², last dim) + eps) · weight. Parameter: ``weight`` (d,)."""
 
@@ -16,9 +21,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = upcast(x)
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * upcast(self.weight)).to(x.dtype)
 
 
 class RMSNormGated(nn.Module):
@@ -40,12 +45,12 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        x32 = x.float()
+        x32 = upcast(x)
         if z is not None and not self.norm_before_gate:
-            x32 = x32 * F.silu(z.float())
+            x32 = x32 * F.silu(upcast(z))
         groups = x32.unflatten(-1, (-1, self.group_size))  # (..., groups, group_size)
         y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        y = y * self.weight.float()
+        y = y * upcast(self.weight)
         if z is not None and self.norm_before_gate:
-            y = y * F.silu(z.float())
+            y = y * F.silu(upcast(z))
         return y.to(x.dtype)

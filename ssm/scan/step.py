@@ -84,6 +84,10 @@ def ssd_step(
 
     Shapes: state (batch, H, P, N); x, z (batch, H, P); dt (batch, H); A, dt_bias (H,);
     B, C (batch, G, N); D (H,) or (H, P).
+
+    ``dt_limit`` clamps Δ exactly as ``ssd`` does, so that a scan followed by steps equals one
+    longer scan. (mamba-ssm's and transformers' recurrent steps ignore ``dt_limit``: with a
+    non-default limit their decoding differs from their own forward pass.)
     Returns ``(out, new_state)``: out (batch, H, P) in x's dtype, new_state like ``state``.
     """
     check_tensor("state", state, ndim=4)

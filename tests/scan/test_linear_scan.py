@@ -109,3 +109,12 @@ def test_outputs_are_contiguous(backend):
         states = linear_scan(**linear_inputs((4, 5, 6), dim), dim=dim, backend=backend)
         assert states.is_contiguous(), dim
         states.view(-1)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_long_sequence(backend, reverse):
+    """L = 8192 with gates below 1 (bounded states), against the float64 reference."""
+    x = linear_inputs((2, 8192, 3), 1)
+    x["gates"] = (0.9 * x["gates"].detach()).requires_grad_()
+    check_linear(x, backend, 1, reverse)

@@ -180,3 +180,22 @@ def test_outputs_are_contiguous(backend):
         out, last = selective_call(selective_inputs(21, B_form=form, D=D, z=z), backend)
         assert out.is_contiguous() and last.is_contiguous(), (form, D, z)
         out.view(-1)
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_gradients_from_the_last_state_alone(backend):
+    """A loss of only the last state: the out gradient never arrives (None upstream)."""
+    x = selective_inputs(37, B_form="grouped", C_form="varying")
+    grads = {}
+    for b in ("ref", backend):
+        _, last = selective_call(x, b)
+        grads[b] = torch.autograd.grad((last * last).sum(), list(x.values()), allow_unused=True, materialize_grads=True)
+    for name, got, want in zip(x, grads[backend], grads["ref"]):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4, msg=lambda m: f"{backend} d{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_long_sequence(backend):
+    """L = 8192 (many chunks of every chunked sweep, deep parallel-scan trees), against the
+    float64 reference."""
+    check_selective(selective_inputs(8192, batch=1, dim=3, N=2, groups=1, B_form="varying", C_form="fixed"), backend)

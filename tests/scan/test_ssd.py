@@ -4,6 +4,7 @@ and the one-step form against the scan."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -113,3 +114,44 @@ def test_outputs_are_contiguous(backend):
         out, last = ssd(**ssd_inputs(21, D=D, z=z), return_last_state=True, chunk_size=8, backend=backend)
         assert out.is_contiguous() and last.is_contiguous(), (D, z)
         out.view(-1)
+
+
+def test_reference_on_hand_computed_examples():
+    """One head, P = N = 1: Δ = 1, A = -ln 2, B = C = x = 1 gives h_t = h_{t-1}/2 + 1; from the
+    fixed point h = 2 every output is 2 + D·x = 12."""
+    ones = torch.ones(1, 4, 1, 1)
+    dt, A, BC = torch.ones(1, 4, 1), torch.tensor([-math.log(2.0)]), torch.ones(1, 4, 1, 1)
+    out, last = ssd(ones, dt, A, BC, BC, D=torch.tensor([10.0]), initial_state=torch.full((1, 1, 1, 1), 2.0),
+                    return_last_state=True, backend="ref")
+    torch.testing.assert_close(out, torch.full((1, 4, 1, 1), 12.0))
+    out, last = ssd(ones, dt, A, BC, BC, return_last_state=True, backend="ref")
+    torch.testing.assert_close(out.flatten(), torch.tensor([1.0, 1.5, 1.75, 1.875]))
+    torch.testing.assert_close(last.flatten(), torch.tensor([1.875]))
+
+
+def test_reference_outer_product_orientation_by_hand():
+    """P = N = 2, no decay (A = 0), Δ = 1: h = Σ x_t ⊗ B_t (P × N), y_t[p] = Σ_n h[p, n]·C_t[n].
+    Step 1: x = (1, 2), B = (1, 3) → h = [[1, 3], [2, 6]]; C = (1, 10) → y = (31, 62).
+    Step 2: x = (1, 0), B = (0, 1) → h = [[1, 4], [2, 6]]; C = (1, 1) → y = (5, 8).
+    Two heads in one group share B and C; the second head's x is doubled, so is its output."""
+    x = torch.tensor([[1.0, 2.0], [1.0, 0.0]])[None, :, None, :]  # (1, 2, 1, 2)
+    x = torch.cat([x, 2 * x], dim=2)  # (1, L=2, H=2, P=2)
+    B = torch.tensor([[1.0, 3.0], [0.0, 1.0]])[None, :, None, :]  # (1, 2, G=1, N=2)
+    C = torch.tensor([[1.0, 10.0], [1.0, 1.0]])[None, :, None, :]
+    out, last = ssd(x, torch.ones(1, 2, 2), torch.zeros(2), B, C, return_last_state=True, backend="ref")
+    expected = torch.tensor([[31.0, 62.0], [5.0, 8.0]])
+    torch.testing.assert_close(out[0, :, 0], expected)
+    torch.testing.assert_close(out[0, :, 1], 2 * expected)
+    torch.testing.assert_close(last[0, 0], torch.tensor([[1.0, 4.0], [2.0, 6.0]]))
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_gradients_from_the_last_state_alone(backend):
+    """A loss of only the last state (the out gradient never arrives)."""
+    x = ssd_inputs(19)
+    grads = {}
+    for b in ("ref", backend):
+        _, last = ssd(**x, dt_softplus=True, return_last_state=True, chunk_size=8, backend=b)
+        grads[b] = torch.autograd.grad((last * last).sum(), list(x.values()), allow_unused=True, materialize_grads=True)
+    for name, got, want in zip(x, grads[backend], grads["ref"]):
+        assert_close(got, want, torch.float32, f"{backend} d{name}")
