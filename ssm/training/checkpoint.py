@@ -44,7 +44,8 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu", mmap: bool = Fa
             "code. Resume only from checkpoints written by a training run."
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is damaged (truncated or half-written?) and cannot be read: {str(err).splitlines()[0]}") from err
+        first_line = (str(err).splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"{path} is damaged (truncated or half-written?) and cannot be read: {first_line}") from err
     if not isinstance(checkpoint, dict) or not {"global_step", "state_dict"} <= checkpoint.keys():
         raise CheckpointError(f"{path} is not a training checkpoint (a mapping with global_step and state_dict expected)")
     return checkpoint

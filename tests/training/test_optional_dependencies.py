@@ -10,7 +10,8 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAINING_ONLY = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities", "torchmetrics", "matplotlib", "yaml")
+TRAINING_ONLY = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities", "torchmetrics",
+                 "matplotlib", "yaml")
 
 # Run in a fresh interpreter in which the training-only packages cannot be imported, as if they
 # were not installed.

@@ -113,7 +113,8 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     # them the parameters differ. The run resumes from step 4 although the interrupted run went
     # on to step 5, as when a run is killed between checkpoints.
     whole = train(load_config(None, RESUMABLE + [f"run_dir={tmp_path / 'whole'}"]))
-    cut = train(load_config(None, RESUMABLE + [f"run_dir={tmp_path / 'cut'}"]), callbacks=(KeepCheckpoint(4, "step4.ckpt"), StopAt(5)))
+    cut = train(load_config(None, RESUMABLE + [f"run_dir={tmp_path / 'cut'}"]),
+                callbacks=(KeepCheckpoint(4, "step4.ckpt"), StopAt(5)))
     step4 = tmp_path / "cut" / "checkpoints" / "step4.ckpt"
     assert cut.interrupted and load_checkpoint(step4)["global_step"] == 4
     resumed = train(load_config(None, RESUMABLE + [f"resume={step4}"]))
@@ -150,8 +151,8 @@ def test_resume_keeps_the_best_checkpoint_of_before_the_interruption(tmp_path):
     best = tmp_path / "checkpoints" / "best.ckpt"
     best_step = load_checkpoint(best)["global_step"]
     train(load_config(None, RESUMABLE + [f"resume={tmp_path}"]), callbacks=(Scramble(),))
-    val = {int(s): float(v) for s, name, v in (line.split(",") for line in (tmp_path / "metrics.csv").read_text().splitlines()[1:])
-           if name == "val/loss"}
+    rows = (line.split(",") for line in (tmp_path / "metrics.csv").read_text().splitlines()[1:])
+    val = {int(step): float(value) for step, name, value in rows if name == "val/loss"}
     assert best_step == 3 and val[best_step - 1] == min(val.values())  # rows are numbered from 0
     assert min(val[3], val[5]) > val[best_step - 1]  # the scramble made every later validation worse
     assert load_checkpoint(best)["global_step"] == best_step
@@ -175,7 +176,8 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
     marker = tmp_path / "code-ran"
     checkpoint["callbacks"]["extra"] = CreatesFile(marker)
     torch.save(checkpoint, ckpt)
-    with pytest.raises(CheckpointError, match=f"{ckpt} holds pickled objects other than tensors and plain containers \\(it names io.open\\)"):
+    refused = f"{ckpt} holds pickled objects other than tensors and plain containers \\(it names io.open\\)"
+    with pytest.raises(CheckpointError, match=refused):
         train(load_config(None, RESUMABLE + [f"resume={tmp_path / 'run'}"]))
     assert not marker.exists()
     # Lightning's own loading goes through the same reader:
