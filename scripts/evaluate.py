@@ -52,12 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(rows, trained, task, path):
-    import matplotlib
+    from ssm.training._optional import require
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    figure = require("matplotlib.figure", "scripts/evaluate.py (extrapolation.png)")
+    fig = figure.Figure(figsize=(6, 4))  # a Figure of its own: no pyplot state
+    ax = fig.subplots()
     ax.plot([r["length"] for r in rows], [r["val/acc"] for r in rows], marker="o")
     ax.axvline(trained, color="grey", linestyle="--", label=f"trained L = {trained}")
     ax.set_xscale("log", base=2)
@@ -69,7 +68,6 @@ def plot(rows, trained, task, path):
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

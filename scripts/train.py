@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
 
-    from ssm.training import ConfigError, load_config, train
+    from ssm.training import CheckpointError, ConfigError, load_config, train
     from ssm.training.run import checkpoint_of
 
     try:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             config_path = run_config if run_config is not None and run_config.is_file() else DEFAULT_CONFIG
         config = load_config(config_path, args.overrides)
         result = train(config)
-    except ConfigError as err:
+    except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0 if not result.interrupted else 1

@@ -1,7 +1,9 @@
 """Training configuration: YAML files mapped onto typed dataclasses, with dotted overrides.
 
 A config file holds any of the sections ``model``, ``data``, ``optim``, ``trainer`` and the
-top-level keys below. ``base: other.yaml`` (relative to the file) starts from another file, so
+top-level keys below. ``model`` takes the fields of ssm.models.MambaConfig (their names, types
+and defaults, read from that dataclass) plus ``backend``; ``model.vocab_size`` left unset is the
+task's vocabulary. ``base: other.yaml`` (relative to the file) starts from another file, so
 an experiment file holds only what it changes. Overrides on the command line are dotted keys,
 ``trainer.max_steps=500``, parsed by the type of the field they set. An unknown key or a value
 of the wrong type raises ``ConfigError`` naming the key and listing the valid ones.
@@ -9,6 +11,7 @@ of the wrong type raises ``ConfigError`` naming the key and listing the valid on
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -18,26 +21,46 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from ..models import MambaConfig
+
 
 class ConfigError(ValueError):
     """A config key that does not exist or a value of the wrong type."""
 
 
-@dataclass
-class ModelSection:
-    """MambaConfig's fields (see ssm.models.MambaConfig), plus the scan backend."""
+def _model_section() -> type:
+    """The ``model`` section: every field of ssm.models.MambaConfig, by name and type, plus the
+    scan ``backend``. Derived from the dataclass, so that a field added there is a key here and
+    no field is restated. Defaults are MambaConfig's, except ``vocab_size``: None means the
+    task's vocabulary. configs/default.yaml sets the small model the runs use."""
+    hints = typing.get_type_hints(MambaConfig)
+    fields = []
+    for f in dataclasses.fields(MambaConfig):
+        kind, default = hints[f.name], field(default=f.default, default_factory=f.default_factory)
+        if f.name == "vocab_size":
+            kind, default = Optional[int], field(default=None)
+        fields.append((f.name, kind, default))
+    fields.append(("backend", str, field(default="auto")))  # scan backend of every mixer (ssm.scan.backends)
 
-    d_model: int = 64  # width of the residual stream
-    n_layer: int = 2  # residual blocks
-    d_intermediate: int = 0  # gated-MLP width after each mixer; 0 = none
-    vocab_size: Optional[int] = None  # None: the task's vocabulary
-    ssm_cfg: dict = field(default_factory=lambda: {"layer": "Mamba1"})  # mixer and its arguments (d_state = N, expand, headdim = P, ...)
-    rms_norm: bool = True
-    residual_in_fp32: bool = True
-    fused_add_norm: bool = True
-    pad_vocab_size_multiple: int = 8
-    tie_embeddings: bool = True
-    backend: str = "auto"  # scan backend of every mixer (ssm.scan.backends)
+    def mamba_config(self, vocab_size: int) -> MambaConfig:
+        """The MambaConfig of this section; ``vocab_size`` is the task's vocabulary, used when
+        the section leaves it unset."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(MambaConfig)}
+        if values["vocab_size"] is None:
+            values["vocab_size"] = vocab_size
+        elif values["vocab_size"] < vocab_size:
+            raise ConfigError(f"model.vocab_size = {values['vocab_size']} is smaller than the task's vocabulary ({vocab_size})")
+        try:
+            return MambaConfig(**copy.deepcopy(values))
+        except ValueError as err:
+            raise ConfigError(f"model: {err}") from err
+
+    return dataclasses.make_dataclass(
+        "ModelSection", fields, namespace={"mamba_config": mamba_config, "__doc__": _model_section.__doc__,
+                                           "__module__": __name__})
+
+
+ModelSection = _model_section()
 
 
 @dataclass

@@ -93,8 +93,8 @@ class ByteText(Dataset):
     from (seed, split, index). Every position is scored."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, seed: int, split: str, size: int):
-        if data.numel() < seq_len + 2:
-            raise ValueError(f"the {split} text has {data.numel()} bytes, fewer than data.seq_len + 2 = {seq_len + 2}")
+        if data.numel() < seq_len + 1:
+            raise ValueError(f"the {split} text has {data.numel()} bytes, fewer than data.seq_len + 1 = {seq_len + 1}")
         self.data, self.L, self.seed, self.split, self.size = data, seq_len, seed, split, size
         self.vocab_size = 256
 
@@ -103,7 +103,7 @@ class ByteText(Dataset):
 
     def __getitem__(self, index: int):
         g = _generator(self.seed, self.split, index)
-        start = int(torch.randint(0, self.data.numel() - self.L - 1, (), generator=g))
+        start = int(torch.randint(0, self.data.numel() - self.L, (), generator=g))  # every window of L + 1 bytes
         window = self.data[start : start + self.L + 1].long()
         return window[:-1], window[1:]
 
@@ -172,7 +172,6 @@ class TaskDataModule(pl.LightningDataModule):
                 raise ValueError(f"data.paths {config.paths} match no files")
             self.train_files, self.val_files = split_files(paths, config.val_fraction)
         self.vocab_size = self.dataset("val", 1).vocab_size
-        self.scores_accuracy = config.task != "text"
 
     def dataset(self, split: str, size: int, seq_len: int | None = None) -> Dataset:
         c, L = self.config, seq_len or self.config.seq_len

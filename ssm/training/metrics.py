@@ -12,20 +12,25 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers.logger import Logger
 from pytorch_lightning.utilities import rank_zero_only
 
+from ._optional import require
+
 
 class MetricsCSV(Logger):
     """Appends every logged metric to ``path`` as rows (step, name, value). Long format keeps
-    the file valid when new metrics appear, and appending never loses earlier rows. When a run
-    resumes from step S, rows logged after S by the interrupted run are dropped first, so the
-    file reads as one run."""
+    the file valid when new metrics appear, and appending never loses earlier rows."""
 
-    def __init__(self, path: Path, resume_step: int | None = None):
+    def __init__(self, path: Path):
         super().__init__()
         self.path = Path(path)
         self._rows: list[tuple[int, str, float]] = []
-        if resume_step is not None and self.path.is_file():
-            kept = [row for row in read_metrics(self.path) if row[0] <= resume_step]
-            self._write(kept, "w")
+
+    def drop_rows_after(self, step: int) -> None:
+        """Forget what an interrupted run logged after its checkpoint of ``step`` steps, the one
+        the run resumes from, so that the file reads as one run. Rows are numbered as Lightning
+        counts, from 0: those numbered ``step`` and above were logged by later steps.
+        (Rank 0 only: the other ranks write nothing.)"""
+        if self.path.is_file():
+            self._write([row for row in read_metrics(self.path) if row[0] < step], "w")
 
     @property
     def name(self) -> str:
@@ -107,10 +112,7 @@ class LogLines(pl.Callback):
 
 def plot_curves(metrics_path: Path, out_path: Path) -> None:
     """curves.png: training and validation loss (and accuracy, when logged) against steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    figure = require("matplotlib.figure", "plotting curves.png")
 
     series: dict[str, tuple[list, list]] = {}
     for step, name, value in read_metrics(metrics_path):
@@ -121,7 +123,9 @@ def plot_curves(metrics_path: Path, out_path: Path) -> None:
     panels = [("loss", ["train/loss", "val/loss"])]
     if "val/acc" in series or "train/acc" in series:
         panels.append(("accuracy", ["train/acc", "val/acc"]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    # A Figure of its own, not pyplot: no global backend or figure state is touched.
+    fig = figure.Figure(figsize=(6 * len(panels), 4))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, names) in zip(axes[0], panels):
         for name in names:
             if name in series:
@@ -134,4 +138,3 @@ def plot_curves(metrics_path: Path, out_path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
-    plt.close(fig)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 import time
 
 import pytorch_lightning as pl
@@ -101,21 +100,3 @@ class LanguageModelTask(pl.LightningModule):
             optimizer, lambda step: warmup_cosine(step, o.warmup_steps, self.max_steps, o.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-    # Random states travel with the checkpoint, so that a resumed run draws what the
-    # uninterrupted one would have drawn.
-    def on_save_checkpoint(self, checkpoint):
-        checkpoint["rng_states"] = {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        }
-        checkpoint["mamba_config"] = self.model.config.to_dict()
-
-    def on_load_checkpoint(self, checkpoint):
-        states = checkpoint.get("rng_states")
-        if states:
-            torch.set_rng_state(states["torch"])
-            random.setstate(states["python"])
-            if states["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(states["cuda"])

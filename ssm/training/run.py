@@ -4,14 +4,19 @@ in its directory:
     config.yaml      the resolved config            metrics.csv   every logged value (step, metric, value)
     checkpoints/     last.ckpt and best.ckpt        metrics.json  final validation metrics
     model/           MambaLM.save_pretrained        curves.png    loss and accuracy against steps
+
+A run changes no process-wide state that outlives it: warning filters and Lightning's log level
+are set for the duration of ``train`` only, the model is initialised from its own seeded random
+stream, and nothing is written into the environment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
-import os
+import logging
 import sys
 import time
 import warnings
@@ -23,13 +28,12 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint, TQDMProgressBar
 
-from ..models import MambaConfig, MambaLM
+from ..models import MambaLM
+from .checkpoint import SafeCheckpointIO, load_checkpoint
 from .config import ConfigError, TrainConfig, save_config
 from .data import TaskDataModule
 from .metrics import LogLines, MetricsCSV, plot_curves
 from .module import LanguageModelTask
-
-_RUN_DIR_ENV = "SSM_RUN_DIR"  # hands rank 0's run directory to the processes DDP launches
 
 
 @dataclass
@@ -50,14 +54,13 @@ def checkpoint_of(resume: str) -> Path:
 
 
 def resolve_run_dir(config: TrainConfig) -> Path:
+    """``run_dir``; else the directory of the run being resumed; else a new folder under runs/."""
     if config.run_dir:
         return Path(config.run_dir)
     if config.resume:
         ckpt = checkpoint_of(config.resume)
         if ckpt.parent.name == "checkpoints":
             return ckpt.parent.parent  # continue in the run's own directory
-    if int(os.environ.get("LOCAL_RANK", "0")) > 0 and _RUN_DIR_ENV in os.environ:
-        return Path(os.environ[_RUN_DIR_ENV])
     base = Path("runs") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     path, n = base, 1
     while path.exists():
@@ -66,16 +69,15 @@ def resolve_run_dir(config: TrainConfig) -> Path:
 
 
 def build_model(config: TrainConfig, vocab_size: int) -> MambaLM:
-    fields = dataclasses.asdict(config.model)
-    backend = fields.pop("backend")
-    if fields["vocab_size"] is None:
-        fields["vocab_size"] = vocab_size
-    elif fields["vocab_size"] < vocab_size:
-        raise ConfigError(f"model.vocab_size = {fields['vocab_size']} is smaller than the task's vocabulary ({vocab_size})")
-    try:
-        return MambaLM(MambaConfig(**fields), backend=backend)
-    except ValueError as err:
-        raise ConfigError(f"model: {err}") from err
+    """The model of ``config.model``, for a task with ``vocab_size`` tokens, initialised from
+    ``config.seed`` (without touching the process's random state)."""
+    mamba_config = config.model.mamba_config(vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        try:
+            return MambaLM(mamba_config, backend=config.model.backend)
+        except ValueError as err:
+            raise ConfigError(f"model: {err}") from err
 
 
 def trainer_kwargs(config: TrainConfig) -> dict:
@@ -88,38 +90,84 @@ def trainer_kwargs(config: TrainConfig) -> dict:
     if kw["max_steps"] < 1:
         raise ConfigError(f"trainer.max_steps must be >= 1, got {kw['max_steps']}")
     kw["val_check_interval"] = min(kw["val_check_interval"], kw["max_steps"])
+    kw["log_every_n_steps"] = min(kw["log_every_n_steps"], kw["max_steps"])
     return kw
 
 
+class SharedRunDir(pl.Callback):
+    """Gives every process rank 0's run directory. With several devices, Lightning starts the
+    other processes by running the same command line again, so a run directory named after the
+    clock could differ between them; once the processes have connected, rank 0's is broadcast."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def setup(self, trainer, pl_module, stage):
+        self.path = Path(trainer.strategy.broadcast(str(self.path), src=0))
+
+
+# Lightning logs at INFO level what helps no user of these runs: which accelerators exist,
+# an advertisement for its logging service, that fit stopped at max_steps. Its warnings stay.
+_LIGHTNING_LOGGERS = ("pytorch_lightning", "lightning_fabric")
+
+
+@contextlib.contextmanager
+def _run_scope(resuming: bool):
+    """Warning filters and Lightning's log level for the duration of a run, restored after."""
+    loggers = [logging.getLogger(name) for name in _LIGHTNING_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        # pytorch-lightning 2.6 calls a torch pytree API that newer torch deprecates; not ours to fix.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        if resuming:
+            # A mid-epoch resume is exact here: the data are a stream indexed by the step count
+            # (data.StepSampler), not a stateful loader. And the run continues in its own folder.
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        for logger in loggers:
+            logger.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
 def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
-    """Run ``config`` (resuming when ``config.resume`` is set); returns where the results are."""
-    started = time.perf_counter()
-    # Lightning warns that a mid-epoch resume is unreliable unless the dataloader is stateful;
-    # ours is a stream indexed by the step count (data.StepSampler), which resumes exactly.
-    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-    # pytorch-lightning 2.6 calls a torch pytree API that newer torch deprecates; not ours to fix.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    pl.seed_everything(config.seed, workers=True, verbose=False)
+    """Run ``config`` (resuming when ``config.resume`` is set); returns where the results are.
+
+    Raises ConfigError for a mistake in the config and CheckpointError (naming the file) when
+    the checkpoint to resume from is damaged or holds anything but tensors and plain containers."""
+    with _run_scope(resuming=bool(config.resume)):
+        return _train(config, tuple(callbacks), time.perf_counter())
+
+
+def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     data = TaskDataModule(config.data, seed=config.seed)
     model = build_model(config, data.vocab_size)
     module = LanguageModelTask(model, config.optim, config.trainer.max_steps)
     kwargs = trainer_kwargs(config)
     ckpt_path = checkpoint_of(config.resume) if config.resume else None
-    # (memory-mapped: only the step count is read here; Lightning loads the checkpoint itself)
-    resume_step = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)["global_step"] if ckpt_path else None
+    # Read safely before anything else, so that a damaged file stops the run here with its name.
+    # (Memory-mapped: only the step count is read here; Lightning loads the checkpoint itself,
+    # through SafeCheckpointIO.)
+    resume_step = int(load_checkpoint(ckpt_path, mmap=True)["global_step"]) if ckpt_path else None
 
     run_dir = resolve_run_dir(config)
-    os.environ[_RUN_DIR_ENV] = str(run_dir)
     config = copy.deepcopy(config)
     config.run_dir = str(run_dir)
     config.model.vocab_size = model.config.vocab_size
     ckpt_dir = run_dir / "checkpoints"
     progress_bar = sys.stdout.isatty() if config.progress_bar is None else config.progress_bar
+    shared_run_dir = SharedRunDir(run_dir)
+    logger = MetricsCSV(run_dir / "metrics.csv")
     trainer = pl.Trainer(
         **kwargs,
         default_root_dir=str(run_dir),
-        logger=MetricsCSV(run_dir / "metrics.csv", resume_step=resume_step),
+        logger=logger,
+        plugins=[SafeCheckpointIO()],
         callbacks=[
+            shared_run_dir,
             ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=config.checkpoint_every),
             ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1,
                             enable_version_counter=False, save_on_train_epoch_end=False),
@@ -133,15 +181,23 @@ def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
         use_distributed_sampler=False,  # the data modules split examples between ranks themselves
     )
     if trainer.is_global_zero:
+        if resume_step is None and (run_dir / "config.yaml").exists():
+            raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run; continue it with resume={run_dir}, "
+                              "or give another run_dir")
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.yaml")
         params = sum(p.numel() for p in model.parameters())
         print(f"training {config.data.task} with a {params / 1e6:.2f} M-parameter MambaLM "
               f"({model.config.ssm_cfg.get('layer', 'Mamba1')}, {config.trainer.max_steps} steps) in {run_dir}",
               flush=True)
+        if resume_step is not None:
+            logger.drop_rows_after(resume_step)
+            print(f"resuming from {ckpt_path} at step {resume_step}", flush=True)
 
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    trainer.save_checkpoint(ckpt_dir / "last.ckpt")  # the final (or interrupted) state
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+    run_dir = shared_run_dir.path  # rank 0's, on every rank
+    ckpt_dir = run_dir / "checkpoints"
+    trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)  # the final (or interrupted) state, in full
     if trainer.interrupted or trainer.global_step < config.trainer.max_steps:
         if trainer.is_global_zero:
             print(f"stopped at step {trainer.global_step}; continue with: python scripts/train.py resume={run_dir}")

@@ -1,42 +1,80 @@
-"""The tasks' examples, checked by hand on small cases, and the step-indexed data order."""
+"""The tasks' examples keep their invariants over many seeds and indices, each example is a pure
+function of (seed, split, index), and the step-indexed stream splits between ranks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ssm.training.config import DataSection
 from ssm.training.data import IGNORE, ByteText, InductionHeads, SelectiveCopying, StepSampler, TaskDataModule, split_files
 
-
-def test_selective_copying_example():
-    ds = SelectiveCopying(seq_len=12, num_tokens=5, num_memorize=3, seed=0, split="train", size=10)
-    assert ds.vocab_size == 7 and ds.marker == 6
-    for i in range(10):
-        inputs, targets = ds[i]
-        assert inputs.shape == targets.shape == (15,)
-        context = inputs[:12]
-        data = context[context != 0]  # the data tokens in order of position
-        assert len(data) == 3 and ((data >= 1) & (data <= 5)).all()
-        assert (inputs[12:] == 6).all()  # the markers
-        assert (targets[:12] == IGNORE).all() and torch.equal(targets[12:], data)
+SEEDS = range(12)
+PER_SEED = 60
 
 
-def test_induction_heads_example():
-    ds = InductionHeads(seq_len=20, num_tokens=4, seed=0, split="val", size=10)
-    for i in range(10):
-        inputs, targets = ds[i]
-        triggers = (inputs == 4).nonzero().flatten().tolist()
-        assert len(triggers) in (2, 3) and triggers[-1] == 19  # trigger ... trigger at the end
-        first = triggers[0]
-        assert targets[-1] == inputs[first + 1] and (targets[:-1] == IGNORE).all()
+@pytest.mark.parametrize("seq_len,num_tokens,num_memorize", [(12, 5, 3), (9, 2, 9), (30, 8, 1)])
+def test_selective_copying_targets_are_the_data_tokens_in_order(seq_len, num_tokens, num_memorize):
+    L, K, marker = seq_len, num_memorize, num_tokens + 1
+    positions_seen, tokens_seen = set(), set()
+    for seed in SEEDS:
+        ds = SelectiveCopying(L, num_tokens, K, seed=seed, split="train", size=PER_SEED)
+        assert ds.vocab_size == num_tokens + 2 and ds.marker == marker
+        for i in range(PER_SEED):
+            inputs, targets = ds[i]
+            assert inputs.shape == targets.shape == (L + K,)
+            context = inputs[:L]
+            positions = (context != 0).nonzero().flatten()  # noise is 0; data tokens are 1..num_tokens
+            assert len(positions) == K, (seed, i, inputs)
+            data = context[positions]  # in order of position
+            assert ((data >= 1) & (data <= num_tokens)).all()
+            assert (inputs[L:] == marker).all() and not (context == marker).any()
+            assert (targets[:L] == IGNORE).all(), "only the positions after the context are scored"
+            assert torch.equal(targets[L:], data), (seed, i, inputs, targets)
+            positions_seen.update(positions.tolist())
+            tokens_seen.update(data.tolist())
+    assert positions_seen == set(range(L)), "every context position holds a data token in some example"
+    assert tokens_seen == set(range(1, num_tokens + 1)), "every data token occurs"
 
 
-def test_byte_text_windows_are_shifted_by_one():
-    data = torch.arange(100, dtype=torch.uint8)
-    ds = ByteText(data, seq_len=10, seed=0, split="train", size=5)
-    for i in range(5):
-        x, y = ds[i]
-        assert torch.equal(y[:-1], x[1:]) and int(y[-1]) == int(x[-1]) + 1
+@pytest.mark.parametrize("seq_len,num_tokens", [(6, 3), (20, 4), (64, 16)])
+def test_induction_heads_key_follows_the_first_trigger_and_never_sits_on_the_last(seq_len, num_tokens):
+    L, trigger = seq_len, num_tokens
+    first_seen, keys_seen = set(), set()
+    for seed in SEEDS:
+        ds = InductionHeads(L, num_tokens, seed=seed, split="val", size=PER_SEED)
+        assert ds.vocab_size == num_tokens + 1 and ds.trigger == trigger
+        for i in range(PER_SEED):
+            inputs, targets = ds[i]
+            assert inputs.shape == targets.shape == (L,)
+            assert ((inputs >= 0) & (inputs <= trigger)).all()
+            triggers = (inputs == trigger).nonzero().flatten().tolist()
+            assert len(triggers) == 2 and triggers[-1] == L - 1, (seed, i, inputs)  # one trigger, then the last
+            first = triggers[0]
+            key = int(inputs[first + 1])
+            assert first + 1 < L - 1 and key != trigger, "the key never sits on the final trigger"
+            assert (targets[:-1] == IGNORE).all() and int(targets[-1]) == key
+            first_seen.add(first)
+            keys_seen.add(key)
+    assert first_seen == set(range(L - 2)), "the first trigger takes every position that leaves room for the key"
+    assert keys_seen == set(range(num_tokens))
+
+
+@pytest.mark.parametrize("seq_len,extra", [(10, 1), (10, 3), (7, 60)])
+def test_byte_text_windows_are_contiguous_and_shifted_by_one(seq_len, extra):
+    n = seq_len + extra  # < 256, so that a byte's value is its position
+    data = torch.arange(n, dtype=torch.uint8)
+    starts = set()
+    for seed in SEEDS:
+        ds = ByteText(data, seq_len, seed=seed, split="train", size=PER_SEED)
+        for i in range(PER_SEED):
+            x, y = ds[i]
+            assert x.shape == y.shape == (seq_len,) and x.dtype == y.dtype == torch.long
+            start = int(x[0])
+            assert torch.equal(x, torch.arange(start, start + seq_len)), "a contiguous window"
+            assert torch.equal(y, x + 1), "the targets are the next bytes"
+            starts.add(start)
+    assert starts == set(range(n - seq_len)), "every window of seq_len + 1 bytes is drawn"
 
 
 def test_examples_depend_only_on_seed_split_and_index():

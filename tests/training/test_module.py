@@ -1,11 +1,21 @@
-"""Optimiser groups and the learning-rate schedule."""
+"""Optimiser groups, the learning-rate schedule, and the metrics on hand-computed batches: loss
+and accuracy count only the scored positions (targets != -100)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
 from ssm import MambaConfig, MambaLM
-from ssm.training.module import parameter_groups, warmup_cosine
+from ssm.training.config import DataSection, OptimSection
+from ssm.training.data import IGNORE, TaskDataModule
+from ssm.training.module import LanguageModelTask, parameter_groups, scored_token_metrics, warmup_cosine
+
+LOG2 = math.log(2)
 
 
 def test_weight_decay_skips_ssm_parameters_norms_and_biases():
@@ -29,3 +39,81 @@ def test_warmup_then_cosine():
     assert math.isclose(warmup_cosine(55, 10, 100, 0.1), 0.1 + 0.9 * 0.5)
     assert math.isclose(warmup_cosine(100, 10, 100, 0.1), 0.1)
     assert math.isclose(warmup_cosine(500, 10, 100, 0.1), 0.1)
+
+
+def hand_batch():
+    """Two sequences of 3 positions, 4 tokens. Scored positions have logits (log 2, 0, 0, 0) or
+    (0, log 3, 0, 0): probabilities 2/5, 1/5, 1/5, 1/5 and 1/6, 3/6, 1/6, 1/6. Unscored positions
+    have logits that would dominate both sums if they were counted."""
+    a = [LOG2, 0.0, 0.0, 0.0]
+    b = [0.0, math.log(3), 0.0, 0.0]
+    loud = [50.0, 0.0, 0.0, 0.0]
+    logits = torch.tensor([[a, loud, b], [b, a, loud]])
+    targets = torch.tensor([[0, IGNORE, 1], [2, 3, IGNORE]])
+    # -log p per scored position: -log(2/5), -log(3/6), -log(1/6), -log(1/5); argmax right at the first two
+    losses = [math.log(5 / 2), math.log(2), math.log(6), math.log(5)]
+    return logits, targets, sum(losses), 2, 4
+
+
+def test_scored_token_metrics_on_a_hand_computed_batch():
+    logits, targets, loss_sum, correct, n = hand_batch()
+    got_loss, got_correct, got_n = scored_token_metrics(logits, targets)
+    assert got_n == n and int(got_correct) == correct
+    assert math.isclose(float(got_loss), loss_sum, rel_tol=1e-6)
+
+
+class Fixed(nn.Module):
+    """A stand-in model that returns the given logits whatever its inputs."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+        self.weight = nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids):
+        return self.logits + 0 * self.weight
+
+
+def test_lightning_module_means_over_scored_positions():
+    logits, targets, loss_sum, correct, n = hand_batch()
+    task = LanguageModelTask(Fixed(logits), OptimSection(), max_steps=1)
+    loss, acc, count = task._loss_and_accuracy((torch.zeros(2, 3, dtype=torch.long), targets))
+    assert count == n
+    assert math.isclose(float(loss.detach()), loss_sum / n, rel_tol=1e-6)  # 4 scored positions, not 6
+    assert math.isclose(float(acc), correct / n)
+
+
+class Bigram(nn.Module):
+    """A tiny deterministic model: logits are a fixed function of the current token."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)) * 3)
+
+    def forward(self, input_ids):
+        return self.table[input_ids]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's hints about workers and loggers
+def test_logged_validation_metrics_pool_scored_positions_across_batches(tmp_path):
+    # 7 examples in batches of 4 and 3: the logged val/loss and val/acc are those of all scored
+    # positions together, computed here with nothing but log_softmax over the whole set.
+    data = TaskDataModule(DataSection(task="induction_heads", seq_len=10, num_tokens=5, batch_size=4, val_samples=7))
+    model = Bigram(data.vocab_size)
+    task = LanguageModelTask(model, OptimSection(), max_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    logged = trainer.validate(task, datamodule=data, verbose=False)[0]
+
+    examples = [data.dataset("val", 7)[i] for i in range(7)]
+    inputs = torch.stack([x for x, _ in examples])
+    targets = torch.stack([y for _, y in examples])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(inputs).double(), -1)
+    scored = targets != IGNORE
+    assert int(scored.sum()) == 7  # induction heads scores the last position only
+    nll = -logp[scored].gather(-1, targets[scored][:, None]).squeeze(-1)
+    right = logp[scored].argmax(-1) == targets[scored]
+    assert math.isclose(logged["val/loss"], float(nll.mean()), rel_tol=1e-5)
+    assert math.isclose(logged["val/bpb"], float(nll.mean()) / LOG2, rel_tol=1e-5)
+    assert math.isclose(logged["val/acc"], float(right.double().mean()), rel_tol=1e-6)

@@ -1,13 +1,17 @@
-"""End to end: each task trains a few steps and leaves its results; resume is exact; DDP on
-CPU runs two processes; the scripts' main(argv) work."""
+"""End to end: each task trains a few steps, leaves its results and no process-wide state; resume
+is exact and restores only what it needs; checkpoints are read safely and written atomically;
+two DDP processes on CPU split the examples and keep equal parameters; the scripts' main(argv)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import runpy
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,9 @@ import pytorch_lightning as pl
 import torch
 
 from ssm import MambaLM
-from ssm.training import load_config, train
+from ssm.training import CheckpointError, ConfigError, load_checkpoint, load_config, train
+from ssm.training.checkpoint import save_atomically
+from ssm.training.data import TaskDataModule
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.d_model=16", "model.n_layer=1", "model.ssm_cfg={layer: Mamba1, d_state: 4}", "data.batch_size=4",
@@ -26,17 +32,28 @@ TASKS = {
     "induction_heads": ["data.task=induction_heads", "data.seq_len=16"],
     "text": ["data.task=text", "data.seq_len=16", "model.ssm_cfg={layer: Mamba2, d_state: 4, headdim: 8, chunk_size: 8}"],
 }
+LIGHTNING_NOTICES = ("GPU available", "TPU available", "litlogger", "Trainer.fit` stopped", "weights_only")
+RESUMABLE = TINY + TASKS["selective_copying"] + ["trainer.max_steps=6", "optim.warmup_steps=2"]
 
 
 def script(name):
     return runpy.run_path(str(ROOT / "scripts" / f"{name}.py"))["main"]
 
 
+def process_state():
+    """What a run must leave as it found it. (Not the global random state: torch's DataLoader
+    draws a seed for its workers from it whenever it starts an epoch.)"""
+    return (list(warnings.filters), dict(os.environ),
+            {name: logging.getLogger(name).level for name in ("pytorch_lightning", "lightning_fabric")})
+
+
 @pytest.mark.parametrize("task", TASKS)
-def test_each_task_trains_and_leaves_its_results(task, tmp_path):
+def test_each_task_trains_and_leaves_its_results_and_nothing_else(task, tmp_path, capfd, caplog):
     run_dir = tmp_path / "run"
     config = load_config(ROOT / "configs" / "default.yaml", TINY + TASKS[task] + ["trainer.max_steps=3", f"run_dir={run_dir}"])
+    before = process_state()
     result = train(config)
+    after = process_state()
     assert not result.interrupted
     for name in ("config.yaml", "metrics.csv", "metrics.json", "curves.png", "checkpoints/last.ckpt", "checkpoints/best.ckpt", "model/config.json"):
         assert (run_dir / name).is_file(), name
@@ -46,6 +63,25 @@ def test_each_task_trains_and_leaves_its_results(task, tmp_path):
     assert model.config.vocab_size == load_config(run_dir / "config.yaml").model.vocab_size
     lines = (run_dir / "metrics.csv").read_text().splitlines()
     assert lines[0] == "step,metric,value" and any(",train/loss," in line for line in lines)
+
+    # No warning filter, environment variable or log level outlives the run ...
+    assert before == after
+    # ... and it prints only its own lines: none of Lightning's notices (which go to the root
+    # logger here, under pytest, and to stderr otherwise).
+    out, err = capfd.readouterr()
+    assert out.startswith(f"training {task} with a ") and out.rstrip().endswith("curves.png")
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    for notice in LIGHTNING_NOTICES:
+        assert notice not in out + err + logged, notice
+
+
+def test_a_finished_run_is_not_overwritten(tmp_path):
+    args = TINY + TASKS["selective_copying"] + ["trainer.max_steps=1", f"run_dir={tmp_path}"]
+    train(load_config(None, args))
+    before = (tmp_path / "metrics.csv").read_text()
+    with pytest.raises(ConfigError, match=f"run_dir='{tmp_path}' already holds a run; continue it with resume="):
+        train(load_config(None, args))
+    assert (tmp_path / "metrics.csv").read_text() == before
 
 
 class StopAt(pl.Callback):
@@ -59,20 +95,130 @@ class StopAt(pl.Callback):
             trainer.should_stop = True
 
 
+class KeepCheckpoint(pl.Callback):
+    """Copies last.ckpt to ``name`` when it holds step ``step``."""
+
+    def __init__(self, step, name):
+        self.step, self.name = step, name
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == self.step:  # last.ckpt was written at the end of the previous step
+            directory = Path(trainer.default_root_dir) / "checkpoints"
+            shutil.copy(directory / "last.ckpt", directory / self.name)
+
+
 def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
-    common = TINY + TASKS["selective_copying"] + ["trainer.max_steps=6", "optim.warmup_steps=2"]
-    whole = train(load_config(None, common + [f"run_dir={tmp_path / 'whole'}"]))
-    cut = train(load_config(None, common + [f"run_dir={tmp_path / 'cut'}"]), callbacks=(StopAt(3),))
-    assert cut.interrupted
-    resumed = train(load_config(None, common + [f"resume={tmp_path / 'cut'}"]))
+    # Guards every piece of state a resume restores: the parameters, the optimiser's moments,
+    # the schedule's position, the step count (and with it the data order). Without any one of
+    # them the parameters differ. The run resumes from step 4 although the interrupted run went
+    # on to step 5, as when a run is killed between checkpoints.
+    whole = train(load_config(None, RESUMABLE + [f"run_dir={tmp_path / 'whole'}"]))
+    cut = train(load_config(None, RESUMABLE + [f"run_dir={tmp_path / 'cut'}"]),
+                callbacks=(KeepCheckpoint(4, "step4.ckpt"), StopAt(5)))
+    step4 = tmp_path / "cut" / "checkpoints" / "step4.ckpt"
+    assert cut.interrupted and load_checkpoint(step4)["global_step"] == 4
+    resumed = train(load_config(None, RESUMABLE + [f"resume={step4}"]))
     assert resumed.run_dir == tmp_path / "cut" and not resumed.interrupted
-    a = MambaLM.from_pretrained(tmp_path / "whole" / "model").state_dict()
-    b = MambaLM.from_pretrained(tmp_path / "cut" / "model").state_dict()
+    a = MambaLM.from_pretrained(whole.run_dir / "model").state_dict()
+    b = MambaLM.from_pretrained(resumed.run_dir / "model").state_dict()
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    steps = [int(line.split(",")[0]) for line in (tmp_path / "cut" / "metrics.csv").read_text().splitlines()[1:]
-             if ",train/loss," in line]
-    assert steps == sorted(set(steps))  # logged once per step across the interruption
+    assert resumed.metrics == {**whole.metrics, "wall_s": resumed.metrics["wall_s"]}
+
+    # metrics.csv reads as one run: what the interrupted run logged after step 4 is gone, and
+    # every row equals the uninterrupted run's (rows are numbered from 0, as Lightning counts).
+    def rows(run):
+        return [line.split(",") for line in (tmp_path / run / "metrics.csv").read_text().splitlines()[1:]
+                if ",lr," not in line and "tokens_per_s" not in line]
+
+    assert [int(step) for step, name, _ in rows("cut") if name == "train/loss"] == [0, 1, 2, 3, 4, 5]
+    assert rows("cut") == rows("whole")
+
+
+class Scramble(pl.Callback):
+    """Ruins the model when training (re)starts, so that every later validation is worse."""
+
+    def on_train_start(self, trainer, pl_module):
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 20)
+
+
+def test_resume_keeps_the_best_checkpoint_of_before_the_interruption(tmp_path):
+    # The checkpoint callbacks' state (the best score so far) is restored: after a resume that
+    # only makes the model worse, best.ckpt still holds the best model from before the interruption.
+    train(load_config(None, RESUMABLE + [f"run_dir={tmp_path}"]), callbacks=(StopAt(3),))
+    best = tmp_path / "checkpoints" / "best.ckpt"
+    best_step = load_checkpoint(best)["global_step"]
+    train(load_config(None, RESUMABLE + [f"resume={tmp_path}"]), callbacks=(Scramble(),))
+    rows = (line.split(",") for line in (tmp_path / "metrics.csv").read_text().splitlines()[1:])
+    val = {int(step): float(value) for step, name, value in rows if name == "val/loss"}
+    assert best_step == 3 and val[best_step - 1] == min(val.values())  # rows are numbered from 0
+    assert min(val[3], val[5]) > val[best_step - 1]  # the scramble made every later validation worse
+    assert load_checkpoint(best)["global_step"] == best_step
+
+
+class CreatesFile:
+    """Unpickling this object creates ``path`` (open(path, "w")): a stand-in for any code a
+    pickled checkpoint could run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
+    train(load_config(None, RESUMABLE + ["trainer.max_steps=2", f"run_dir={tmp_path / 'run'}"]), callbacks=(StopAt(1),))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt, weights_only=True)
+    marker = tmp_path / "code-ran"
+    checkpoint["callbacks"]["extra"] = CreatesFile(marker)
+    torch.save(checkpoint, ckpt)
+    refused = f"{ckpt} holds pickled objects other than tensors and plain containers \\(it names io.open\\)"
+    with pytest.raises(CheckpointError, match=refused):
+        train(load_config(None, RESUMABLE + [f"resume={tmp_path / 'run'}"]))
+    assert not marker.exists()
+    # Lightning's own loading goes through the same reader:
+    from ssm.training.checkpoint import SafeCheckpointIO
+
+    with pytest.raises(CheckpointError, match="holds pickled objects"):
+        SafeCheckpointIO().load_checkpoint(ckpt, weights_only=False)
+    assert not marker.exists()
+
+
+def test_resume_stops_at_a_damaged_checkpoint_naming_it(tmp_path, capsys):
+    train(load_config(None, RESUMABLE + ["trainer.max_steps=2", f"run_dir={tmp_path}"]), callbacks=(StopAt(1),))
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    whole = ckpt.read_bytes()
+    ckpt.write_bytes(whole[: len(whole) // 2])  # cut short, as by a full disk or a copy that stopped
+    metrics = (tmp_path / "metrics.csv").read_text()
+    with pytest.raises(CheckpointError, match=f"{ckpt} is damaged"):
+        train(load_config(None, RESUMABLE + [f"resume={tmp_path}"]))
+    assert (tmp_path / "metrics.csv").read_text() == metrics  # nothing touched
+    capsys.readouterr()
+    assert script("train")([f"resume={tmp_path}"]) == 2
+    assert f"error: {ckpt} is damaged" in capsys.readouterr().err
+
+
+def test_checkpoints_are_written_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    save_atomically({"global_step": 1, "state_dict": {"w": torch.ones(1000)}}, path)
+    real_save = torch.save
+
+    def killed_midway(obj, f, *args, **kwargs):  # writes half of the new checkpoint, then dies
+        real_save(obj, f, *args, **kwargs)
+        f.seek(0)
+        f.truncate(f.tell() + 100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_atomically({"global_step": 2, "state_dict": {"w": torch.zeros(1000)}}, path)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["global_step"] == 1  # the previous checkpoint, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary file left
 
 
 def test_train_script_reports_mistakes(capsys):
@@ -92,13 +238,31 @@ def test_evaluate_and_generate_scripts(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("def ")
 
 
-def test_two_process_ddp_on_cpu(tmp_path):
-    """trainer.devices=2 trainer.strategy=ddp: Lightning launches a second process (gloo)."""
-    args = [sys.executable, str(ROOT / "scripts" / "train.py"), *TINY, *TASKS["selective_copying"], "trainer.max_steps=2",
-            "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp", f"run_dir={tmp_path / 'ddp'}"]
+def test_two_process_ddp_on_cpu_splits_examples_and_keeps_parameters_equal(tmp_path):
+    """trainer.devices=2 trainer.strategy=ddp: Lightning launches a second process (gloo). No
+    run_dir is given: both processes must use the one rank 0 chose."""
+    steps, batch = 3, 4
+    overrides = [*TINY, *TASKS["selective_copying"], f"trainer.max_steps={steps}", f"data.batch_size={batch}",
+                 "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp"]
+    args = [sys.executable, str(ROOT / "tests" / "training" / "ddp_probe.py"), str(tmp_path / "out"), *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "world_size: 2" in proc.stderr + proc.stdout or "GLOBAL_RANK: 1" in proc.stderr + proc.stdout
-    metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
-    assert metrics["step"] == 2
+    for notice in LIGHTNING_NOTICES:
+        assert notice not in proc.stdout + proc.stderr, notice
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+    run_dirs = list((tmp_path / "runs").iterdir())
+    assert len(run_dirs) == 1 and ranks[0]["run_dir"] == ranks[1]["run_dir"] == str(run_dirs[0].resolve())
+    assert json.loads((run_dirs[0] / "metrics.json").read_text())["step"] == steps
+
+    # Each step, the ranks take disjoint examples that together are the step's share of the stream.
+    stream = TaskDataModule(load_config(None, overrides).data).dataset("train", steps * 2 * batch)
+    for step in range(steps):
+        seen = [tuple(x.tolist()) for r in range(2) for x in ranks[r]["inputs"][step]]
+        expected = [tuple(stream[i][0].tolist()) for i in range(step * 2 * batch, (step + 1) * 2 * batch)]
+        assert len(set(seen)) == 2 * batch and set(seen) == set(expected), f"step {step}"
+    # After every step the ranks hold the same parameters, and the steps changed them.
+    for step in range(steps):
+        assert torch.equal(ranks[0]["params"][step], ranks[1]["params"][step]), f"step {step}"
+    assert not torch.equal(ranks[0]["params"][0], ranks[0]["params"][-1])

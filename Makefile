@@ -1,0 +1,57 @@
+# The README's two commands. On a fresh clone they need only Python >= 3.10 and a C compiler:
+#
+#   make train    trains the default model (configs/default.yaml); ARGS="key=value ..." overrides
+#   make test     runs the test suite (what CI runs); ARGS="tests/training -x" narrows it
+#
+# Each creates the virtual environment .venv/ on first use, installs torch and the package with
+# the extras it needs, then runs. Later calls reuse it: each install step leaves a stamp file in
+# .venv/ and is redone only when pyproject.toml (or TORCH_VERSION) changes. Remove .venv/ to start
+# afresh. With an environment of your own, use pip install -e ".[test]" instead (README, Install).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+ARGS ?=
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: train test
+
+train: $(VENV)/.installed-train
+	$(PY) scripts/train.py $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest $(ARGS)
+
+# The package, editable, with the extras the command needs (test includes train). It also brings
+# the dependencies of torch when torch came from a wheel on disk without them.
+$(VENV)/.installed-%: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
+	@echo "installing ssm-scan[$*] into $(VENV)"
+	@$(PIP) install --quiet -e ".[$*]"
+	@touch $@
+
+# torch, the build that fits the machine: a wheel already on this machine's disk when pip finds
+# one (offline, --no-index: pip's configured find-links); else the CUDA build from the package
+# index when an NVIDIA GPU is present, the CPU build (a fraction of the size) when not.
+$(VENV)/.torch-$(TORCH_VERSION): | $(PY)
+	@if $(PIP) install --quiet --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null; then \
+	    echo "torch $(TORCH_VERSION): a wheel on this machine's disk"; \
+	elif nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "torch $(TORCH_VERSION): an NVIDIA GPU is present; the CUDA build from the package index"; \
+	    $(PIP) install --quiet "torch==$(TORCH_VERSION)"; \
+	else \
+	    echo "torch $(TORCH_VERSION): no NVIDIA GPU; the CPU build from $(TORCH_CPU_INDEX)"; \
+	    $(PIP) install --quiet "torch==$(TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX)"; \
+	fi
+	@if nvidia-smi -L >/dev/null 2>&1 && $(PIP) show torch 2>/dev/null | grep -q '^Version: .*+cpu'; then \
+	    echo "warning: this machine has an NVIDIA GPU but the torch wheel on its disk is a CPU build;"; \
+	    echo "  for the GPU: $(PIP) install --force-reinstall torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cu128"; \
+	fi
+	@touch $@
+
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(None if sys.version_info >= (3, 10) else "ssm needs Python >= 3.10; $(PYTHON) is " + sys.version.split()[0] + ": make PYTHON=python3.X ...")'
+	@echo "creating $(VENV) with $$($(PYTHON) --version)"
+	@$(PYTHON) -m venv $(VENV)
