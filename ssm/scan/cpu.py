@@ -299,12 +299,11 @@ def _selective_bwd(
     batch, dim, length = u.shape
     a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
     a.ckpt, a.grad_out, a.grad_last, a.sgo = ckpt.data_ptr(), grad_out.data_ptr(), _ptr(grad_last), grad_out.stride()
-    empty = u.new_empty(0)
-    d_u, d_delta = torch.empty_like(u, memory_format=torch.contiguous_format), u.new_empty(u.shape)
-    d_z = u.new_empty(u.shape) if z is not None else empty
+    d_u, d_delta = u.new_empty(u.shape), u.new_empty(u.shape)
+    d_z = u.new_empty(u.shape if z is not None else 0)  # (an empty tensor stands for an absent input's)
     d_A, d_B, d_C = torch.empty_like(A), u.new_empty(B.shape), u.new_empty(C.shape)
-    d_D, d_bias = (u.new_empty(dim) if x is not None else empty for x in (D, delta_bias))
-    d_h0 = torch.empty_like(h0) if h0 is not None else empty
+    d_D, d_bias = (u.new_empty(dim if x is not None else 0) for x in (D, delta_bias))
+    d_h0 = u.new_empty(h0.shape if h0 is not None else 0)
     parts = [u.new_empty(a.nthreads, *M.shape) if M.ndim == 4 else None for M in (B, C)]
     a.d_u, a.d_delta, a.d_A, a.d_B, a.d_C = (x.data_ptr() for x in (d_u, d_delta, d_A, d_B, d_C))
     a.d_z, a.d_D, a.d_delta_bias, a.d_h0 = (
@@ -317,12 +316,10 @@ def _selective_bwd(
 
 @_selective_bwd.register_fake
 def _(grad_out, grad_last, u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, ckpt):
-    empty = u.new_empty(0)
     return (
         u.new_empty(u.shape), u.new_empty(u.shape), u.new_empty(A.shape), u.new_empty(B.shape), u.new_empty(C.shape),
-        u.new_empty(u.shape[1]) if D is not None else empty, u.new_empty(u.shape) if z is not None else empty,
-        u.new_empty(u.shape[1]) if delta_bias is not None else empty,
-        u.new_empty(h0.shape) if h0 is not None else empty,
+        u.new_empty(u.shape[1] if D is not None else 0), u.new_empty(u.shape if z is not None else 0),
+        u.new_empty(u.shape[1] if delta_bias is not None else 0), u.new_empty(h0.shape if h0 is not None else 0),
     )
 
 
