@@ -15,7 +15,8 @@ neither transformers nor this script. For each model NAME it writes
 Every parameter gets random values (norm weights, D, the Δ bias, A_log and the conv bias
 included), layer_norm_epsilon is not the default, and Mamba-2 has several heads and ngroups > 1,
 so that a swapped projection half, a wrong epsilon or a missing gate changes the logits.
-"mamba2" also stores the logits of the same weights under a time_step_limit that clamps Δ.
+"mamba2" also stores dt_limit (2,) and logits_dt_limit: the logits of the same weights under that
+time_step_limit, which clamps Δ.
 The script refuses to write when the run would not use transformers' pure-PyTorch code (a GPU,
 or mamba-ssm / causal-conv1d / kernels installed), and when a greedy step's top two logits lie
 closer than MIN_MARGIN (a near tie that rounding could flip).
@@ -129,6 +130,7 @@ def run(name: str, spec: dict, out: Path) -> None:
     from safetensors.torch import save_file
 
     model = build(spec)
+    path = code_path(model)
     g = torch.Generator().manual_seed(100 + spec["seed"])
     input_ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g)
     prompt = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=g)
@@ -157,17 +159,16 @@ def run(name: str, spec: dict, out: Path) -> None:
             layer.mixer.time_step_limit = DT_LIMIT
         with torch.no_grad():
             tensors["logits_dt_limit"] = model(input_ids).logits.float().contiguous()
+        tensors["dt_limit"] = torch.tensor(DT_LIMIT, dtype=torch.float64)
         for layer in model.backbone.layers:
             layer.mixer.time_step_limit = model.config.time_step_limit
 
     directory = out / name
     model.save_pretrained(directory)  # config.json, generation_config.json, model.safetensors
     metadata = {
-        "transformers": transformers.__version__, "torch": torch.__version__, "path": code_path(model),
+        "transformers": transformers.__version__, "torch": torch.__version__, "path": path,
         "min_greedy_margin": f"{margin:.4g}",
     }
-    if spec["kind"] == "mamba2":
-        metadata["dt_limit"] = repr(DT_LIMIT)
     save_file(tensors, out / f"{name}.outputs.safetensors", metadata=metadata)
     print(f"{name}: wrote {directory} and {name}.outputs.safetensors (min greedy margin {margin:.3g})")
 
