@@ -107,7 +107,9 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
             ) from err
     else:
         raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS} or {BIN}")
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
         raise ValueError(f"{path} must hold a dict of named tensors (a state dict), got {type(state).__name__}")
     return state
 

@@ -56,8 +56,8 @@ class MambaBackbone(nn.Module):
         kw = dict(device=device, dtype=dtype)
 
         def norm():
-            eps = config.norm_epsilon
-            return RMSNorm(config.d_model, eps=eps, **kw) if config.rms_norm else nn.LayerNorm(config.d_model, eps=eps, **kw)
+            cls = RMSNorm if config.rms_norm else nn.LayerNorm
+            return cls(config.d_model, eps=config.norm_epsilon, **kw)
 
         self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model, **kw)
         self.layers = nn.ModuleList(

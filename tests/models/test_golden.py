@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file
 
