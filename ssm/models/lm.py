@@ -40,7 +40,12 @@ def _make_mixer(config: MambaConfig, layer_idx: int, backend: str, **kw) -> nn.M
     if unknown:
         raise ValueError(f"unknown ssm_cfg key(s) {unknown} for {cls.__name__}; valid keys: {['layer', *valid]}")
     cfg.setdefault("backend", backend)
-    return cls(config.d_model, layer_idx=layer_idx, **cfg, **kw)
+    mixer = cls(config.d_model, layer_idx=layer_idx, **cfg, **kw)
+    if isinstance(mixer, Mamba2) and mixer.rmsnorm:
+        # The gated output norm takes the model's ε, as in transformers (mamba-ssm fixes 1e-5,
+        # which is norm_epsilon's default).
+        mixer.norm.eps = config.norm_epsilon
+    return mixer
 
 
 class MambaBackbone(nn.Module):
@@ -51,7 +56,8 @@ class MambaBackbone(nn.Module):
         kw = dict(device=device, dtype=dtype)
 
         def norm():
-            return RMSNorm(config.d_model, eps=1e-5, **kw) if config.rms_norm else nn.LayerNorm(config.d_model, eps=1e-5, **kw)
+            cls = RMSNorm if config.rms_norm else nn.LayerNorm
+            return cls(config.d_model, eps=config.norm_epsilon, **kw)
 
         self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model, **kw)
         self.layers = nn.ModuleList(
