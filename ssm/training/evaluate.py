@@ -10,7 +10,7 @@ import torch
 from ..models import MambaLM
 from .config import TrainConfig, load_config
 from .data import TaskDataModule
-from .module import scored_token_metrics
+from .module import forward_rows, scored_token_metrics
 
 
 def load_run(run_dir: str | Path, device=None) -> tuple[TrainConfig, MambaLM]:
@@ -29,9 +29,10 @@ def evaluate(model: MambaLM, data: TaskDataModule, seq_len: int | None = None) -
     validation examples of ``data`` at ``seq_len`` (default: the trained length)."""
     device = next(model.parameters()).device
     total_loss, correct, count = 0.0, 0, 0
-    for inputs, targets in data.val_dataloader(seq_len):
-        inputs, targets = inputs.to(device), targets.to(device)
-        loss_sum, n_correct, n = scored_token_metrics(model(inputs), targets)
+    for batch in data.val_dataloader(seq_len):
+        inputs, targets, *resets = (t.to(device) for t in batch)  # resets: packed documents
+        logits, _ = forward_rows(model, inputs, resets[0] if resets else None)
+        loss_sum, n_correct, n = scored_token_metrics(logits, targets)
         total_loss, correct, count = total_loss + float(loss_sum), correct + int(n_correct), count + n
     loss = total_loss / max(count, 1)
     return {"val/loss": loss, "val/bpb": loss / math.log(2), "val/acc": correct / max(count, 1)}

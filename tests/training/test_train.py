@@ -135,6 +135,23 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     assert rows("cut") == rows("whole")
 
 
+def test_stateful_text_resumes_exactly(tmp_path):
+    """data.stateful: the carried state of every row is part of the checkpoint, so a run
+    resumed from step 4 continues each row's stream from where it stood and ends with the
+    parameters of the uninterrupted run (without the state it would not)."""
+    stateful = TINY + TASKS["text"] + ["data.stateful=true", "trainer.max_steps=6", "optim.warmup_steps=2"]
+    whole = train(load_config(None, stateful + [f"run_dir={tmp_path / 'whole'}"]))
+    train(load_config(None, stateful + [f"run_dir={tmp_path / 'cut'}"]), callbacks=(KeepCheckpoint(4, "step4.ckpt"), StopAt(5)))
+    step4 = tmp_path / "cut" / "checkpoints" / "step4.ckpt"
+    carried = load_checkpoint(step4)["carried_state"]
+    assert list(carried) == [0] and carried[0][0][1].shape[0] == 4  # one slot; (rows, H, P, N) per layer
+    resumed = train(load_config(None, stateful + [f"resume={step4}"]))
+    a = MambaLM.from_pretrained(whole.run_dir / "model").state_dict()
+    b = MambaLM.from_pretrained(resumed.run_dir / "model").state_dict()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 class Scramble(pl.Callback):
     """Ruins the model when training (re)starts, so that every later validation is worse."""
 
