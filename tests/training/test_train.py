@@ -250,6 +250,15 @@ def test_evaluate_and_generate_scripts(tmp_path, capsys):
     assert script("evaluate")([str(tmp_path / "induction_heads"), "--lengths", "16,32"]) == 0
     rows = json.loads((tmp_path / "induction_heads" / "extrapolation.json").read_text())
     assert [r["length"] for r in rows] == [16, 32] and (tmp_path / "induction_heads" / "extrapolation.png").is_file()
+    # carried state: with one segment per stream nothing is carried, so both read the same
+    for segments in (1, 3):
+        assert script("evaluate")([str(tmp_path / "text"), "--carried-state", "--segments", str(segments)]) == 0
+        m = json.loads((tmp_path / "text" / "carried_state.json").read_text())
+        assert m["bytes"] == 4 * segments * 16 and (m["bpb_carried"] == m["bpb_fresh"]) == (segments == 1)
+    assert "state carried across segments" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        script("evaluate")([str(tmp_path / "induction_heads"), "--carried-state"])
+    assert stop.value.code == 2 and "--carried-state needs a text run" in capsys.readouterr().err
     capsys.readouterr()
     assert script("generate")([str(tmp_path / "text"), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("def ")
