@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..scan import ssd, ssd_step
-from .cache import LayerCache, check_sequence, check_token
+from .cache import LayerCache, check_packing, check_sequence, check_token
 from .conv import causal_conv1d, causal_conv1d_step
 from .mamba import dt_bias_init, no_weight_decay
 from .norm import RMSNormGated, upcast
@@ -110,16 +110,25 @@ class Mamba2(nn.Module):
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
         return LayerCache.zeros(batch, self.conv1d, (self.nheads, self.headdim, self.d_state), dtype, device)
 
-    def forward(self, hidden_states: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, cache: LayerCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
-        leave the state after the last token in it (prefill)."""
+        leave the state after the last token in it (prefill).
+
+        ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
+        ``ssm.scan.ssd``); neither the convolution nor the scan crosses a boundary, so each
+        sequence's outputs are those it would get alone. With a cache, the cache holds one
+        state per sequence (batch S): each continues from its own and keeps its own."""
         check_sequence("hidden_states", hidden_states, self.d_model)
         batch, length, _ = hidden_states.shape
+        cu_seqlens = check_packing(cu_seqlens, hidden_states)
         if cache is not None:
-            cache.check_batch(batch)
+            cache.check_batch(batch if cu_seqlens is None else cu_seqlens.numel() - 1)
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
         xBC, conv_state = causal_conv1d(
-            xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state
+            xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state,
+            cu_seqlens,
         )
         x, B, C = F.silu(xBC).transpose(1, 2).split(
             [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1
@@ -131,7 +140,7 @@ class Mamba2(nn.Module):
             self._D(), None if self.rmsnorm else z.reshape(heads),
             dt_bias=upcast(self.dt_bias), dt_softplus=True, dt_limit=self.dt_limit,
             initial_state=None if cache is None else cache.ssm_state, return_last_state=True,
-            chunk_size=self.chunk_size, backend=self.backend,
+            chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, backend=self.backend,
         )
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
