@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from ._checks import compute_dtype
 from ._common import ssd_delta, ssd_skip_and_gate
@@ -72,12 +73,12 @@ def ssd_chunked(
         B = F.pad(B, (0, 0, 0, 0, 0, pad))
         C = F.pad(C, (0, 0, 0, 0, 0, pad))
     c = (length + pad) // T
-    x = x.reshape(batch, c, T, groups, Hg, head_dim)  # (B, c, T, G, Hg, P)
-    dt = dt.reshape(batch, c, T, groups, Hg)  # (B, c, T, G, Hg)
-    B = B.reshape(batch, c, T, groups, N)  # (B, c, T, G, N)
-    C = C.reshape(batch, c, T, groups, N)
+    # Heads split into their groups (Hg heads share a group's B and C), time into chunks.
+    x = rearrange(x, "b (c t) (g h) p -> b c t g h p", t=T, g=groups)
+    dt = rearrange(dt, "b (c t) (g h) -> b c t g h", t=T, g=groups)
+    B, C = (rearrange(v, "b (c t) g n -> b c t g n", t=T) for v in (B, C))
 
-    a = (dt * A.to(dtype).reshape(groups, Hg)).permute(0, 1, 3, 4, 2)  # (B, c, G, Hg, T)
+    a = rearrange(dt * A.to(dtype).reshape(groups, Hg), "b c t g h -> b c g h t")
     s = torch.cumsum(a, dim=-1)  # (B, c, G, Hg, T)
 
     # Which steps may see which (all of them, without packing).
@@ -93,12 +94,12 @@ def ssd_chunked(
     visible = causal if causal.ndim == 2 else causal[:, None, None]  # (T, T') or (c, 1, 1, T, T')
     log_decay = (s[..., :, None] - s[..., None, :]).masked_fill(~visible, float("-inf"))
     scores = torch.einsum("bctgn,bcsgn->bcgts", C, B)  # (B, c, G, T, T')
-    dt_s = dt.permute(0, 1, 3, 4, 2)[..., None, :]  # (B, c, G, Hg, 1, T')
+    dt_s = rearrange(dt, "b c s g h -> b c g h 1 s")
     W = scores[:, :, :, None] * torch.exp(log_decay) * dt_s  # (B, c, G, Hg, T, T')
     y = torch.einsum("bcgrts,bcsgrp->bctgrp", W, x)  # (B, c, T, G, Hg, P)
 
     # What each chunk adds to the state at its end, and the decay of the whole chunk.
-    to_end = torch.exp(s[..., -1:] - s) * dt.permute(0, 1, 3, 4, 2)  # (B, c, G, Hg, T)
+    to_end = torch.exp(s[..., -1:] - s) * rearrange(dt, "b c t g h -> b c g h t")
     chunk_decay = torch.exp(s[..., -1])  # (B, c, G, Hg)
     read_entering = torch.exp(s)  # (B, c, G, Hg, T)
     if cu_seqlens is not None:
@@ -122,7 +123,7 @@ def ssd_chunked(
     # Inter-chunk: the entering state, decayed to step t and read out with C_t.
     y = y + torch.einsum("bctgn,bcgrpn,bcgrt->bctgrp", C, entering, read_entering)
 
-    y = y.reshape(batch, c * T, heads, head_dim)[:, :length]  # (B, L, H, P)
+    y = rearrange(y, "b c t g h p -> b (c t) (g h) p")[:, :length]
     if cu_seqlens is None:
         last = state.reshape(batch, heads, head_dim, N)
     else:
