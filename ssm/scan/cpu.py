@@ -482,12 +482,10 @@ def linear_scan_cpu(
 def _pscan_selective(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens):
     from .pscan import selective_scan_pscan
 
-    packed = () if cu_seqlens is None else (cu_seqlens,)  # (pscan takes cu_seqlens once packing lands)
-    return selective_scan_pscan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, *packed)
+    return selective_scan_pscan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
 
 
 def _pscan_linear(gates, inputs, dim, initial_state, reverse, cu_seqlens):
     from .pscan import linear_scan_pscan
 
-    packed = () if cu_seqlens is None else (cu_seqlens,)
-    return linear_scan_pscan(gates, inputs, dim, initial_state, reverse, *packed)
+    return linear_scan_pscan(gates, inputs, dim, initial_state, reverse, cu_seqlens)
