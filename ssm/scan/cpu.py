@@ -472,7 +472,8 @@ def linear_scan_cpu(
     E, F = math.prod(shape[:dim]), math.prod(shape[dim + 1 :])
     a = gates.to(dtype).reshape(E, length, F).contiguous()
     x = inputs.to(dtype).reshape(E, length, F).contiguous()
-    h0 = None if initial_state is None else initial_state.to(dtype).reshape(-1, F).contiguous()
+    rows = E if cu_seqlens is None else cu_seqlens.numel() - 1  # E, or S packed sequences
+    h0 = None if initial_state is None else initial_state.to(dtype).reshape(rows, F).contiguous()
     return _linear_fwd(a, x, h0, cu_seqlens, bool(reverse)).view(shape).to(out_dtype)
 
 
