@@ -59,6 +59,18 @@ def rotate(w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: str) -
     return torch.cat([r0, w[..., M:half], r1, w[..., half + M :]], dim=-1)
 
 
+def rotate_backward(dw: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: str):
+    """Gradients through :func:`rotate`, given d(rotated w) ``dw`` (..., N) and w (..., N):
+    (dw through the inverse rotation, dcos, dsin), the last two (..., M)."""
+    M = cos.shape[-1]
+    if rotary == "interleaved":
+        (d0, d1), (w0, w1) = (dw[..., 0 : 2 * M : 2], dw[..., 1 : 2 * M : 2]), (w[..., 0 : 2 * M : 2], w[..., 1 : 2 * M : 2])
+    else:
+        half = w.shape[-1] // 2
+        (d0, d1), (w0, w1) = (dw[..., :M], dw[..., half : half + M]), (w[..., :M], w[..., half : half + M])
+    return rotate(dw, cos, -sin, rotary), d0 * w0 + d1 * w1, d1 * w0 - d0 * w1
+
+
 def per_head(M: torch.Tensor, heads: int, bias: torch.Tensor | None, dtype) -> torch.Tensor:
     """B or C (..., R, G, N) as (..., R, H, N), head h reading group h // (H / G), plus its
     bias (H, R, N)."""
