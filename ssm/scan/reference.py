@@ -297,13 +297,14 @@ def trapezoidal_scan_ref(
                 y = y[0]
             ys.append(y)
             prev_v, prev_kc, prev_kr = v, k_c, k_r
-        if ys:
-            outs[i] = torch.stack(ys)
+        if not ys:  # a sequence without steps hands over its initial state as it is
+            last.append((phase, h, key if rank_axis else key[0], value))
+            continue
+        outs[i] = torch.stack(ys)
         turn_back = torch.exp(torch.complex(torch.zeros_like(phase), phase))  # e^{iφ}: back out
         h_last = as_real(hc * turn_back[:, None, :], hr)
         key_last = as_real(prev_kc * turn_back, prev_kr)
-        value_last = x_all[b, end - 1] if end > start else value
-        last.append((phase, h_last, key_last if rank_axis else key_last[0], value_last))
+        last.append((phase, h_last, key_last if rank_axis else key_last[0], x_all[b, end - 1]))
 
     out_shape = (heads, head_dim) if (mimo_o is not None or not rank_axis) else (ranks, heads, head_dim)
     if cu_seqlens is None:
