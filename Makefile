@@ -17,13 +17,18 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: train test
+.PHONY: train test lint
 
 train: $(VENV)/.installed-train
 	$(PY) scripts/train.py $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(ARGS)
+
+# Lint and format check (ruff, configured in pyproject.toml); CI runs it before the tests.
+lint: $(VENV)/.installed-lint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The package, editable, with the extras the command needs (test includes train). It also brings
 # the dependencies of torch when torch came from a wheel on disk without them.

@@ -1,9 +1,15 @@
-"""Accuracy of a trained run at several sequence lengths (length extrapolation).
+"""Accuracy of a trained run at several sequence lengths (length extrapolation), or, for a text
+run, bits per byte with the recurrent state carried across segments against without it.
 
     python scripts/evaluate.py RUN_DIR --lengths 64,128,256,512,1024
+    python scripts/evaluate.py RUN_DIR --carried-state --segments 32
 
-Prints a table and plots it to RUN_DIR/extrapolation.png. The examples are the task's
+Lengths: prints a table and plots it to RUN_DIR/extrapolation.png. The examples are the task's
 validation examples (seeded as in training) at each length; the trained length is marked.
+Carried state: the validation text read as data.batch_size long streams of --segments
+consecutive segments of data.seq_len bytes, each scored once with every layer's state carried
+from the segment before (as data.stateful trains) and once from a zero state; prints both and
+writes RUN_DIR/carried_state.json.
 """
 
 from __future__ import annotations
@@ -20,12 +26,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default: 1x, 2x, 4x, 8x the trained one)")
     parser.add_argument("--val-samples", type=int, default=None, help="examples per length (default: the run's data.val_samples)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--carried-state", action="store_true",
+                        help="text runs: bits per byte with the state carried across segments against without")
+    parser.add_argument("--segments", type=int, default=16, help="consecutive segments per stream (--carried-state)")
     args = parser.parse_args(argv)
 
     from ssm.training.data import TaskDataModule
-    from ssm.training.evaluate import evaluate, load_run
+    from ssm.training.evaluate import evaluate, evaluate_carried_state, load_run
 
     config, model = load_run(args.run_dir, device=args.device)
+    if args.carried_state:
+        if config.data.task != "text":
+            parser.error(f"--carried-state needs a text run; {args.run_dir} trained {config.data.task}")
+        if args.segments < 1:
+            parser.error("--segments must be positive")
+        m = evaluate_carried_state(model, TaskDataModule(config.data, seed=config.seed), args.segments)
+        L = config.data.seq_len
+        print(f"text run {args.run_dir} (trained with data.stateful={config.data.stateful}): "
+              f"{config.data.batch_size} streams of {args.segments} x {L} bytes, {m['bytes']} scored")
+        print(f"  bits per byte, state carried across segments: {m['bpb_carried']:.4f}")
+        print(f"  bits per byte, each segment from a zero state: {m['bpb_fresh']:.4f}")
+        (args.run_dir / "carried_state.json").write_text(json.dumps({**m, "segments": args.segments, "seq_len": L}, indent=2) + "\n")
+        return 0
     trained = config.data.seq_len
     try:
         lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [trained * f for f in (1, 2, 4, 8)]

@@ -128,16 +128,20 @@ def run_with_grads(call, inputs: dict, backend: str, upstream=None, seed: int = 
     return outs, dict(zip(differentiable, grads)), upstream
 
 
-def check_against_reference(call, inputs: dict, backend: str, dtype: torch.dtype | None = None, names=None):
+def check_against_reference(
+    call, inputs: dict, backend: str, dtype: torch.dtype | None = None, names=None, reference_call=None
+):
     """``backend`` on ``inputs`` against the "ref" backend on float64 copies of the same values,
     under the same upstream gradients (as rounded for the backend), every output and every
     gradient compared with :func:`assert_relative` at the tolerances of ``dtype`` (default: the
-    dtype of the first input). Gradients must keep their inputs' dtypes. Returns the backend's
-    (outputs, grads)."""
+    dtype of the first input). Gradients must keep their inputs' dtypes. ``reference_call``
+    (default ``call``) is what runs "ref". Returns the backend's (outputs, grads)."""
     dtype = dtype or next(iter(inputs.values())).dtype
     fwd_tol, grad_tol = REFERENCE_TOLERANCES[dtype]
     outs, grads, upstream = run_with_grads(call, inputs, backend)
-    ref_outs, ref_grads, _ = run_with_grads(call, as_float64(inputs), "ref", [u.double() for u in upstream])
+    ref_outs, ref_grads, _ = run_with_grads(
+        reference_call or call, as_float64(inputs), "ref", [u.double() for u in upstream]
+    )
     names = names or [f"output {i}" for i in range(len(outs))]
     for name, out, ref in zip(names, outs, ref_outs):
         assert_relative(out, ref, fwd_tol, f"{backend} {name}")
@@ -388,6 +392,108 @@ def check_trapezoidal(inputs: dict, backend: str, dtype=None, rotary="interleave
     assert outs[0].dtype == inputs["x"].dtype
     assert all(o.dtype == state_dtype(inputs["x"].dtype) for o in outs[1:])
     return outs, grads
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+
+def packed_lengths(T: int) -> list[int]:
+    """Sequence lengths for packing, around chunks of T steps: a boundary after step 1, an empty
+    sequence, a boundary exactly on a chunk edge (T), boundaries inside a chunk (T + 3, T + 4)
+    around a sequence of length 1, another on an edge (2T), a sequence across chunks, and an
+    empty one at the end. L = 3T + 5."""
+    return [1, 0, T - 1, 3, 1, T - 4, T + 5, 0]
+
+
+def cu_seqlens_of(lengths, dtype=torch.int64, device="cpu") -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=dtype, device=device)
+
+
+def _bounds(cu_seqlens):
+    values = cu_seqlens.tolist()
+    return list(zip(values[:-1], values[1:]))
+
+
+def selective_packed_call(cu_seqlens):
+    """(out, per-sequence last states) of selective_scan on packed ``inputs`` (batch 1)."""
+    def call(inputs, backend):
+        return selective_call(inputs, backend, cu_seqlens=cu_seqlens)
+
+    return call
+
+
+def selective_solo_call(cu_seqlens):
+    """The same as :func:`selective_packed_call`, with each sequence run alone (no cu_seqlens)
+    and the results put together: the oracle packing must match."""
+    def call(inputs, backend):
+        outs, lasts = [], []
+        for s, (start, end) in enumerate(_bounds(cu_seqlens)):
+            part = {k: v[..., start:end] if k in ("u", "delta", "z") or (k in ("B", "C") and v.ndim >= 3) else v
+                    for k, v in inputs.items()}
+            if "initial_state" in inputs:
+                part["initial_state"] = inputs["initial_state"][s : s + 1]
+            out, last = selective_call(part, backend)
+            outs.append(out)
+            lasts.append(last)
+        return torch.cat(outs, dim=-1), torch.cat(lasts)
+
+    return call
+
+
+def linear_packed_call(cu_seqlens, dim: int, reverse: bool):
+    def call(inputs, backend):
+        return (linear_scan(**inputs, dim=dim, reverse=reverse, cu_seqlens=cu_seqlens, backend=backend),)
+
+    return call
+
+
+def linear_solo_call(cu_seqlens, dim: int, reverse: bool):
+    def call(inputs, backend):
+        parts = []
+        for s, (start, end) in enumerate(_bounds(cu_seqlens)):
+            if end == start:
+                continue
+            part = {k: inputs[k].narrow(dim, start, end - start) for k in ("gates", "inputs")}
+            if "initial_state" in inputs:
+                part["initial_state"] = inputs["initial_state"][s].reshape(
+                    part["inputs"].shape[:dim] + part["inputs"].shape[dim + 1 :]
+                )
+            parts.append(linear_scan(**part, dim=dim, reverse=reverse, backend=backend))
+        return (torch.cat(parts, dim=dim),)
+
+    return call
+
+
+def ssd_packed_call(cu_seqlens, chunk_size: int = 8):
+    def call(inputs, backend):
+        return ssd(**inputs, dt_softplus=True, return_last_state=True, chunk_size=chunk_size,
+                   cu_seqlens=cu_seqlens, backend=backend)
+
+    return call
+
+
+def ssd_solo_call(cu_seqlens, chunk_size: int = 8):
+    def call(inputs, backend):
+        outs, lasts = [], []
+        for s, (start, end) in enumerate(_bounds(cu_seqlens)):
+            part = {k: v[:, start:end] if k in ("x", "dt", "B", "C", "z") else v for k, v in inputs.items()}
+            if "initial_state" in inputs:
+                part["initial_state"] = inputs["initial_state"][s : s + 1]
+            out, last = ssd(**part, dt_softplus=True, return_last_state=True, chunk_size=chunk_size, backend=backend)
+            outs.append(out)
+            lasts.append(last)
+        return torch.cat(outs, dim=1), torch.cat(lasts)
+
+    return call
+
+
+def with_sequence_states(inputs: dict, num_seqs: int, seed: int = 5) -> dict:
+    """``inputs`` (batch 1) with an initial state per packed sequence: (S, ...) drawn like the
+    batch-1 one it replaces."""
+    g = torch.Generator().manual_seed(seed)
+    state = inputs["initial_state"]
+    per_seq = (torch.rand(num_seqs, *state.shape[1:], generator=g, dtype=torch.float64) * 2 - 1).to(state.dtype)
+    return {**inputs, "initial_state": per_seq.to(state.device).requires_grad_()}
 
 
 # ----------------------------------------------------------------------------- torch.compile

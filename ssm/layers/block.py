@@ -48,10 +48,18 @@ class Block(nn.Module):
         residual = hidden if residual is None else hidden + residual
         return upcast(residual) if self.residual_in_fp32 else residual
 
-    def forward(self, hidden, residual=None, cache: LayerCache | None = None, step: bool = False):
+    def forward(self, hidden, residual=None, cache: LayerCache | None = None, step: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
+        """``cu_seqlens``: packed sequences (batch 1), passed to the mixer (the norms and the MLP
+        act on each position alone)."""
         residual = self._add(hidden, residual)
         normed = self.norm(residual.to(self.norm.weight.dtype))
-        hidden = self.mixer.step(normed, cache) if step else self.mixer(normed, cache=cache)
+        if step:
+            hidden = self.mixer.step(normed, cache)
+        elif cu_seqlens is None:
+            hidden = self.mixer(normed, cache=cache)
+        else:
+            hidden = self.mixer(normed, cache=cache, cu_seqlens=cu_seqlens)
         if self.mlp is not None:
             residual = self._add(hidden, residual)
             hidden = self.mlp(self.norm2(residual.to(self.norm2.weight.dtype)))

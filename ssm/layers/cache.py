@@ -38,6 +38,16 @@ class LayerCache:
             )
 
 
+def check_packing(cu_seqlens, x: torch.Tensor) -> torch.Tensor | None:
+    """``cu_seqlens`` for x (1, L, d_model), validated (see ssm.scan.selective_scan) and as
+    int64, or None."""
+    if cu_seqlens is None:
+        return None
+    from ..scan._checks import check_cu_seqlens
+
+    return check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
+
+
 def check_sequence(name: str, x: torch.Tensor, d_model: int) -> None:
     """x is (batch, L, d_model)."""
     if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != d_model:

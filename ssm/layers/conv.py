@@ -2,6 +2,10 @@
 
 The convolution state is the last K inputs (K = kernel size), most recent last: (batch, D, K),
 as in mamba-ssm's inference cache. A zero state means "no history".
+
+Packed sequences (``cu_seqlens``, batch 1): the convolution never reads across a boundary. A
+sequence's first K - 1 outputs read, for the taps before its start, its own history (that
+sequence's row of ``state``, (S, D, K)) or zeros, exactly as if it were run alone.
 """
 
 from __future__ import annotations
@@ -11,10 +15,18 @@ import torch.nn.functional as F
 
 
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal convolution of x (batch, D, L) with weight (D, 1, K), continuing from
-    ``state`` (batch, D, K) when given. Returns (y (batch, D, L), the new state or None)."""
+    ``state`` (batch, D, K) when given. Returns (y (batch, D, L), the new state or None).
+    With ``cu_seqlens`` (S + 1,) (validated, int64; batch 1) each packed sequence is convolved
+    alone, and ``state`` and the new state are (S, D, K), one per sequence."""
+    if cu_seqlens is not None:
+        return _packed_causal_conv1d(x, weight, bias, state, cu_seqlens)
     K = weight.shape[-1]
     if x.shape[-1] == 0:  # nothing to convolve; the state is unchanged
         return x.new_empty(x.shape[0], weight.shape[0], 0), state
@@ -24,6 +36,39 @@ def causal_conv1d(
         history = torch.cat([state[..., 1:].to(x.dtype), x], dim=-1)  # (batch, D, K - 1 + L)
     y = F.conv1d(history, weight, bias, groups=x.shape[1])
     new_state = None if state is None else history[..., -K:].to(state.dtype)
+    return y, new_state
+
+
+def _packed_causal_conv1d(x, weight, bias, state, cu_seqlens):
+    """y_t = bias + Σ_j w[K-1-j]·v(t - j), where v(t - j) is x at t - j when that step belongs
+    to t's sequence, else that sequence's history (state[s][:, K - i] for the i-th step before
+    its start) or 0."""
+    D, K, L = weight.shape[0], weight.shape[-1], x.shape[-1]
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    lengths = ends - starts
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths, output_size=L)  # (L,)
+    offset = torch.arange(L, device=x.device) - starts[seq]  # (L,) steps since the sequence's start
+    padded = F.pad(x, (K - 1, 0))  # (1, D, K - 1 + L)
+    y = x.new_zeros(1, D, L) if bias is None else bias.to(x.dtype)[None, :, None].expand(1, D, L)
+    for j in range(K):  # the tap reading step t - j
+        shifted = padded[..., K - 1 - j : K - 1 - j + L]  # x_{t-j}, zero before step 0
+        inside = offset >= j  # (L,) t - j is in t's sequence
+        if state is None:
+            v = shifted * inside.to(x.dtype)
+        else:
+            before = (K - (j - offset)).clamp(0, K - 1)  # the history slot of step t - j
+            history = state[seq, :, before].to(x.dtype).T[None]  # (1, D, L)
+            v = torch.where(inside, shifted, history)
+        y = y + weight[:, 0, K - 1 - j, None].to(x.dtype) * v
+    if state is None:
+        return y, None
+    # Each sequence's last K inputs: its own steps, then (if shorter than K) its history.
+    steps = ends[:, None] - K + torch.arange(K, device=x.device)  # (S, K)
+    own = steps >= starts[:, None]
+    from_x = x[0][:, steps.clamp(0, max(L - 1, 0))].permute(1, 0, 2) if L else state.to(x.dtype)  # (S, D, K)
+    slot = (K - (starts[:, None] - steps)).clamp(0, K - 1)  # (S, K)
+    from_state = state.gather(2, slot[:, None, :].expand(-1, D, -1)).to(x.dtype)
+    new_state = torch.where(own[:, None, :], from_x, from_state).to(state.dtype)
     return y, new_state
 
 

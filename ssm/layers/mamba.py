@@ -6,10 +6,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from ..scan import selective_scan, selective_scan_step
-from .cache import LayerCache, check_sequence, check_token
+from .cache import LayerCache, check_packing, check_sequence, check_token
 from .conv import causal_conv1d, causal_conv1d_step
 from .norm import upcast
 
@@ -91,27 +92,36 @@ class Mamba(nn.Module):
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
         return LayerCache.zeros(batch, self.conv1d, (self.d_inner, self.d_state), dtype, device)
 
-    def forward(self, hidden_states: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, cache: LayerCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
-        leave the state after the last token in it (prefill)."""
+        leave the state after the last token in it (prefill).
+
+        ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
+        ``ssm.scan.selective_scan``); neither the convolution nor the scan crosses a boundary,
+        so each sequence's outputs are those it would get alone. With a cache, the cache holds
+        one state per sequence (batch S): each continues from its own and keeps its own."""
         check_sequence("hidden_states", hidden_states, self.d_model)
+        cu_seqlens = check_packing(cu_seqlens, hidden_states)
         if cache is not None:
-            cache.check_batch(hidden_states.shape[0])
-        x, z = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)  # (B, D, L) each
+            cache.check_batch(hidden_states.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1)
+        x, z = rearrange(self.in_proj(hidden_states), "b l d -> b d l").chunk(2, dim=1)
         x, conv_state = causal_conv1d(
-            x, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state
+            x, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state, cu_seqlens
         )
         x = F.silu(x)
-        dt, B, C = self.x_proj(x.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # (B, D, L)
+        dt, B, C = self.x_proj(rearrange(x, "b d l -> b l d")).split([self.dt_rank, self.d_state, self.d_state], -1)
+        dt = rearrange(F.linear(dt, self.dt_proj.weight), "b l d -> b d l")
+        B, C = (rearrange(t, "b l n -> b n l") for t in (B, C))
         y, last_state = selective_scan(
-            x, dt, -torch.exp(upcast(self.A_log)), B.transpose(1, 2), C.transpose(1, 2),  # B, C: (B, N, L)
+            x, dt, -torch.exp(upcast(self.A_log)), B, C,
             upcast(self.D), z, upcast(self.dt_proj.bias), delta_softplus=True, return_last_state=True,
-            initial_state=None if cache is None else cache.ssm_state, backend=self.backend,
+            initial_state=None if cache is None else cache.ssm_state, cu_seqlens=cu_seqlens, backend=self.backend,
         )
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
-        return self.out_proj(y.transpose(1, 2))
+        return self.out_proj(rearrange(y, "b d l -> b l d"))
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the

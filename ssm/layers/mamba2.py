@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from ..scan import ssd, ssd_step
-from .cache import LayerCache, check_sequence, check_token
+from .cache import LayerCache, check_packing, check_sequence, check_token
 from .conv import causal_conv1d, causal_conv1d_step
 from .mamba import dt_bias_init, no_weight_decay
 from .norm import RMSNormGated, upcast
@@ -110,32 +111,41 @@ class Mamba2(nn.Module):
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
         return LayerCache.zeros(batch, self.conv1d, (self.nheads, self.headdim, self.d_state), dtype, device)
 
-    def forward(self, hidden_states: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, cache: LayerCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
-        leave the state after the last token in it (prefill)."""
+        leave the state after the last token in it (prefill).
+
+        ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
+        ``ssm.scan.ssd``); neither the convolution nor the scan crosses a boundary, so each
+        sequence's outputs are those it would get alone. With a cache, the cache holds one
+        state per sequence (batch S): each continues from its own and keeps its own."""
         check_sequence("hidden_states", hidden_states, self.d_model)
         batch, length, _ = hidden_states.shape
+        cu_seqlens = check_packing(cu_seqlens, hidden_states)
         if cache is not None:
-            cache.check_batch(batch)
+            cache.check_batch(batch if cu_seqlens is None else cu_seqlens.numel() - 1)
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
         xBC, conv_state = causal_conv1d(
-            xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state
+            rearrange(xBC, "b l d -> b d l"), self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state,
+            cu_seqlens,
         )
-        x, B, C = F.silu(xBC).transpose(1, 2).split(
+        x, B, C = rearrange(F.silu(xBC), "b d l -> b l d").split(
             [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1
         )
-        heads = (batch, length, self.nheads, self.headdim)
-        groups = (batch, length, self.ngroups, self.d_state)
+        x = rearrange(x, "b l (h p) -> b l h p", p=self.headdim)
+        B, C = (rearrange(t, "b l (g n) -> b l g n", g=self.ngroups) for t in (B, C))
         y, last_state = ssd(
-            x.reshape(heads), dt, -torch.exp(upcast(self.A_log)), B.reshape(groups), C.reshape(groups),
-            self._D(), None if self.rmsnorm else z.reshape(heads),
+            x, dt, -torch.exp(upcast(self.A_log)), B, C,
+            self._D(), None if self.rmsnorm else rearrange(z, "b l (h p) -> b l h p", p=self.headdim),
             dt_bias=upcast(self.dt_bias), dt_softplus=True, dt_limit=self.dt_limit,
             initial_state=None if cache is None else cache.ssm_state, return_last_state=True,
-            chunk_size=self.chunk_size, backend=self.backend,
+            chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, backend=self.backend,
         )
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
-        return self._finish(y.reshape(batch, length, self.d_ssm), z, z0, x0)
+        return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the
@@ -146,6 +156,8 @@ class Mamba2(nn.Module):
         z0, x0, z, xBC, dt = self._split(self.in_proj(u))
         xBC, cache.conv_state = causal_conv1d_step(xBC, self.conv1d.weight, self.conv1d.bias, cache.conv_state)
         x, B, C = F.silu(xBC).split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        # Plain reshapes here: the one-token step runs once per layer per generated token, where
+        # einops' per-call overhead (microseconds) is not negligible against the work.
         heads, groups = (batch, self.nheads, self.headdim), (batch, self.ngroups, self.d_state)
         y, cache.ssm_state = ssd_step(
             cache.ssm_state, x.reshape(heads), dt, -torch.exp(upcast(self.A_log)), B.reshape(groups),

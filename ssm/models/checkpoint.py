@@ -4,17 +4,20 @@ mamba-ssm:     config.json = MambaConfig fields; pytorch_model.bin; keys backbon
 transformers:  config.json = hidden_size, state_size, num_hidden_layers, ... with model_type "mamba"
                (Mamba-1) or "mamba2"; model.safetensors or pytorch_model.bin; keys
                backbone.embeddings.weight, ...; lm_head.weight may be absent when tied.
-Nothing here touches the network.
+Nothing here touches the network, and nothing read from a file runs code: model.safetensors holds
+only tensors, and pytorch_model.bin is unpickled with torch's weights-only unpickler.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import struct
+import pickle
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from .config import MambaConfig
 
@@ -29,7 +32,7 @@ def save_pretrained(model, directory, safe_serialization: bool = False) -> None:
     if safe_serialization:
         if model.config.tie_embeddings:
             state.pop("lm_head.weight", None)  # safetensors stores no shared tensors
-        save_safetensors(state, directory / SAFETENSORS)
+        save_file(state, directory / SAFETENSORS, metadata={"format": "pt"})
     else:
         torch.save(state, directory / BIN)
 
@@ -39,29 +42,76 @@ def from_pretrained(cls, directory, *, device=None, dtype=None, backend="auto"):
     config_path = directory / CONFIG
     if not config_path.is_file():
         raise FileNotFoundError(f"no {CONFIG} in {directory} (from_pretrained reads a local directory)")
-    raw = json.loads(config_path.read_text())
-    if "d_model" in raw:
-        config, rename = MambaConfig.from_dict(raw), {}
-    elif "hidden_size" in raw:
+    raw = read_config(config_path)
+    if "model_type" in raw or "hidden_size" in raw:
         config, rename = config_from_transformers(raw), {"backbone.embeddings.": "backbone.embedding."}
+    elif "d_model" in raw:
+        config, rename = MambaConfig.from_dict(raw), {}
     else:
         raise ValueError(
             f"{config_path} is neither mamba-ssm's format (a 'd_model' field) nor transformers' "
-            "(a 'hidden_size' field)"
+            "(a 'model_type' and a 'hidden_size' field)"
         )
 
-    if (directory / SAFETENSORS).is_file():
-        state = load_safetensors(directory / SAFETENSORS)
-    elif (directory / BIN).is_file():
-        state = torch.load(directory / BIN, map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS} or {BIN}")
+    state = read_weights(directory)
     for old, new in rename.items():
         state = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
 
     model = cls(config, backend=backend, device="meta")
     load_state_dict_strict(model, state)
     return model.to(device=device, dtype=dtype)
+
+
+# transformers writes the floats JSON lacks (its time_step_limit's upper end) as {"__float__": tag}.
+_SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _decode_special_float(obj: dict):
+    if len(obj) == 1 and "__float__" in obj:
+        tag = obj["__float__"]
+        if tag not in _SPECIAL_FLOATS:
+            raise ValueError(f"config.json holds {{'__float__': {tag!r}}}; expected one of {list(_SPECIAL_FLOATS)}")
+        return _SPECIAL_FLOATS[tag]
+    return obj
+
+
+def read_config(path: Path) -> dict:
+    """config.json as a dict; reads the bare Infinity / NaN that Python's json writes as well as
+    transformers' {"__float__": "Infinity"}."""
+    try:
+        raw = json.loads(path.read_text(), object_hook=_decode_special_float)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The state dict of model.safetensors, else of pytorch_model.bin (tensors only: a pickle
+    that would build any other object, code included, is refused before it runs)."""
+    if (directory / SAFETENSORS).is_file():
+        path = directory / SAFETENSORS
+        try:
+            state = load_file(path)
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+    elif (directory / BIN).is_file():
+        path = directory / BIN
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"{path} holds pickled objects other than tensors, which could run code when loaded; "
+                f"refusing it. Load only files you trust, and convert them to {SAFETENSORS}. ({err})"
+            ) from err
+    else:
+        raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS} or {BIN}")
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(f"{path} must hold a dict of named tensors (a state dict), got {type(state).__name__}")
+    return state
 
 
 def load_state_dict_strict(model, state: dict) -> None:
@@ -101,93 +151,139 @@ def load_state_dict_strict(model, state: dict) -> None:
         raise ValueError(f"checkpoint left parameters uninitialised: {left}")
 
 
+# Each field of transformers' MambaConfig and Mamba2Config (5.x), and the names older releases and
+# checkpoints converted from mamba-ssm carry, by what it means for the logits. The fields that
+# change them are read by config_from_transformers (with their checks); these cannot:
+_IGNORED = {
+    # the initialisation of fresh weights only
+    "initializer_range", "rescale_prenorm_residual", "time_step_scale", "time_step_min", "time_step_max",
+    "time_step_init_scheme", "time_step_floor",
+    # how transformers computes, not what: a kernel or scan choice, caching
+    "use_mambapy", "use_associative_scan", "use_cache", "fused_add_norm",
+    # transformers' vocab_size is already the padded embedding size (converted checkpoints keep this)
+    "pad_vocab_size_multiple",
+    # special tokens and default generation settings: read by generate, not by the forward
+    "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
+    "encoder_repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
+    "num_assistant_tokens", "num_assistant_tokens_schedule",
+    # PreTrainedConfig's bookkeeping: names, versions, the stored dtype, outputs and heads of other tasks
+    "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "name_or_path", "_commit_hash",
+    "output_hidden_states", "output_attentions", "return_dict", "use_return_dict", "torchscript",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "cross_attention_hidden_size", "tie_encoder_decoder", "id2label", "label2id", "num_labels", "problem_type",
+    "finetuning_task", "task_specific_params", "tokenizer_class", "prefix", "pruned_heads", "use_bfloat16",
+    "tf_legacy_loss", "_attn_implementation", "attn_implementation",
+}
+# transformers 5.x's defaults of the fields that change the logits (a field left out takes them).
+_DEFAULTS = {
+    "mamba": dict(
+        vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=32, layer_norm_epsilon=1e-5, expand=2,
+        conv_kernel=4, use_bias=False, use_conv_bias=True, hidden_act="silu", residual_in_fp32=True,
+        time_step_rank="auto", tie_word_embeddings=True,
+    ),
+    "mamba2": dict(
+        num_heads=128, head_dim=64, vocab_size=32768, hidden_size=4096, state_size=128, num_hidden_layers=64,
+        layer_norm_epsilon=1e-5, expand=2, conv_kernel=4, n_groups=8, use_bias=False, use_conv_bias=True,
+        hidden_act="silu", residual_in_fp32=True, time_step_limit=(0.0, math.inf), chunk_size=256,
+        tie_word_embeddings=False,
+    ),
+}
+# Read only to check them: the value transformers' code always computes with, or a duplicate.
+_CHECKED = {
+    "mamba": {"model_type", "intermediate_size", "rms_norm", "n_layer"},
+    # Mamba-2 has no Δ projection: transformers computes time_step_rank and never uses it.
+    "mamba2": {"model_type", "rms_norm", "norm_before_gate", "n_layer", "time_step_rank"},
+}
+
+
 def config_from_transformers(raw: dict) -> MambaConfig:
-    """A MambaConfig from transformers' MambaConfig / Mamba2Config fields."""
-    kind = raw.get("model_type", "mamba")
-
-    def get(key, default=None):
-        if key in raw:
-            return raw[key]
-        if default is None:
-            raise ValueError(f"transformers config ({kind}) lacks the field {key!r}")
-        return default
-
-    d_model = get("hidden_size")
-    if kind == "mamba":
-        rank = raw.get("time_step_rank", "auto")
-        ssm_cfg = dict(
-            layer="Mamba1", d_state=get("state_size", 16), d_conv=get("conv_kernel", 4), expand=get("expand", 2),
-            dt_rank=math.ceil(d_model / 16) if rank == "auto" else rank,
-            conv_bias=get("use_conv_bias", True), bias=get("use_bias", False),
-        )
-    elif kind == "mamba2":
-        limit = raw.get("time_step_limit", (0.0, float("inf")))
-        ssm_cfg = dict(
-            layer="Mamba2", d_state=get("state_size", 128), d_conv=get("conv_kernel", 4), expand=get("expand", 2),
-            headdim=get("head_dim", 64), ngroups=get("n_groups", 1), chunk_size=get("chunk_size", 256),
-            conv_bias=get("use_conv_bias", True), bias=get("use_bias", False), rmsnorm=get("rms_norm", True),
-            dt_limit=tuple(float(v) for v in limit),
-        )
-        heads = raw.get("num_heads")
-        if heads is not None and heads * ssm_cfg["headdim"] != ssm_cfg["expand"] * d_model:
-            ssm_cfg["d_ssm"] = heads * ssm_cfg["headdim"]
-    else:
+    """A MambaConfig from transformers' MambaConfig / Mamba2Config fields. Every field that
+    changes the logits is honoured, or refused with a ValueError naming it when this library
+    cannot compute what transformers would; fields that cannot change them are ignored; a field
+    this loader does not know is refused."""
+    kind = raw.get("model_type")
+    if kind not in _DEFAULTS:
         raise ValueError(f"transformers model_type {kind!r} is not supported; expected 'mamba' or 'mamba2'")
+    defaults = _DEFAULTS[kind]
+    unknown = sorted(set(raw) - set(defaults) - _CHECKED[kind] - _IGNORED)
+    if unknown:
+        raise ValueError(
+            f"transformers config ({kind}) has field(s) {unknown} that this loader does not know, so it cannot "
+            "tell whether they change the model's output; remove them if they do not"
+        )
+
+    def bad(name, expected):
+        value = raw.get(name, defaults.get(name))
+        return ValueError(f"transformers config ({kind}) field {name!r} must be {expected}, got {value!r}")
+
+    def positive_int(name):
+        value = raw.get(name, defaults[name])
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad(name, "a positive int")
+        return value
+
+    def boolean(name):
+        value = raw.get(name, defaults[name])
+        if not isinstance(value, bool):
+            raise bad(name, "true or false")
+        return value
+
+    d_model, n_layer = positive_int("hidden_size"), positive_int("num_hidden_layers")
+    expand, d_state, d_conv = positive_int("expand"), positive_int("state_size"), positive_int("conv_kernel")
+    eps = raw.get("layer_norm_epsilon", defaults["layer_norm_epsilon"])
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
+        raise bad("layer_norm_epsilon", "a finite number > 0")
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' names of one function
+        raise bad("hidden_act", "'silu' (the only activation of these mixers)")
+    if raw.get("rms_norm", True) is not True:  # transformers' Mamba and Mamba-2 always use RMSNorm
+        raise bad("rms_norm", "true (transformers ignores it and always normalises with RMSNorm)")
+    if "n_layer" in raw and raw["n_layer"] != n_layer:
+        raise bad("n_layer", f"num_hidden_layers = {n_layer} (transformers reads num_hidden_layers)")
+
+    if kind == "mamba":
+        if "intermediate_size" in raw and raw["intermediate_size"] != expand * d_model:
+            raise bad("intermediate_size", f"expand * hidden_size = {expand * d_model} (transformers recomputes it)")
+        rank = raw.get("time_step_rank", defaults["time_step_rank"])
+        if rank != "auto":
+            rank = positive_int("time_step_rank")
+        ssm_cfg = dict(
+            layer="Mamba1", d_state=d_state, d_conv=d_conv, expand=expand,
+            dt_rank=math.ceil(d_model / 16) if rank == "auto" else rank,
+            conv_bias=boolean("use_conv_bias"), bias=boolean("use_bias"),
+        )
+    else:
+        heads, headdim, groups = positive_int("num_heads"), positive_int("head_dim"), positive_int("n_groups")
+        if heads * headdim != expand * d_model:
+            raise bad("num_heads", f"expand * hidden_size / head_dim = {expand * d_model} / {headdim}")
+        if heads % groups:
+            raise bad("n_groups", f"a divisor of num_heads = {heads}")
+        if raw.get("norm_before_gate", False) is not False:  # transformers always gates, then normalises
+            raise bad("norm_before_gate", "false (transformers ignores it and gates before the norm)")
+        limit = raw.get("time_step_limit", defaults["time_step_limit"])
+        if (
+            not isinstance(limit, (list, tuple)) or len(limit) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) for v in limit)
+            or limit[0] > limit[1]
+        ):
+            raise bad("time_step_limit", "two numbers [low, high] with low <= high")
+        ssm_cfg = dict(
+            layer="Mamba2", d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim, ngroups=groups,
+            chunk_size=positive_int("chunk_size"), conv_bias=boolean("use_conv_bias"), bias=boolean("use_bias"),
+            rmsnorm=True, norm_before_gate=False, dt_limit=(float(limit[0]), float(limit[1])),
+        )
     return MambaConfig(
         d_model=d_model,
-        n_layer=get("num_hidden_layers"),
-        vocab_size=get("vocab_size"),
+        n_layer=n_layer,
+        vocab_size=positive_int("vocab_size"),
         ssm_cfg=ssm_cfg,
         rms_norm=True,
-        residual_in_fp32=get("residual_in_fp32", True),
+        residual_in_fp32=boolean("residual_in_fp32"),
         pad_vocab_size_multiple=1,  # transformers' vocab_size is already the embedding size
-        tie_embeddings=get("tie_word_embeddings", True),
+        tie_embeddings=boolean("tie_word_embeddings"),
+        norm_epsilon=float(eps),
     )
-
-
-# safetensors: an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
-# data_offsets: [begin, end]}} (offsets relative to the end of the header), then the raw bytes.
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-
-
-def load_safetensors(path) -> dict[str, torch.Tensor]:
-    data = Path(path).read_bytes()
-    if len(data) < 8:
-        raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    body = memoryview(data)[8 + n :]
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
-        begin, end = info["data_offsets"]
-        dtype = _ST_DTYPES[info["dtype"]]
-        flat = torch.frombuffer(bytearray(body[begin:end]), dtype=dtype) if end > begin else torch.empty(0, dtype=dtype)
-        out[name] = flat.reshape(info["shape"])
-    return out
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path) -> None:
-    header, chunks, offset = {}, [], 0
-    for name, t in tensors.items():
-        if t.dtype not in _ST_NAMES:
-            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        chunks.append(raw)
-        offset += len(raw)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes, as the format recommends
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for chunk in chunks:
-            f.write(chunk)

@@ -1,12 +1,23 @@
 """The language model's configuration: mamba-ssm's ``MambaConfig`` field for field, so that its
-config.json files load unchanged and ours load in mamba-ssm."""
+config.json files load unchanged and ours load in mamba-ssm, plus one field mamba-ssm fixes:
+``norm_epsilon``.
+
+mamba-ssm builds every norm with ε = 1e-5 (``MixerModel``'s ``norm_epsilon`` argument, which its
+``MambaConfig`` never sets, and the constant of Mamba-2's gated norm); transformers reads
+``layer_norm_epsilon`` from its config. ``norm_epsilon`` carries that value. ``to_dict`` leaves
+it out while it is mamba-ssm's 1e-5, so every config mamba-ssm can express is written field for
+field and loads there; a config with another ε writes the field, and mamba-ssm then refuses the
+file (an unexpected keyword) instead of running the model with the wrong ε.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 MIXERS = ("Mamba1", "Mamba2", "Mamba3")
+MAMBA_SSM_NORM_EPSILON = 1e-5  # the ε mamba-ssm builds every norm with
 
 
 @dataclass
@@ -23,6 +34,9 @@ class MambaConfig:
     fused_add_norm: bool = True  # a kernel choice in mamba-ssm; the result is the same either way
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True  # the LM head shares the embedding matrix
+    # ε of every norm: the block norms, the final norm and Mamba-2's gated output norm. Not a
+    # field of mamba-ssm's MambaConfig (it fixes 1e-5); written to config.json only when it differs.
+    norm_epsilon: float = MAMBA_SSM_NORM_EPSILON
 
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
@@ -36,6 +50,9 @@ class MambaConfig:
         layer = self.ssm_cfg.get("layer", "Mamba1")
         if layer not in MIXERS:
             raise ValueError(f"MambaConfig.ssm_cfg['layer'] must be one of {list(MIXERS)}, got {layer!r}")
+        eps = self.norm_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
+            raise ValueError(f"MambaConfig.norm_epsilon must be a finite number > 0, got {eps!r}")
         if self.attn_layer_idx:
             raise ValueError(
                 "MambaConfig.attn_layer_idx: hybrid attention layers are not supported; it must be empty, "
@@ -48,7 +65,11 @@ class MambaConfig:
         return (self.vocab_size + m - 1) // m * m
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as config.json holds them; ``norm_epsilon`` only when it is not mamba-ssm's."""
+        d = dataclasses.asdict(self)
+        if d["norm_epsilon"] == MAMBA_SSM_NORM_EPSILON:
+            del d["norm_epsilon"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "MambaConfig":

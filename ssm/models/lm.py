@@ -40,7 +40,12 @@ def _make_mixer(config: MambaConfig, layer_idx: int, backend: str, **kw) -> nn.M
     if unknown:
         raise ValueError(f"unknown ssm_cfg key(s) {unknown} for {cls.__name__}; valid keys: {['layer', *valid]}")
     cfg.setdefault("backend", backend)
-    return cls(config.d_model, layer_idx=layer_idx, **cfg, **kw)
+    mixer = cls(config.d_model, layer_idx=layer_idx, **cfg, **kw)
+    if isinstance(mixer, Mamba2) and mixer.rmsnorm:
+        # The gated output norm takes the model's ε, as in transformers (mamba-ssm fixes 1e-5,
+        # which is norm_epsilon's default).
+        mixer.norm.eps = config.norm_epsilon
+    return mixer
 
 
 class MambaBackbone(nn.Module):
@@ -51,7 +56,8 @@ class MambaBackbone(nn.Module):
         kw = dict(device=device, dtype=dtype)
 
         def norm():
-            return RMSNorm(config.d_model, eps=1e-5, **kw) if config.rms_norm else nn.LayerNorm(config.d_model, eps=1e-5, **kw)
+            cls = RMSNorm if config.rms_norm else nn.LayerNorm
+            return cls(config.d_model, eps=config.norm_epsilon, **kw)
 
         self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model, **kw)
         self.layers = nn.ModuleList(
@@ -66,10 +72,12 @@ class MambaBackbone(nn.Module):
         )
         self.norm_f = norm()
 
-    def forward(self, input_ids, cache: InferenceCache | None = None, step: bool = False):
+    def forward(self, input_ids, cache: InferenceCache | None = None, step: bool = False, cu_seqlens=None):
         hidden, residual = self.embedding(input_ids), None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cache=None if cache is None else cache.layers[i], step=step)
+            hidden, residual = layer(
+                hidden, residual, cache=None if cache is None else cache.layers[i], step=step, cu_seqlens=cu_seqlens
+            )
         residual = hidden + residual if residual is not None else hidden
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
 
@@ -110,23 +118,26 @@ class MambaLM(nn.Module):
                 nn.init.kaiming_uniform_(p, a=math.sqrt(5))
                 p /= math.sqrt(branches * self.config.n_layer)
 
-    def _check_ids(self, input_ids, ndim: int, what: str) -> None:
+    def _check_ids(self, input_ids, ndim: int, what: str, attention_mask=None) -> None:
+        """``input_ids`` is an integer tensor of ``ndim`` dimensions whose ids (those that are
+        not padding, with an ``attention_mask``) lie in the vocabulary."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != ndim or input_ids.is_floating_point() or input_ids.is_complex():
             got = f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be an integer tensor of shape {what}, got a {got}")
-        if input_ids.numel():
-            lo, hi = int(input_ids.min()), int(input_ids.max())
+        tokens = input_ids if attention_mask is None else input_ids[_check_left_padding(attention_mask, input_ids)]
+        if tokens.numel():
+            lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(
                     f"input_ids must lie in [0, vocab_size = {self.config.vocab_size}), got values in [{lo}, {hi}]"
                 )
 
-    def _check_cache(self, cache, batch: int) -> None:
+    def _check_cache(self, cache, batch: int, what: str = "input_ids") -> None:
         if not isinstance(cache, InferenceCache):
             raise ValueError(f"cache must be an InferenceCache from allocate_inference_cache, got {type(cache).__name__}")
         if cache.batch_size != batch:
             raise ValueError(
-                f"cache was allocated for batch size {cache.batch_size}, but input_ids has batch size {batch}"
+                f"cache was allocated for batch size {cache.batch_size}, but {what} has batch size {batch}"
             )
 
     def allocate_inference_cache(self, batch_size: int, dtype=None, device=None) -> InferenceCache:
@@ -134,14 +145,31 @@ class MambaLM(nn.Module):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         return InferenceCache([layer.mixer.allocate_inference_cache(batch_size, dtype, device) for layer in self.backbone.layers])
 
-    def forward(self, input_ids: torch.Tensor, cache: InferenceCache | None = None, num_last_tokens: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: InferenceCache | None = None,
+        num_last_tokens: int = 0,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids (batch, L) → logits (batch, L, V), or only the last ``num_last_tokens``
         positions when > 0. With ``cache``, continue from its state and leave the state after
-        the last token in it."""
+        the last token in it.
+
+        ``cu_seqlens`` (S + 1,) int32/int64: S sequences (documents, prompts) packed along L in
+        a batch of one, 0 = cu_seqlens[0] <= ... <= cu_seqlens[S] = L. No layer carries
+        anything across a boundary: each sequence's logits are those it would get alone. With a
+        cache, the cache has batch S, one state per sequence (prefill of several prompts in one
+        call; then ``step`` takes one token per sequence)."""
         self._check_ids(input_ids, 2, "(batch, L)")
+        if cu_seqlens is not None:
+            from ..scan._checks import check_cu_seqlens
+
+            cu_seqlens = check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0], input_ids.device)
         if cache is not None:
-            self._check_cache(cache, input_ids.shape[0])
-        hidden = self.backbone(input_ids, cache)
+            self._check_cache(cache, input_ids.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1,
+                              "input_ids" if cu_seqlens is None else "cu_seqlens (sequences)")
+        hidden = self.backbone(input_ids, cache, cu_seqlens=cu_seqlens)
         if cache is not None:
             cache.seqlen_offset += input_ids.shape[1]
         if num_last_tokens > 0:
@@ -167,17 +195,26 @@ class MambaLM(nn.Module):
         top_p: float | None = None,
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Continue each prompt of ``input_ids`` (batch, L ≥ 1) by up to ``max_new_tokens``
         tokens: one prefill, then one cached step per token.
+
+        Prompts of different lengths: ``attention_mask`` (batch, L), 1 for a token and 0 for
+        padding, with the padding on the left (transformers' convention: every prompt ends at
+        L). The model never sees the padding: the prompts are packed without it and prefilled
+        together in one call (``forward(..., cu_seqlens=...)``), so the state and convolution
+        window each row decodes from are exactly those of its prompt alone, and greedy decoding
+        gives each row the tokens of its prompt run alone. Padded positions may hold any id.
 
         ``temperature=0`` is greedy decoding; otherwise logits / temperature are sampled, from
         the ``top_k`` most likely tokens and/or the smallest set whose probability reaches
         ``top_p`` when given. A sequence that emits ``eos_token_id`` stops; its later positions
         hold ``eos_token_id``, and generation ends when all have stopped.
-        Returns (batch, L + new) token ids, prompt included, like transformers' ``generate``.
+        Returns (batch, L + new) token ids, prompt included (padding too), like transformers'
+        ``generate``.
         """
-        self._check_ids(input_ids, 2, "(batch, L)")
+        self._check_ids(input_ids, 2, "(batch, L)", attention_mask)
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids must hold at least one token per sequence, got L = 0")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -186,7 +223,14 @@ class MambaLM(nn.Module):
         if max_new_tokens == 0:
             return input_ids.clone()
         cache = self.allocate_inference_cache(input_ids.shape[0], device=input_ids.device)
-        logits = self(input_ids, cache=cache, num_last_tokens=1)[:, -1]
+        if attention_mask is None:
+            logits = self(input_ids, cache=cache, num_last_tokens=1)[:, -1]
+        else:  # one packed prefill of the unpadded prompts; each row's logits at its last token
+            tokens = attention_mask.bool()
+            cu_seqlens = torch.nn.functional.pad(tokens.sum(1).cumsum(0), (1, 0))  # (batch + 1,)
+            hidden = self.backbone(input_ids[tokens][None], cache, cu_seqlens=cu_seqlens)  # (1, tokens, d)
+            cache.seqlen_offset += input_ids.shape[1]
+            logits = self.lm_head(hidden[0, cu_seqlens[1:] - 1])  # (batch, V)
         tokens = [input_ids]
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for i in range(max_new_tokens):
@@ -216,6 +260,33 @@ class MambaLM(nn.Module):
         from .checkpoint import from_pretrained
 
         return from_pretrained(cls, directory, device=device, dtype=dtype, backend=backend)
+
+
+def _check_left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:
+    """``attention_mask`` is (batch, L) of 0/1 with the zeros on the left and at least one 1
+    per row; returned as bool."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got {got}")
+    if attention_mask.device != input_ids.device:
+        raise ValueError(f"attention_mask is on '{attention_mask.device}' but input_ids on '{input_ids.device}'")
+    if attention_mask.is_floating_point() or attention_mask.is_complex():
+        raise ValueError(f"attention_mask must have an integer or bool dtype, got {attention_mask.dtype}")
+    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError(
+            f"attention_mask must hold only 0 (padding) and 1 (token), got the values {attention_mask.unique().tolist()}"
+        )
+    mask = attention_mask.bool()
+    empty = (~mask.any(1)).nonzero()[:, 0].tolist()
+    if empty:
+        raise ValueError(f"attention_mask must keep at least one token per row; rows {empty} are all padding")
+    right = (mask[:, :-1] & ~mask[:, 1:]).any(1).nonzero()[:, 0].tolist()
+    if right:
+        raise ValueError(
+            f"attention_mask must pad on the left (0s before the 1s, as transformers does for generation); "
+            f"rows {right} have a 0 after a 1"
+        )
+    return mask
 
 
 def _check_sampling(temperature, top_k, top_p, eos_token_id, vocab_size) -> None:

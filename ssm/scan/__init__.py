@@ -8,6 +8,9 @@
     scan(fn, init, xs, checkpoint=...)       any step fn over pytrees (jax.lax.scan), O(√L) backward
     associative_scan(fn, elems, dim=...)     parallel prefix of any associative fn (generic.py)
 
+Every op also runs packed variable-length sequences (``cu_seqlens``, batch 1; ``ssd`` also
+mamba-ssm's ``seq_idx``), with one initial and one last state per sequence.
+
 Each op's module owns its backend table (``BACKENDS``: the backends and the order ``"auto"``
 tries them on each device type); ``backends(op, device)`` lists them:
     "ref"      sequential loop, the ground truth (reference.py)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._checks import compute_dtype
+
 
 def selective_delta(
     delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool
@@ -59,3 +61,40 @@ def ssd_skip_and_gate(
     if z is not None:
         y = y * F.silu(z.to(y.dtype))
     return y
+
+
+def selective_per_sequence(fn, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens):
+    """Packed sequences (``cu_seqlens`` (S + 1,), batch 1) run one at a time through a
+    selective-scan backend ``fn`` that knows nothing of packing: out (1, D, L) and the last
+    states (S, D, N), a zero-length sequence's being its initial state (or 0)."""
+    dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    outs, lasts = [], []
+    bounds = cu_seqlens.tolist()
+    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        h0 = None if initial_state is None else initial_state[s : s + 1]
+        if end == start:
+            lasts.append(u.new_zeros(1, u.shape[1], A.shape[1], dtype=dtype) if h0 is None else h0.to(dtype))
+            continue
+        def part(M):  # the time steps of sequence s of a time-varying input
+            return M if M is None or M.ndim == 2 else M[..., start:end]
+
+        out, last = fn(
+            part(u), part(delta), A, part(B), part(C), D, part(z), delta_bias, delta_softplus, h0
+        )
+        outs.append(out)
+        lasts.append(last)
+    return torch.cat(outs, dim=-1), torch.cat(lasts, dim=0)
+
+
+def linear_per_sequence(fn, gates, inputs, dim, initial_state, reverse, cu_seqlens):
+    """Packed sequences along ``dim`` (``cu_seqlens`` (S + 1,), every dimension before ``dim``
+    of size 1) run one at a time through a linear-scan backend ``fn`` that knows nothing of
+    packing. Returns all states, shaped like ``inputs``."""
+    state_shape = inputs.shape[:dim] + inputs.shape[dim + 1 :]
+    parts = []
+    bounds = cu_seqlens.tolist()
+    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > start:
+            h0 = None if initial_state is None else initial_state[s].reshape(state_shape)
+            parts.append(fn(gates.narrow(dim, start, end - start), inputs.narrow(dim, start, end - start), dim, h0, reverse))
+    return torch.cat(parts, dim=dim)

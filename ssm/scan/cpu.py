@@ -48,7 +48,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ._checks import compute_dtype
-from ._common import selective_delta, selective_skip_and_gate
+from ._common import linear_per_sequence, selective_delta, selective_per_sequence, selective_skip_and_gate
 
 CHUNK = 16  # steps per compiled chunk
 COMPILE = os.environ.get("SSM_CPU_COMPILE", "1") not in ("0", "false", "off")
@@ -304,6 +304,7 @@ def selective_scan_cpu(
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = False,
     initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backend "cpu" of :func:`ssm.scan.selective_scan`.
 
@@ -314,7 +315,11 @@ def selective_scan_cpu(
     if torch.compiler.is_compiling():  # inside a user's torch.compile: trace the parallel scan
         from .pscan import selective_scan_pscan
 
-        return selective_scan_pscan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+        return selective_scan_pscan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
+    if cu_seqlens is not None:  # packed sequences: for now one sweep per sequence
+        return selective_per_sequence(
+            selective_scan_cpu, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens
+        )
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     out_dtype = u.dtype
     u = u.to(dtype)
@@ -384,13 +389,16 @@ def linear_scan_cpu(
     dim: int,
     initial_state: torch.Tensor | None = None,
     reverse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Backend "cpu" of :func:`ssm.scan.linear_scan` (``dim`` non-negative): the scanned
     dimension is moved first, (L, M), so that each chunk is one contiguous block."""
     if torch.compiler.is_compiling():
         from .pscan import linear_scan_pscan
 
-        return linear_scan_pscan(gates, inputs, dim, initial_state, reverse)
+        return linear_scan_pscan(gates, inputs, dim, initial_state, reverse, cu_seqlens)
+    if cu_seqlens is not None:  # packed sequences: for now one sweep per sequence
+        return linear_per_sequence(linear_scan_cpu, gates, inputs, dim, initial_state, reverse, cu_seqlens)
     dtype = compute_dtype(gates, inputs, initial_state)
     out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
     shape = inputs.shape

@@ -6,13 +6,13 @@ import torch
 
 from . import triton
 from ._backends import BackendTable
-from ._checks import check_same_device, check_shape, check_tensor
+from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor
 from .cpu import linear_scan_cpu
 from .pscan import linear_scan_pscan
 from .reference import linear_scan_ref
 
-# Backends take (gates, inputs, dim, initial_state, reverse) with dim non-negative and return
-# the states.
+# Backends take (gates, inputs, dim, initial_state, reverse, cu_seqlens) with dim non-negative
+# and cu_seqlens None or validated int64 (S + 1,) on the inputs' device, and return the states.
 BACKENDS = BackendTable(
     "linear_scan",
     auto={"cpu": ("cpu", "pscan"), "cuda": ("triton", "pscan"), "*": ("pscan",)},
@@ -30,6 +30,7 @@ def linear_scan(
     dim: int = -1,
     initial_state: torch.Tensor | None = None,
     reverse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """All states of the recurrence h_t = gates_t·h_{t-1} + inputs_t along ``dim``.
@@ -43,6 +44,16 @@ def linear_scan(
     are computed in float32 (float64 for float64 inputs). Gradients flow to gates, inputs and
     initial_state.
 
+    Packed sequences: ``cu_seqlens`` (S + 1,) int32 or int64 lays S sequences end to end along
+    ``dim`` (0 = cu_seqlens[0] <= ... <= cu_seqlens[S] = L; sequence s is positions
+    cu_seqlens[s] .. cu_seqlens[s+1] - 1), with every dimension before ``dim`` of size 1
+    (E = 1). Each sequence is scanned on its own: the state restarts at its first step in scan
+    order (its last position when ``reverse``) from ``initial_state[s]`` or 0, where
+    ``initial_state`` is (S, *the dimensions after dim). The states of all positions are
+    returned as without packing (so there is no separate last state: it is the state at
+    position cu_seqlens[s+1] - 1, or cu_seqlens[s] when ``reverse``). Zero-length sequences
+    are allowed (they have no positions).
+
     ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("linear_scan")``.
     """
     check_tensor("gates", gates)
@@ -55,13 +66,22 @@ def linear_scan(
             f"dim must be an int in [{-inputs.ndim}, {inputs.ndim - 1}] for {inputs.ndim}-D inputs, got {dim!r}"
         )
     dim = dim % inputs.ndim
+    state_shape, what = inputs.shape[:dim] + inputs.shape[dim + 1 :], f"inputs.shape without dim {dim}"
+    if cu_seqlens is not None:
+        if any(size != 1 for size in inputs.shape[:dim]):
+            raise ValueError(
+                f"with cu_seqlens the sequences are packed along dim {dim}, and every dimension before it "
+                f"must have size 1; got inputs of shape {tuple(inputs.shape)}"
+            )
+        cu_seqlens = check_cu_seqlens(cu_seqlens, inputs.shape[dim], 1, inputs.device)
+        state_shape = (cu_seqlens.numel() - 1, *inputs.shape[dim + 1 :])
+        what = f"(num_seqs, *inputs.shape after dim {dim})"
     if initial_state is not None:
-        state_shape = inputs.shape[:dim] + inputs.shape[dim + 1 :]
         check_tensor("initial_state", initial_state)
-        check_shape("initial_state", initial_state, state_shape, f"inputs.shape without dim {dim}")
+        check_shape("initial_state", initial_state, state_shape, what)
     check_same_device("inputs", inputs, gates=gates, initial_state=initial_state)
     impl = BACKENDS.resolve(backend, inputs.device)
 
     if inputs.shape[dim] == 0:
         return inputs.new_empty(inputs.shape, dtype=torch.promote_types(gates.dtype, inputs.dtype))
-    return impl.fn(gates, inputs, dim, initial_state, bool(reverse)).contiguous()
+    return impl.fn(gates, inputs, dim, initial_state, bool(reverse), cu_seqlens).contiguous()

@@ -128,6 +128,36 @@ class LinearScanFn(torch.autograd.Function):
         return grad_a, (lam if need_x else None), grad_h0, None
 
 
+def _restart_sequences(a, x, h0, cu_seqlens, reverse: bool):
+    """Gates and inputs (1, L, F) of packed sequences rewritten so that one plain scan over L
+    scans each sequence alone: at each sequence's first step in scan order (its first position,
+    or its last when ``reverse``) the gate becomes 0, cutting the state carried from the
+    sequence before, and that step's input gains gate·h0[s], the sequence's own initial state
+    (S, F), when given. Differentiable in a, x and h0 (gradients reach the true gate through
+    the injected term)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    nonempty = (lengths > 0).nonzero()[:, 0]  # (S',) zero-length sequences have no first step
+    first = (cu_seqlens[1:] - 1 if reverse else cu_seqlens[:-1])[nonempty]  # (S',)
+    keep = torch.ones(a.shape[1], dtype=a.dtype, device=a.device)
+    keep[first] = 0
+    gates = a * keep[None, :, None]
+    if h0 is not None:
+        x = x.index_add(1, first, a[:, first] * h0[nonempty][None])
+    return gates, x
+
+
+def _last_states(h, h0, cu_seqlens, state_shape):
+    """Each packed sequence's state after its last step, (S, *state_shape), from the states
+    h (1, L, F) of a forward scan: h at position cu_seqlens[s+1] - 1, or the sequence's initial
+    state (or 0) when it is empty."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    nonempty = (lengths > 0).nonzero()[:, 0]
+    num_seqs = lengths.numel()
+    last = h0 if h0 is not None else h.new_zeros(num_seqs, h.shape[-1])  # (S, F)
+    last = last.index_copy(0, nonempty, h[0, cu_seqlens[1:][nonempty] - 1])
+    return last.reshape(num_seqs, *state_shape)
+
+
 def _as_3d(x: torch.Tensor, dim: int) -> torch.Tensor:
     """View ``x`` as (E, L, F) with the scanned dimension in the middle."""
     return x.reshape(math.prod(x.shape[:dim]), x.shape[dim], math.prod(x.shape[dim + 1 :]))
@@ -139,14 +169,21 @@ def linear_scan_pscan(
     dim: int,
     initial_state: torch.Tensor | None = None,
     reverse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Backend "pscan" of :func:`ssm.scan.linear_scan` (``dim`` non-negative)."""
+    """Backend "pscan" of :func:`ssm.scan.linear_scan` (``dim`` non-negative). Packed
+    sequences (``cu_seqlens``, E = 1) are one scan with the gate cut at each sequence's start."""
     dtype = compute_dtype(gates, inputs, initial_state)
     out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
     shape = inputs.shape
     a = _as_3d(gates.to(dtype), dim)  # (E, L, F)
     x = _as_3d(inputs.to(dtype), dim)
-    h0 = None if initial_state is None else initial_state.to(dtype).reshape(a.shape[0], a.shape[2])
+    if cu_seqlens is None:
+        h0 = None if initial_state is None else initial_state.to(dtype).reshape(a.shape[0], a.shape[2])
+    else:
+        h0_seq = None if initial_state is None else initial_state.to(dtype).reshape(-1, a.shape[2])  # (S, F)
+        a, x = _restart_sequences(a, x, h0_seq, cu_seqlens, reverse)
+        h0 = None
     h = LinearScanFn.apply(a.contiguous(), x.contiguous(), h0, reverse)
     return h.reshape(shape).to(out_dtype)
 
@@ -162,9 +199,11 @@ def selective_scan_pscan(
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = False,
     initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backend "pscan" of :func:`ssm.scan.selective_scan`: materialises the discretised gates
-    and inputs and runs the parallel linear scan over L.
+    and inputs and runs the parallel linear scan over L. Packed sequences (``cu_seqlens``,
+    batch 1) are one scan with the gate cut at each sequence's first step.
 
     It works time-major, (B, L, D, N), so that every step of the scan is one contiguous block
     and the readout C_t·h_t is a batched matrix-vector product; channels-first (B, D, L, N)
@@ -186,10 +225,14 @@ def selective_scan_pscan(
         B_t = B.to(dtype).permute(0, 3, 1, 2)[:, :, :, None, :]  # (B, L, G, 1, N)
         drive = (delta_u.view(batch, length, G, dim // G, 1) * B_t).view(batch, length, dim, N)
 
-    h0 = None if initial_state is None else initial_state.to(dtype).reshape(batch, dim * N)
-    h = LinearScanFn.apply(
-        decay.view(batch, length, dim * N), drive.view(batch, length, dim * N), h0, False
-    ).view(batch, length, dim, N)
+    gates, inputs = decay.view(batch, length, dim * N), drive.view(batch, length, dim * N)
+    h0 = None if initial_state is None else initial_state.to(dtype).reshape(-1, dim * N)
+    if cu_seqlens is not None:  # h0: (S, D·N) per sequence
+        gates, inputs = _restart_sequences(gates, inputs, h0, cu_seqlens, False)
+    h = LinearScanFn.apply(gates, inputs, None if cu_seqlens is not None else h0, False)
+    if cu_seqlens is not None:
+        last = _last_states(h, h0, cu_seqlens, (dim, N))
+    h = h.view(batch, length, dim, N)
 
     if C.ndim == 2:  # fixed (D, N)
         y = (h * C.to(dtype)).sum(-1)  # (B, L, D)
@@ -198,5 +241,7 @@ def selective_scan_pscan(
         C_t = C.to(dtype).permute(0, 3, 1, 2)[..., None]  # (B, L, G, N, 1)
         y = torch.matmul(h.view(batch, length, G, dim // G, N), C_t).view(batch, length, dim)
     out = selective_skip_and_gate(y.transpose(1, 2), u, D, z)  # (B, D, L)
+    if cu_seqlens is not None:
+        return out.to(out_dtype), last
     # A copy, so that holding on to the last state does not keep all of h alive.
     return out.to(out_dtype), h[:, -1].clone()

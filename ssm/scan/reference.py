@@ -27,6 +27,7 @@ def selective_scan_ref(
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = False,
     initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The selective scan as a loop over time.
 
@@ -37,7 +38,24 @@ def selective_scan_ref(
         Δ_t = softplus(delta_t + delta_bias)            (as asked)
         h_t = exp(Δ_t·A) ⊙ h_{t-1} + Δ_t·u_t·B_t        h_{-1} = initial_state or 0
         y_t = C_t · h_t + D·u_t,  out_t = y_t · silu(z_t)
+
+    With ``cu_seqlens`` (S + 1,) (batch 1), each of the S sequences is run alone, one after
+    the other, from initial_state[s] ((S, D, N)) or 0; the last state is (S, D, N).
     """
+    if cu_seqlens is not None:
+        outs, lasts = [], []
+        bounds = cu_seqlens.tolist()
+        for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            def part(M):  # the time steps of sequence s of a time-varying input
+                return M if M is None or M.ndim == 2 else M[..., start:end]
+
+            out, last = selective_scan_ref(
+                part(u), part(delta), A, part(B), part(C), D, part(z), delta_bias, delta_softplus,
+                None if initial_state is None else initial_state[s : s + 1],
+            )
+            outs.append(out)
+            lasts.append(last)
+        return torch.cat(outs, dim=-1), torch.cat(lasts, dim=0)
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, length = u.shape
     out_dtype = u.dtype
@@ -71,7 +89,7 @@ def selective_scan_ref(
         decay = torch.exp(delta_t[..., None] * A)  # (B, D, N)
         h = decay * h + (delta_t * u_t)[..., None] * B_t
         ys.append((h * C_t).sum(-1))  # (B, D)
-    y = torch.stack(ys, dim=-1)  # (B, D, L)
+    y = torch.stack(ys, dim=-1) if ys else u.new_zeros(batch, dim, 0)  # (B, D, L)
     if D is not None:
         y = y + D.to(dtype)[:, None] * u
     if z is not None:
@@ -85,10 +103,26 @@ def linear_scan_ref(
     dim: int,
     initial_state: torch.Tensor | None = None,
     reverse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h_t = gates_t·h_{t-1} + inputs_t along ``dim`` (h_t = gates_t·h_{t+1} + inputs_t when
     ``reverse``), starting from ``initial_state`` (the input shape without ``dim``) or 0.
-    Returns all states, shaped like ``inputs``, in the inputs' promoted dtype."""
+    Returns all states, shaped like ``inputs``, in the inputs' promoted dtype.
+
+    With ``cu_seqlens`` (S + 1,) (every dimension before ``dim`` of size 1), each of the S
+    sequences along ``dim`` is scanned alone, from initial_state[s] ((S, *dims after dim)) or 0.
+    """
+    if cu_seqlens is not None:
+        parts = []
+        bounds = cu_seqlens.tolist()
+        for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if end == start:
+                continue
+            h0 = None if initial_state is None else initial_state[s].reshape(inputs.shape[:dim] + inputs.shape[dim + 1 :])
+            parts.append(linear_scan_ref(
+                gates.narrow(dim, start, end - start), inputs.narrow(dim, start, end - start), dim, h0, reverse
+            ))
+        return torch.cat(parts, dim=dim)
     dtype = compute_dtype(gates, inputs, initial_state)
     out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
     a, x = gates.to(dtype), inputs.to(dtype)
@@ -116,6 +150,7 @@ def ssd_ref(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     initial_state: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Mamba-2 (SSD) recurrence as a loop over time; ``chunk_size`` is ignored.
 
@@ -126,7 +161,24 @@ def ssd_ref(
         h_t = exp(Δ_t·A)·h_{t-1} + Δ_t·x_t ⊗ B_t             (a scalar decay per head)
         y_t = h_t·C_t + D·x_t,  out_t = y_t · silu(z_t)
     Returns out (B, L, H, P) in x's dtype and the last state (B, H, P, N) in the compute dtype.
+
+    With ``cu_seqlens`` (S + 1,) (batch 1), each of the S sequences is run alone, one after
+    the other, from initial_state[s] ((S, H, P, N)) or 0; the last state is (S, H, P, N).
     """
+    if cu_seqlens is not None:
+        outs, lasts = [], []
+        bounds = cu_seqlens.tolist()
+        for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            def part(M):  # the time steps of sequence s
+                return None if M is None else M[:, start:end]
+
+            out, last = ssd_ref(
+                part(x), part(dt), A, part(B), part(C), D, part(z), dt_bias, dt_softplus, dt_limit,
+                None if initial_state is None else initial_state[s : s + 1],
+            )
+            outs.append(out)
+            lasts.append(last)
+        return torch.cat(outs, dim=1), torch.cat(lasts, dim=0)
     dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
     batch, length, heads, head_dim = x.shape
     groups, N = B.shape[2], B.shape[3]
@@ -150,7 +202,7 @@ def ssd_ref(
         decay = torch.exp(dt_t * A)[..., None, None]  # (B, H, 1, 1)
         h = decay * h + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]
         ys.append((h * C_t[:, :, None, :]).sum(-1))  # (B, H, P)
-    y = torch.stack(ys, dim=1)  # (B, L, H, P)
+    y = torch.stack(ys, dim=1) if ys else x.new_zeros(batch, 0, heads, head_dim)  # (B, L, H, P)
     if D is not None:
         D = D.to(dtype)
         y = y + (D[:, None] if D.ndim == 1 else D) * x  # D: (H,) or (H, P)

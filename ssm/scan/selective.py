@@ -6,13 +6,14 @@ import torch
 
 from . import triton
 from ._backends import BackendTable
-from ._checks import check_same_device, check_shape, check_tensor, compute_dtype
+from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
 from .cpu import selective_scan_cpu
 from .pscan import selective_scan_pscan
 from .reference import selective_scan_ref
 
 # Backends take the public arguments less return_last_state, in the same order, with B and C
-# as (D, N) or (B, G, N, L), and return (out, last_state).
+# as (D, N) or (B, G, N, L), and cu_seqlens last (None, or validated int64 (S + 1,) on the
+# inputs' device); they return (out, last_state), last_state (S, D, N) when packed.
 BACKENDS = BackendTable(
     "selective_scan",
     auto={"cpu": ("cpu", "pscan"), "cuda": ("triton", "pscan"), "*": ("pscan",)},
@@ -54,6 +55,7 @@ def selective_scan(
     return_last_state: bool = False,
     *,
     initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ):
     """Selective scan (Mamba-1 / S6), a drop-in replacement for mamba-ssm's ``selective_scan_fn``.
@@ -65,7 +67,9 @@ def selective_scan(
                         (channel d uses group d // (dim / G)), or (dim, N) fixed
         D, delta_bias:  (dim,)
         z:              (batch, dim, L)
-        initial_state:  (batch, dim, N), the state before the first step (default 0)
+        initial_state:  (batch, dim, N), the state before the first step (default 0);
+                        (S, dim, N) with cu_seqlens
+        cu_seqlens:     (S + 1,) integer, packed sequences (batch must be 1), see below
 
     Computes, for t = 0 .. L-1,
         Δ_t = softplus(delta_t + delta_bias)     (bias and softplus only when asked)
@@ -76,6 +80,14 @@ def selective_scan(
     ``last_state`` = h_{L-1} (batch, dim, N) in float32 (float64 for float64 inputs). The state
     is always computed in float32 or wider, whatever the input dtype. Gradients flow to every
     tensor argument, into ``initial_state`` and from ``last_state``.
+
+    Packed sequences: ``cu_seqlens`` (S + 1,) int32 or int64, the cumulative lengths of S
+    sequences laid end to end along L in a batch of one (0 = cu_seqlens[0] <= ... <=
+    cu_seqlens[S] = L; sequence s is positions cu_seqlens[s] .. cu_seqlens[s+1] - 1). The state
+    restarts at every sequence's first step, from ``initial_state[s]`` ((S, dim, N)) or 0, and
+    ``last_state`` is (S, dim, N), each sequence's state after its last step: every sequence
+    gets exactly what it would get run alone. A zero-length sequence is allowed; its last state
+    is its initial state. Gradients flow into and from the per-sequence states as well.
 
     ``backend``: ``"auto"`` (the best one for the inputs' device: "cpu" on the CPU, "triton"
     on CUDA, "pscan" elsewhere) or a name from ``ssm.scan.backends("selective_scan")``.
@@ -97,9 +109,16 @@ def selective_scan(
     if z is not None:
         check_tensor("z", z, ndim=3)
         check_shape("z", z, (batch, dim, length), "(batch, dim, L)")
+    state_batch = batch
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens(cu_seqlens, length, batch, u.device)
+        state_batch = cu_seqlens.numel() - 1
     if initial_state is not None:
         check_tensor("initial_state", initial_state, ndim=3)
-        check_shape("initial_state", initial_state, (batch, dim, N), "(batch, dim, N)")
+        check_shape(
+            "initial_state", initial_state, (state_batch, dim, N),
+            "(batch, dim, N)" if cu_seqlens is None else "(num_seqs, dim, N)",
+        )
     check_same_device(
         "u", u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
         initial_state=initial_state,
@@ -112,9 +131,11 @@ def selective_scan(
             return out
         state_dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
         if initial_state is None:
-            return out, u.new_zeros(batch, dim, N, dtype=state_dtype)
+            return out, u.new_zeros(state_batch, dim, N, dtype=state_dtype)
         return out, initial_state.to(state_dtype, copy=True)
 
-    out, last_state = impl.fn(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state)
+    out, last_state = impl.fn(
+        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, cu_seqlens
+    )
     out = out.contiguous()  # as mamba-ssm's are: callers may .view() it
     return (out, last_state) if return_last_state else out

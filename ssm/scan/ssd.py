@@ -7,12 +7,13 @@ import math
 import torch
 
 from ._backends import BackendTable
-from ._checks import check_same_device, check_shape, check_tensor, compute_dtype
+from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
 from .chunked import ssd_chunked
 from .reference import ssd_ref
 
-# Backends take the public arguments less return_last_state, in the same order, and return
-# (out, last_state).
+# Backends take the public arguments less return_last_state and seq_idx, in the same order, with
+# cu_seqlens last (None, or validated int64 (S + 1,) on the inputs' device), and return
+# (out, last_state), last_state (S, H, P, N) when packed. seq_idx is turned into cu_seqlens here.
 BACKENDS = BackendTable("ssd", auto={"*": ("chunked",)})
 BACKENDS.add("ref", ssd_ref)
 BACKENDS.add("chunked", ssd_chunked)
@@ -33,6 +34,8 @@ def ssd(
     initial_state: torch.Tensor | None = None,
     return_last_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
     backend: str = "auto",
 ):
     """State-space duality scan (Mamba-2): a selective scan whose decay is one scalar per head.
@@ -43,7 +46,10 @@ def ssd(
         A, dt_bias:     (H,), real; A < 0 for a decaying state
         B, C:           (batch, L, G, N)      H % G == 0; head h uses group h // (H / G)
         D:              (H,) or (H, P)
-        initial_state:  (batch, H, P, N), the state before the first step (default 0)
+        initial_state:  (batch, H, P, N), the state before the first step (default 0);
+                        (S, H, P, N) with cu_seqlens
+        cu_seqlens:     (S + 1,) integer, packed sequences (batch must be 1), see below
+        seq_idx:        (batch, L) integer, mamba-ssm's sequence index per position, see below
 
     Computes, for t = 0 .. L-1,
         Δ_t = clamp(softplus(dt_t + dt_bias), *dt_limit)   (bias, softplus, clamp only when asked)
@@ -53,6 +59,17 @@ def ssd(
     Returns ``out`` (batch, L, H, P) in x's dtype, or ``(out, last_state)`` with ``last_state``
     (batch, H, P, N) in float32 (float64 for float64 inputs). Gradients flow to every tensor
     argument, into ``initial_state`` and from ``last_state``.
+
+    Packed sequences, two ways:
+    - ``cu_seqlens`` (S + 1,), as in ``selective_scan``: S sequences end to end along L in a
+      batch of one; each restarts from ``initial_state[s]`` ((S, H, P, N)) or 0, and
+      ``last_state`` is (S, H, P, N), each sequence's state after its last step (its initial
+      state for a zero-length sequence).
+    - ``seq_idx`` (batch, L), as in mamba-ssm's ``mamba_chunk_scan_combined``: the state
+      restarts from 0 wherever seq_idx[b, t] != seq_idx[b, t-1]. ``initial_state`` (batch, H,
+      P, N) is the state before each row's first position, and ``last_state`` (batch, H, P, N)
+      the state after each row's last position, as without seq_idx.
+    Give one or the other, not both.
 
     ``chunk_size`` is the block length of the chunked algorithm (ignored by "ref").
     ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("ssd")``: "ref" (a loop over
@@ -81,9 +98,20 @@ def ssd(
     if dt_bias is not None:
         check_tensor("dt_bias", dt_bias, ndim=1)
         check_shape("dt_bias", dt_bias, (heads,), "(H,)")
+    state_batch = batch
+    if cu_seqlens is not None and seq_idx is not None:
+        raise ValueError("give cu_seqlens or seq_idx, not both (they describe the same boundaries)")
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens(cu_seqlens, length, batch, x.device)
+        state_batch = cu_seqlens.numel() - 1
+    if seq_idx is not None:
+        _check_seq_idx(seq_idx, batch, length, x.device)
     if initial_state is not None:
         check_tensor("initial_state", initial_state, ndim=4)
-        check_shape("initial_state", initial_state, (batch, heads, head_dim, N), "(batch, H, P, N)")
+        check_shape(
+            "initial_state", initial_state, (state_batch, heads, head_dim, N),
+            "(batch, H, P, N)" if cu_seqlens is None else "(num_seqs, H, P, N)",
+        )
     if not (isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1]):
         raise ValueError(f"dt_limit must be a pair (low, high) with low <= high, got {dt_limit!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -99,11 +127,49 @@ def ssd(
             return out
         state_dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
         if initial_state is None:
-            return out, x.new_zeros(batch, heads, head_dim, N, dtype=state_dtype)
+            return out, x.new_zeros(state_batch, heads, head_dim, N, dtype=state_dtype)
         return out, initial_state.to(state_dtype, copy=True)
 
-    out, last_state = impl.fn(
-        x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), tuple(dt_limit), initial_state, chunk_size
-    )
+    options = (bool(dt_softplus), tuple(dt_limit))
+    if seq_idx is not None:
+        out, last_state = _ssd_seq_idx(impl.fn, x, dt, A, B, C, D, z, dt_bias, options, initial_state, chunk_size, seq_idx)
+    else:
+        out, last_state = impl.fn(x, dt, A, B, C, D, z, dt_bias, *options, initial_state, chunk_size, cu_seqlens)
     out = out.contiguous()  # as mamba-ssm's are: callers may .view() it
     return (out, last_state) if return_last_state else out
+
+
+def _check_seq_idx(seq_idx, batch: int, length: int, device: torch.device) -> None:
+    if not isinstance(seq_idx, torch.Tensor):
+        raise ValueError(f"seq_idx must be a torch.Tensor, got {type(seq_idx).__name__}")
+    if seq_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_idx must have dtype torch.int32 or torch.int64, got {seq_idx.dtype}")
+    if tuple(seq_idx.shape) != (batch, length):
+        raise ValueError(f"seq_idx must have shape (batch, L) = {(batch, length)}, got {tuple(seq_idx.shape)}")
+    if seq_idx.device != device:
+        raise ValueError(f"seq_idx is on device '{seq_idx.device}' but the inputs are on '{device}'")
+
+
+def _ssd_seq_idx(fn, x, dt, A, B, C, D, z, dt_bias, options, initial_state, chunk_size, seq_idx):
+    """mamba-ssm's seq_idx as packed sequences: the rows are laid end to end in a batch of one,
+    with a new sequence at every row start and wherever seq_idx changes; a row's initial state
+    starts its first sequence, and its last sequence's last state is the row's."""
+    batch, length = seq_idx.shape
+    starts = torch.ones(batch, length, dtype=torch.bool, device=x.device)
+    starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    positions = starts.flatten().nonzero()[:, 0]  # (S,) each sequence's first position
+    cu_seqlens = torch.cat([positions, positions.new_full((1,), batch * length)])
+    row_first = torch.arange(batch, device=x.device) * length  # each row's first position ...
+    first_seq = torch.searchsorted(positions, row_first)  # ... is the start of this sequence
+    last_seq = torch.cat([first_seq[1:], first_seq.new_full((1,), positions.numel())]) - 1
+    num_seqs = positions.numel()
+    if initial_state is not None:
+        per_seq = initial_state.new_zeros(num_seqs, *initial_state.shape[1:])
+        initial_state = per_seq.index_copy(0, first_seq, initial_state)
+
+    def packed(t):
+        return None if t is None else t.reshape(1, batch * length, *t.shape[2:])
+
+    out, last = fn(packed(x), packed(dt), A, packed(B), packed(C), D, packed(z), dt_bias, *options,
+                   initial_state, chunk_size, cu_seqlens)
+    return out.reshape(x.shape), last[last_seq]

@@ -73,6 +73,14 @@ class DataSection:
     val_samples: int = 512  # validation sequences
     paths: list = field(default_factory=list)  # text: file globs; empty = the Python standard library's sources
     val_fraction: float = 0.1  # text: share of files held out for validation
+    # text: each file is a document; a row holding several restarts the model at each document
+    # start (packed sequences, cu_seqlens) and never scores a document's first byte as the next
+    # byte of the one before. false: the files joined by blank lines, read as one stream.
+    pack_documents: bool = True
+    # text: truncated back-propagation through time. Each batch row reads its own stream of the
+    # corpus, one seq_len segment per step, and the model carries every layer's state (SSM state
+    # and conv window) from one step to the next, detached. One device (trainer.devices=1).
+    stateful: bool = False
     num_workers: int = 0  # DataLoader workers
 
 

@@ -3,7 +3,8 @@ the data order is fixed by the step count alone: a resumed run sees exactly the 
 uninterrupted run would have seen, on one device or several.
 
 An example is (inputs (L,), targets (L,)) of token ids; targets are -100 where the task scores
-nothing (the loss and accuracy count only the other positions).
+nothing (the loss and accuracy count only the other positions). Text with packed documents adds
+a third tensor, resets (L,) bool: True where a document starts (the model restarts there).
 """
 
 from __future__ import annotations
@@ -90,22 +91,50 @@ class InductionHeads(Dataset):
 
 class ByteText(Dataset):
     """Byte-level language modelling: windows of L + 1 bytes from a corpus, at offsets drawn
-    from (seed, split, index). Every position is scored."""
+    from (seed, split, index). Every position is scored.
 
-    def __init__(self, data: torch.Tensor, seq_len: int, seed: int, split: str, size: int):
+    ``doc_starts`` (the offset of each document in ``data``, 0 first): examples become
+    (inputs, targets, resets) with resets[i] True where a document starts at input i, and the
+    target of the byte before it (that document's first byte) unscored.
+
+    ``streams`` = R (truncated BPTT): example i is segment i // R of stream i % R, which starts
+    at an offset drawn from (seed, split, stream) and reads the corpus on from there, wrapping
+    around at its end (where a document starts); segment k is the window at k·L. So the rows of
+    consecutive steps continue one another, as long as each step takes R examples in order."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, seed: int, split: str, size: int,
+                 doc_starts: torch.Tensor | None = None, streams: int | None = None):
         if data.numel() < seq_len + 1:
             raise ValueError(f"the {split} text has {data.numel()} bytes, fewer than data.seq_len + 1 = {seq_len + 1}")
         self.data, self.L, self.seed, self.split, self.size = data, seq_len, seed, split, size
         self.vocab_size = 256
+        self.starts = None
+        if doc_starts is not None:
+            self.starts = torch.zeros(data.numel(), dtype=torch.bool)
+            self.starts[doc_starts] = True
+        self.streams = streams
+        if streams is not None:
+            self.offsets = [int(torch.randint(0, data.numel(), (), generator=_generator(seed, split, f"stream{r}")))
+                            for r in range(streams)]
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int):
-        g = _generator(self.seed, self.split, index)
-        start = int(torch.randint(0, self.data.numel() - self.L, (), generator=g))  # every window of L + 1 bytes
-        window = self.data[start : start + self.L + 1].long()
-        return window[:-1], window[1:]
+        n = self.data.numel()
+        if self.streams is None:
+            g = _generator(self.seed, self.split, index)
+            start = int(torch.randint(0, n - self.L, (), generator=g))  # every window of L + 1 bytes
+            positions = torch.arange(start, start + self.L + 1)
+        else:
+            segment, stream = divmod(index, self.streams)
+            positions = (self.offsets[stream] + segment * self.L + torch.arange(self.L + 1)) % n
+        window = self.data[positions].long()
+        inputs, targets = window[:-1], window[1:]
+        if self.starts is None:
+            return inputs, targets
+        starts = self.starts[positions]  # (L + 1,) a document starts at this byte
+        return inputs, targets.masked_fill(starts[1:], IGNORE), starts[:-1]
 
 
 def default_text_files() -> list[str]:
@@ -130,6 +159,15 @@ def split_files(paths: list[str], val_fraction: float) -> tuple[list[str], list[
 
 def read_bytes(paths: list[str]) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"\n\n".join(Path(p).read_bytes() for p in paths)), dtype=torch.uint8)
+
+
+def read_documents(paths: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The files end to end, each a document, and the offset where each starts (empty files
+    are skipped)."""
+    texts = [t for t in (Path(p).read_bytes() for p in paths) if t]
+    lengths = torch.tensor([len(t) for t in texts], dtype=torch.long)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.frombuffer(bytearray(b"".join(texts)), dtype=torch.uint8), starts
 
 
 class StepSampler(Sampler):
@@ -164,6 +202,8 @@ class TaskDataModule(pl.LightningDataModule):
         for name in ("seq_len", "batch_size", "num_tokens", "num_memorize", "val_samples"):
             if getattr(config, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(config, name)}")
+        if config.stateful and config.task != "text":
+            raise ValueError(f"data.stateful needs data.task: text (streams of a corpus), got {config.task!r}")
         self.config, self.seed = config, seed
         self.text = None
         if config.task == "text":
@@ -173,15 +213,20 @@ class TaskDataModule(pl.LightningDataModule):
             self.train_files, self.val_files = split_files(paths, config.val_fraction)
         self.vocab_size = self.dataset("val", 1).vocab_size
 
-    def dataset(self, split: str, size: int, seq_len: int | None = None) -> Dataset:
+    def dataset(self, split: str, size: int, seq_len: int | None = None, streams: int | None = None) -> Dataset:
+        """``streams``: text read as that many streams of consecutive segments (data.stateful)."""
         c, L = self.config, seq_len or self.config.seq_len
         if c.task == "selective_copying":
             return SelectiveCopying(L, c.num_tokens, c.num_memorize, self.seed, split, size)
         if c.task == "induction_heads":
             return InductionHeads(L, c.num_tokens, self.seed, split, size)
         if self.text is None:
-            self.text = {"train": read_bytes(self.train_files), "val": read_bytes(self.val_files)}
-        return ByteText(self.text[split], L, self.seed, split, size)
+            if c.pack_documents:
+                self.text = {"train": read_documents(self.train_files), "val": read_documents(self.val_files)}
+            else:
+                self.text = {"train": (read_bytes(self.train_files), None), "val": (read_bytes(self.val_files), None)}
+        data, doc_starts = self.text[split]
+        return ByteText(data, L, self.seed, split, size, doc_starts=doc_starts, streams=streams)
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -199,8 +244,12 @@ class TaskDataModule(pl.LightningDataModule):
         def start() -> int:  # the examples of the current optimiser step
             return (trainer.global_step if trainer is not None else 0) * per_step
 
+        if self.config.stateful and world > 1:
+            raise ValueError("data.stateful runs on one device for now (each process would carry its own "
+                             f"rows' state, and a checkpoint keeps only rank 0's); got {world} processes")
+        streams = per_step if self.config.stateful else None  # each row of a step continues its stream
         return DataLoader(
-            self.dataset("train", stop), batch_size=self.config.batch_size,
+            self.dataset("train", stop, streams=streams), batch_size=self.config.batch_size,
             sampler=StepSampler(start, stop, rank, world), num_workers=self.config.num_workers,
             persistent_workers=self.config.num_workers > 0,
         )

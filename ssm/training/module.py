@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import MambaLM
+from ..layers import LayerCache
+from ..models import InferenceCache, MambaLM
 from .config import OptimSection
 from .data import IGNORE
 
@@ -39,6 +40,55 @@ def scored_token_metrics(logits: torch.Tensor, targets: torch.Tensor) -> tuple[t
     return loss_sum, correct, int(scored.sum())
 
 
+def sequence_boundaries(resets: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens (S + 1,) of the rows of a batch (B, L) laid end to end: a sequence starts at
+    every row's first position and wherever ``resets`` (B, L) is True (a document starts)."""
+    starts = resets.clone()
+    starts[:, 0] = True
+    positions = starts.flatten().nonzero()[:, 0]
+    return torch.cat([positions, positions.new_full((1,), starts.numel())])
+
+
+def forward_rows(model: MambaLM, inputs: torch.Tensor, resets: torch.Tensor | None = None,
+                 state: InferenceCache | None = None) -> tuple[torch.Tensor, InferenceCache | None]:
+    """Logits (B, L, V) of the rows ``inputs`` (B, L), and with ``state`` the state after them.
+
+    ``resets`` (B, L) bool: documents start there; the rows are packed end to end with a
+    sequence boundary at each row start and each reset, so that nothing crosses a document.
+    ``state`` (batch B): each row continues from its row of it (truncated BPTT), unless the row
+    starts a new document at position 0; the returned state is each row's state after its last
+    position (its last document's), detached: gradients stop at the segment's start."""
+    batch, length = inputs.shape
+    if resets is None:  # rows are plain sequences
+        if state is None:
+            return model(inputs), None
+        state = InferenceCache([LayerCache(c.conv_state, c.ssm_state) for c in state.layers])  # not in place
+        logits = model(inputs, cache=state)
+        return logits, _detached(state.layers, slice(None))
+    cu_seqlens = sequence_boundaries(resets)
+    flat = inputs.reshape(1, batch * length)
+    if state is None:
+        return model(flat, cu_seqlens=cu_seqlens).view(batch, length, -1), None
+    num_seqs = cu_seqlens.numel() - 1
+    row_starts = torch.arange(batch, device=inputs.device) * length
+    first = torch.searchsorted(cu_seqlens[:-1], row_starts)  # (B,) the sequence each row starts with
+    last = torch.cat([first[1:], first.new_full((1,), num_seqs)]) - 1  # (B,) ... and ends with
+    keep = ~resets[:, 0]  # a row whose first byte starts a document drops its carried state
+
+    def per_sequence_state(rows):  # (B, ...) -> (S, ...): each row's at its first sequence, else 0
+        rows = rows * keep.view(-1, *[1] * (rows.ndim - 1)).to(rows.dtype)
+        return rows.new_zeros(num_seqs, *rows.shape[1:]).index_copy(0, first, rows)
+
+    per_sequence = InferenceCache([LayerCache(per_sequence_state(c.conv_state), per_sequence_state(c.ssm_state))
+                                   for c in state.layers])
+    logits = model(flat, cache=per_sequence, cu_seqlens=cu_seqlens).view(batch, length, -1)
+    return logits, _detached(per_sequence.layers, last)
+
+
+def _detached(layers, rows) -> InferenceCache:
+    return InferenceCache([LayerCache(c.conv_state[rows].detach(), c.ssm_state[rows].detach()) for c in layers])
+
+
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Learning-rate factor: linear from 0 to 1 over ``warmup`` steps, then a cosine down to
     ``min_ratio`` at ``total``."""
@@ -53,23 +103,42 @@ class LanguageModelTask(pl.LightningModule):
 
     Logs train/loss, train/acc, train/tokens_per_s, lr, and val/loss, val/acc (per-token accuracy
     on the scored positions), plus val/bpb (bits per token, i.e. per byte for byte-level text).
+
+    Batches are (inputs, targets) or, with packed documents, (inputs, targets, resets).
+    ``stateful``: each training batch's rows continue those of the step before (data.stateful),
+    and the model carries every layer's state across steps, detached (see forward_rows); one
+    carried state per micro-batch of a step (gradient accumulation), saved in checkpoints so
+    that a resumed run continues exactly. Validation always starts from a zero state.
     """
 
-    def __init__(self, model: MambaLM, optim: OptimSection, max_steps: int):
+    def __init__(self, model: MambaLM, optim: OptimSection, max_steps: int, stateful: bool = False):
         super().__init__()
-        self.model, self.optim, self.max_steps = model, optim, max_steps
+        self.model, self.optim, self.max_steps, self.stateful = model, optim, max_steps, stateful
         self._last_batch_end = None
+        self.carried: dict[int, InferenceCache] = {}  # micro-batch slot -> state after its last rows
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
-    def _loss_and_accuracy(self, batch):
-        inputs, targets = batch
-        loss_sum, correct, n = scored_token_metrics(self.model(inputs), targets)
+    def _loss_and_accuracy(self, batch, slot: int | None = None):
+        inputs, targets, resets = batch if len(batch) == 3 else (*batch, None)
+        state = None
+        if slot is not None:
+            state = self.carried.get(slot)
+            if state is None:
+                state = self.model.allocate_inference_cache(inputs.shape[0], device=inputs.device)
+            else:  # (from a checkpoint, it arrives on the CPU)
+                state = InferenceCache([LayerCache(c.conv_state.to(inputs.device), c.ssm_state.to(inputs.device))
+                                        for c in state.layers])
+        logits, state = forward_rows(self.model, inputs, resets, state)
+        if slot is not None:
+            self.carried[slot] = state
+        loss_sum, correct, n = scored_token_metrics(logits, targets)
         return loss_sum / max(n, 1), correct / max(n, 1), n
 
     def training_step(self, batch, batch_idx):
-        loss, acc, n = self._loss_and_accuracy(batch)
+        slot = batch_idx % self.trainer.accumulate_grad_batches if self.stateful else None
+        loss, acc, n = self._loss_and_accuracy(batch, slot)
         self.log("train/loss", loss, prog_bar=True, batch_size=n)
         self.log("train/acc", acc, prog_bar=True, batch_size=n)
         self.log("lr", self.optimizers().param_groups[0]["lr"])
@@ -90,6 +159,18 @@ class LanguageModelTask(pl.LightningModule):
         self.log("val/loss", loss, batch_size=n, sync_dist=True, prog_bar=True)
         self.log("val/bpb", loss / math.log(2), batch_size=n, sync_dist=True)
         self.log("val/acc", acc, batch_size=n, sync_dist=True, prog_bar=True)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.stateful:
+            checkpoint["carried_state"] = {
+                slot: [[c.conv_state, c.ssm_state] for c in state.layers] for slot, state in self.carried.items()
+            }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.carried = {
+            int(slot): InferenceCache([LayerCache(conv, ssm) for conv, ssm in layers])
+            for slot, layers in checkpoint.get("carried_state", {}).items()
+        }
 
     def configure_optimizers(self):
         o = self.optim

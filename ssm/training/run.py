@@ -145,7 +145,7 @@ def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
 def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     data = TaskDataModule(config.data, seed=config.seed)
     model = build_model(config, data.vocab_size)
-    module = LanguageModelTask(model, config.optim, config.trainer.max_steps)
+    module = LanguageModelTask(model, config.optim, config.trainer.max_steps, stateful=config.data.stateful)
     kwargs = trainer_kwargs(config)
     ckpt_path = checkpoint_of(config.resume) if config.resume else None
     # Read safely before anything else, so that a damaged file stops the run here with its name.

@@ -8,7 +8,7 @@ import torch
 
 from ssm import Mamba, Mamba2
 from ssm.scan import backends
-from tests.helpers import assert_close
+from tests.helpers import assert_close, assert_compiled_matches_eager
 
 MIXERS = {
     "mamba": lambda **kw: Mamba(24, d_state=6, **kw),
@@ -63,6 +63,15 @@ def test_every_backend_same_outputs_and_gradients(kind):
         assert_close(y, y_ref, torch.float32, f"{kind}/{backend} output")
         for name in g_ref:
             assert_close(g[name], g_ref[name], torch.float32, f"{kind}/{backend} d{name}")
+
+
+@pytest.mark.parametrize("kind", MIXERS)
+def test_compiles_without_graph_breaks(kind):
+    """The whole mixer, layout changes included, traces as one graph (forward and backward)."""
+    m = build(kind)
+    x = torch.randn(2, 11, 24, dtype=torch.float64, requires_grad=True)
+    weights = torch.linspace(-1, 1, 24, dtype=torch.float64)
+    assert_compiled_matches_eager(lambda x: (m(x) * weights).sum(), [x])
 
 
 def test_mamba_parameters_match_mamba_ssm():

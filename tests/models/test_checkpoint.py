@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import struct
+import os
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from ssm import MambaConfig, MambaLM
-from ssm.models.checkpoint import load_safetensors, save_safetensors
 
 
 def tiny(**kw) -> MambaLM:
@@ -64,7 +65,7 @@ def test_transformers_mamba_layout(tmp_path):
         "residual_in_fp32": True, "tie_word_embeddings": True, "pad_token_id": 0,
     }
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
-    save_safetensors(hf_state_dict(source), tmp_path / "model.safetensors")
+    save_file(hf_state_dict(source), tmp_path / "model.safetensors", metadata={"format": "pt"})
     loaded = MambaLM.from_pretrained(tmp_path)
     assert torch.equal(loaded(IDS), source(IDS))
 
@@ -84,20 +85,51 @@ def test_transformers_mamba2_layout(tmp_path):
     assert torch.equal(loaded(IDS), source(IDS))
 
 
-def test_safetensors_reader_follows_the_format(tmp_path):
-    """A file laid out by hand from the format's description: u64 header size, JSON, bytes."""
-    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    b = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
-    data = a.numpy().tobytes() + b.view(torch.int16).numpy().tobytes()
-    header = json.dumps({"__metadata__": {"format": "pt"},
-                         "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
-                         "b": {"dtype": "BF16", "shape": [2], "data_offsets": [24, 28]}}).encode()
-    (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)
-    got = load_safetensors(tmp_path / "x.safetensors")
-    assert torch.equal(got["a"], a) and torch.equal(got["b"], b) and got["b"].dtype == torch.bfloat16
-    save_safetensors(got, tmp_path / "y.safetensors")
-    again = load_safetensors(tmp_path / "y.safetensors")
-    assert set(again) == {"a", "b"} and torch.equal(again["a"], a) and torch.equal(again["b"], b)
+def test_safetensors_file_as_transformers_expects_it(tmp_path):
+    """save_pretrained(safe_serialization=True) writes what transformers' loader asks for: the
+    "pt" format tag and every tensor but the tied head, in its own dtype."""
+    model = tiny().to(torch.bfloat16)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    stored = load_file(tmp_path / "model.safetensors")
+    assert set(stored) == set(model.state_dict()) - {"lm_head.weight"}
+    for key, value in model.state_dict().items():
+        if key != "lm_head.weight":
+            assert stored[key].dtype == torch.bfloat16 and torch.equal(stored[key], value), key
+    assert MambaLM.from_pretrained(tmp_path).backbone.norm_f.weight.dtype == torch.bfloat16
+
+
+def test_damaged_safetensors_file_is_named(tmp_path):
+    tiny().save_pretrained(tmp_path, safe_serialization=True)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file"):
+        MambaLM.from_pretrained(tmp_path)
+
+
+class CreatesAFile:
+    """Unpickling this calls os.system, which creates the file ``target``."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.target}'",)
+
+
+def test_pickled_code_in_a_checkpoint_never_runs(tmp_path):
+    model_dir, target = tmp_path / "model", tmp_path / "pwned"
+    tiny().save_pretrained(model_dir)
+    state = torch.load(model_dir / "pytorch_model.bin", weights_only=True)
+    state["backbone.norm_f.weight"] = CreatesAFile(target)
+    torch.save(state, model_dir / "pytorch_model.bin")  # torch's own file layout, as a real checkpoint
+    with pytest.raises(ValueError, match=r"pytorch_model.bin holds pickled objects other than tensors.*refusing"):
+        MambaLM.from_pretrained(model_dir)
+    assert not target.exists()
+    # The payload is live: loading that runs code creates the file.
+    torch.load(model_dir / "pytorch_model.bin", weights_only=False)
+    assert target.exists()
 
 
 def test_mismatched_checkpoints_name_the_key(tmp_path):

@@ -29,9 +29,11 @@ INT64 = {"bounds_ptr", "chunk_first_ptr"}
 
 
 def signature(fn, constexprs: dict, io_type: str) -> dict:
-    """Pointers ending in _ptr (16-bit for the (B, D, L)-sized ones), int32 for the rest."""
+    """Pointers ending in _ptr (16-bit for the (B, D, L)-sized ones, int32 for the sequence of
+    each packed step), int32 for the rest."""
     return {
         name: "constexpr" if name in constexprs
+        else "*i32" if name == "seq_ptr"
         else (f"*{io_type}" if name in IO else "*i64" if name in INT64 else "*fp32") if name.endswith("_ptr")
         else "i32"
         for name in fn.arg_names
@@ -40,7 +42,8 @@ def signature(fn, constexprs: dict, io_type: str) -> dict:
 
 def variants():
     """(JIT function, its compile-time arguments, warps) of every kernel at a mamba-130m layer's
-    shape, each with every option on (the flags @triton.heuristics would derive)."""
+    shape, each with every option on (the flags @triton.heuristics would derive), the selective
+    scan's also packed (PACKED: cu_seqlens) and the linear scan's packed."""
     import torch
 
     u, B = torch.empty(1, 1536, 1), torch.empty(1, 1, 16, 1)
@@ -48,9 +51,9 @@ def variants():
     blocks = dict(BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk)
     flags = dict(COMPUTE=tl.float32, HAS_D=True, HAS_Z=True, HAS_DELTA_BIAS=True, SOFTPLUS=True, **blocks)
     bwd = dict(HAS_DLAST=True, LOG2_CHUNK=cfg.chunk.bit_length() - 1, INT=tl.int32)
-    for varying in (True, False):
-        BC = dict(B_VARYING=varying, C_VARYING=varying)
-        fwd = {**flags, **BC, "HAS_INITIAL_STATE": True, "SAVE_CHUNK_STATES": True}
+    for varying, packed in ((True, False), (False, False), (True, True)):
+        BC = dict(B_VARYING=varying, C_VARYING=varying, HAS_INITIAL_STATE=True, PACKED=packed)
+        fwd = {**flags, **BC, "SAVE_CHUNK_STATES": True}
         yield selective_scan._selective_scan_fwd_kernel.fn, fwd, cfg.num_warps
         yield selective_scan._selective_scan_bwd_kernel.fn, {**flags, **BC, **bwd}, cfg.num_warps_bwd
     # trapezoidal_scan at a Mamba-3 layer of mamba-ssm's defaults (P 64, N 128), SISO and MIMO rank 4
@@ -64,9 +67,9 @@ def variants():
         yield (trapezoidal_scan._trapezoidal_scan_bwd_kernel.fn,
                {**blocks, "HAS_DLAST": True, "INT": tl.int32, "LOG2_CHUNK": cfg.chunk.bit_length() - 1}, cfg.num_warps)
     lin = linear_scan.config(65536, 4)
-    for backward in (False, True):
+    for backward, packed in ((False, False), (True, False), (False, True), (True, True)):
         constexprs = dict(COMPUTE=tl.float32, REVERSE=True, HAS_INITIAL_STATE=True, BACKWARD=backward,
-                          BLOCK_T=lin.block_t, BLOCK_F=lin.block_f)
+                          PACKED=packed, BLOCK_T=lin.block_t, BLOCK_F=lin.block_f)
         yield linear_scan._linear_scan_kernel.fn, constexprs, lin.num_warps
 
 

@@ -29,12 +29,20 @@ from ssm.scan.triton import selective_scan as triton_selective
 from tests.helpers import (
     SELECTIVE_FORMS,
     assert_compiled_matches_eager,
+    check_against_reference,
     check_linear,
     check_selective,
+    cu_seqlens_of,
     linear_inputs,
+    linear_packed_call,
+    linear_solo_call,
+    packed_lengths,
     run_with_grads,
     selective_call,
     selective_inputs,
+    selective_packed_call,
+    selective_solo_call,
+    with_sequence_states,
 )
 
 ON_DEVICE = torch.cuda.is_available()
@@ -247,6 +255,44 @@ def test_linear_deterministic_and_mixed_dtypes():
     assert linear_scan(gates, torch.randn(4, 10, device=DEVICE), backend="triton").dtype == torch.float32
     for shape in [(0, 5, 3), (2, 5, 0)]:
         assert linear_scan(*linear_small(shape, 1, initial_state=False).values(), dim=1, backend="triton").shape == shape
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+
+@pytest.mark.parametrize("initial_state", [False, True])
+@pytest.mark.parametrize("B_form,C_form", [("varying", "grouped"), ("fixed", "fixed"), ("grouped", "varying")])
+def test_selective_packed_equals_each_sequence_alone(B_form, C_form, initial_state):
+    """Boundaries after step 1, inside a chunk and exactly on chunk edges of the kernel's own
+    chunk, sequences of length 1 and 0: outputs, per-sequence last states and every gradient
+    against each sequence run alone by the float64 reference."""
+    lengths = packed_lengths(CHUNK)
+    inputs = selective_inputs(sum(lengths), batch=1, dim=5, N=4, groups=5, B_form=B_form, C_form=C_form)
+    if initial_state:
+        inputs = with_sequence_states(inputs, len(lengths))
+    else:
+        del inputs["initial_state"]
+    cu = cu_seqlens_of(lengths, device=DEVICE)
+    check_against_reference(selective_packed_call(cu), to_device(inputs), "triton", reference_call=selective_solo_call(cu))
+
+
+@pytest.mark.parametrize("initial_state", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_linear_packed_equals_each_sequence_alone(reverse, initial_state):
+    """F = 64 lanes make the time block 32 steps, so that the layout puts boundaries on its
+    edges and inside it (the block grows with L for narrower inputs)."""
+    F = 64
+    block_t = triton_linear.config(1 << 20, F).block_t
+    lengths = packed_lengths(block_t)
+    inputs = linear_inputs((1, sum(lengths), F), 1, initial_state=True)
+    if initial_state:
+        inputs = with_sequence_states(inputs, len(lengths))
+    else:
+        del inputs["initial_state"]
+    cu = cu_seqlens_of(lengths, device=DEVICE)
+    check_against_reference(
+        linear_packed_call(cu, 1, reverse), to_device(inputs), "triton", reference_call=linear_solo_call(cu, 1, reverse)
+    )
 
 
 # ----------------------------------------------------------------------------- torch.compile

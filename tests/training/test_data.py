@@ -108,5 +108,8 @@ def test_text_defaults_to_the_standard_library():
     dm = TaskDataModule(DataSection(task="text", seq_len=32, val_samples=4, batch_size=2))
     assert dm.vocab_size == 256 and len(dm.train_files) > 100
     assert all(p.endswith(".py") for p in dm.train_files[:10])
-    x, y = next(iter(dm.val_dataloader()))
+    x, y, resets = next(iter(dm.val_dataloader()))  # documents packed (data.pack_documents, the default)
+    assert x.shape == y.shape == resets.shape == (2, 32) and resets.dtype == torch.bool
+    unpacked = TaskDataModule(DataSection(task="text", seq_len=32, val_samples=4, batch_size=2, pack_documents=False))
+    x, y = next(iter(unpacked.val_dataloader()))
     assert x.shape == (2, 32)

@@ -135,6 +135,23 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     assert rows("cut") == rows("whole")
 
 
+def test_stateful_text_resumes_exactly(tmp_path):
+    """data.stateful: the carried state of every row is part of the checkpoint, so a run
+    resumed from step 4 continues each row's stream from where it stood and ends with the
+    parameters of the uninterrupted run (without the state it would not)."""
+    stateful = TINY + TASKS["text"] + ["data.stateful=true", "trainer.max_steps=6", "optim.warmup_steps=2"]
+    whole = train(load_config(None, stateful + [f"run_dir={tmp_path / 'whole'}"]))
+    train(load_config(None, stateful + [f"run_dir={tmp_path / 'cut'}"]), callbacks=(KeepCheckpoint(4, "step4.ckpt"), StopAt(5)))
+    step4 = tmp_path / "cut" / "checkpoints" / "step4.ckpt"
+    carried = load_checkpoint(step4)["carried_state"]
+    assert list(carried) == [0] and carried[0][0][1].shape[0] == 4  # one slot; (rows, H, P, N) per layer
+    resumed = train(load_config(None, stateful + [f"resume={step4}"]))
+    a = MambaLM.from_pretrained(whole.run_dir / "model").state_dict()
+    b = MambaLM.from_pretrained(resumed.run_dir / "model").state_dict()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 class Scramble(pl.Callback):
     """Ruins the model when training (re)starts, so that every later validation is worse."""
 
@@ -233,6 +250,15 @@ def test_evaluate_and_generate_scripts(tmp_path, capsys):
     assert script("evaluate")([str(tmp_path / "induction_heads"), "--lengths", "16,32"]) == 0
     rows = json.loads((tmp_path / "induction_heads" / "extrapolation.json").read_text())
     assert [r["length"] for r in rows] == [16, 32] and (tmp_path / "induction_heads" / "extrapolation.png").is_file()
+    # carried state: with one segment per stream nothing is carried, so both read the same
+    for segments in (1, 3):
+        assert script("evaluate")([str(tmp_path / "text"), "--carried-state", "--segments", str(segments)]) == 0
+        m = json.loads((tmp_path / "text" / "carried_state.json").read_text())
+        assert m["bytes"] == 4 * segments * 16 and (m["bpb_carried"] == m["bpb_fresh"]) == (segments == 1)
+    assert "state carried across segments" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        script("evaluate")([str(tmp_path / "induction_heads"), "--carried-state"])
+    assert stop.value.code == 2 and "--carried-state needs a text run" in capsys.readouterr().err
     capsys.readouterr()
     assert script("generate")([str(tmp_path / "text"), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("def ")

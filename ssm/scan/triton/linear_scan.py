@@ -8,8 +8,13 @@ in the other direction on the gates shifted by one step (λ_t = g_t + a_{next}·
 the backward launches the same kernel with BACKWARD set, which also writes the gates' gradient.
 A program scans BLOCK_T steps of BLOCK_F lanes at a time and carries the state across blocks.
 
+Packed sequences (cu_seqlens, E = 1): the launcher gives the kernel the sequence of each step
+(``seq_ptr``, (L,) int32). At each sequence's first step in scan order the gate becomes 0 and
+the input gains gate·h0[s] (its initial state, (S, F)), wherever the step falls in a block;
+the backward cuts the adjoint at the same steps and reads h0[s] as the state before them.
+
 Shape symbols: the inputs are viewed as (E, L, F): E the flattened dimensions before the
-scanned one, L its length, F those after it.
+scanned one, L its length, F those after it; S packed sequences.
 """
 
 from __future__ import annotations
@@ -52,14 +57,16 @@ def config(length: int, F: int) -> Config:
     "COMPUTE": lambda a: tl_dtype(compute_dtype(a["gates_ptr"], a["inputs_ptr"], a["initial_state_ptr"])),
     "HAS_INITIAL_STATE": lambda a: a["initial_state_ptr"] is not None,
     "BACKWARD": lambda a: a["dgates_ptr"] is not None,
+    "PACKED": lambda a: a["seq_ptr"] is not None,
 })
 @triton.jit
 def _linear_scan_kernel(
     gates_ptr, inputs_ptr, initial_state_ptr, out_ptr,
     states_ptr, dgates_ptr,  # backward only: the forward's states (read) and the gates' gradient
+    seq_ptr,  # packed: (L,) int32, the sequence of each step; else None
     L, F, n_f_blocks,
     REVERSE: tl.constexpr,
-    COMPUTE: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, BACKWARD: tl.constexpr,
+    COMPUTE: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, BACKWARD: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     """States of h_t = a_t·h_prev + x_t along L of contiguous (E, L, F) tensors, h_prev being
@@ -75,6 +82,9 @@ def _linear_scan_kernel(
     (x = upstream gradient, a = the forward's gates, read one step back in this scan's order),
     and dgates_t = λ_t·h_{t∓1} (the forward's state before step t, or the initial state / 0 at
     its first step).
+
+    PACKED (E = 1): the initial state is (S, F), one per sequence, entering at each sequence's
+    first step in the forward's scan order, where the forward's gate is cut to 0.
     """
     pid = tl.program_id(0)
     e = (pid // n_f_blocks).to(tl.int64)  # offsets past 2**31 elements
@@ -82,7 +92,7 @@ def _linear_scan_kernel(
     f_mask = f < F
     s_local = tl.arange(0, BLOCK_T)
     base = e * L * F
-    if HAS_INITIAL_STATE and not BACKWARD:
+    if HAS_INITIAL_STATE and not BACKWARD and not PACKED:
         carry = tl.load(initial_state_ptr + e * F + f, mask=f_mask, other=0.0).to(COMPUTE)
     else:
         carry = tl.zeros([BLOCK_F], dtype=COMPUTE)
@@ -96,17 +106,30 @@ def _linear_scan_kernel(
         mask = (s < L)[:, None] & f_mask[None, :]
         offsets = base + t[:, None] * F + f[None, :]  # (BLOCK_T, BLOCK_F)
         x = tl.load(inputs_ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
-        if BACKWARD:
-            # the gate of step s is a at scan step s-1; there is none before the first step
-            if REVERSE:
-                t_gate = t + 1
-            else:
-                t_gate = t - 1
-            gate_mask = mask & (s >= 1)[:, None]
-            a = tl.load(gates_ptr + base + t_gate[:, None] * F + f[None, :], mask=gate_mask, other=0.0)
+        # the step before each one in this scan's order (there is none before the first)
+        if REVERSE:
+            t_before = t + 1
         else:
-            a = tl.load(gates_ptr + offsets, mask=mask, other=1.0)
-        a_prod, x_sum = tl.associative_scan((a.to(COMPUTE), x), 0, first_order_combine)
+            t_before = t - 1
+        if PACKED:
+            seq = tl.load(seq_ptr + t, mask=s < L, other=-1)
+            seq_before = tl.load(seq_ptr + t_before, mask=(s < L) & (s >= 1), other=-1)
+            cut = (s < L) & (seq != seq_before)  # a sequence boundary between the two
+        if BACKWARD:
+            # the gate of step s is a at scan step s-1, the forward's next step; there is none
+            # before the first step, nor across a sequence boundary (where the forward cut it)
+            gate_mask = mask & (s >= 1)[:, None]
+            if PACKED:
+                gate_mask = gate_mask & ~cut[:, None]
+            a = tl.load(gates_ptr + base + t_before[:, None] * F + f[None, :], mask=gate_mask, other=0.0).to(COMPUTE)
+        else:
+            a = tl.load(gates_ptr + offsets, mask=mask, other=1.0).to(COMPUTE)
+            if PACKED:  # a sequence's first step: the state restarts from its initial state or 0
+                if HAS_INITIAL_STATE:
+                    h0 = tl.load(initial_state_ptr + seq[:, None] * F + f[None, :], mask=mask & cut[:, None], other=0.0)
+                    x += tl.where(cut[:, None], a * h0.to(COMPUTE), 0.0)
+                a = tl.where(cut[:, None], 0.0, a)
+        a_prod, x_sum = tl.associative_scan((a, x), 0, first_order_combine)
         h = x_sum + a_prod * carry[None, :]
         tl.store(out_ptr + offsets, h, mask=mask)
         carry = tl.sum(tl.where((s_local == BLOCK_T - 1)[:, None], h, 0.0), axis=0)
@@ -118,43 +141,61 @@ def _linear_scan_kernel(
             else:
                 t_prev = t + 1
             prev_mask = mask & (t_prev >= 0)[:, None] & (t_prev < L)[:, None]
+            if PACKED:  # the forward's first step of a sequence: its previous state is h0[s] or 0
+                seq_prev = tl.load(seq_ptr + t_prev, mask=(s < L) & (t_prev >= 0) & (t_prev < L), other=-1)
+                is_first = mask & (seq_prev != seq)[:, None]
+                prev_mask = prev_mask & ~is_first
             h_prev = tl.load(states_ptr + base + t_prev[:, None] * F + f[None, :], mask=prev_mask, other=0.0)
             h_prev = h_prev.to(COMPUTE)
             if HAS_INITIAL_STATE:
-                is_first = mask & ((t_prev < 0) | (t_prev >= L))[:, None]
-                h0 = tl.load(initial_state_ptr + e * F + f, mask=f_mask, other=0.0).to(COMPUTE)
-                h_prev = tl.where(is_first, h0[None, :], h_prev)
+                if PACKED:
+                    h0 = tl.load(initial_state_ptr + seq[:, None] * F + f[None, :], mask=is_first, other=0.0)
+                    h_prev = tl.where(is_first, h0.to(COMPUTE), h_prev)
+                else:
+                    is_first = mask & ((t_prev < 0) | (t_prev >= L))[:, None]
+                    h0 = tl.load(initial_state_ptr + e * F + f, mask=f_mask, other=0.0).to(COMPUTE)
+                    h_prev = tl.where(is_first, h0[None, :], h_prev)
             tl.store(dgates_ptr + offsets, h * h_prev, mask=mask)
 
 
 # ----------------------------------------------------------------------------- launchers
 
 
-def _launch(gates, inputs, initial_state, out, states, dgates, reverse: bool):
+def _sequence_of_steps(cu_seqlens: Tensor | None, length: int) -> Tensor | None:
+    """(L,) int32: the packed sequence each step belongs to (None when not packed)."""
+    if cu_seqlens is None:
+        return None
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    steps = torch.arange(lengths.numel(), device=cu_seqlens.device, dtype=torch.int32)
+    return torch.repeat_interleave(steps, lengths, output_size=length)
+
+
+def _launch(gates, inputs, initial_state, out, states, dgates, reverse: bool, cu_seqlens=None):
     E, L, F = out.shape
     cfg = config(L, F)
     n_f_blocks = -(-F // cfg.block_f)
     check_launchable(out)
     _linear_scan_kernel[(E * n_f_blocks,)](
         gates_ptr=gates, inputs_ptr=inputs, initial_state_ptr=initial_state, out_ptr=out,
-        states_ptr=states, dgates_ptr=dgates,
+        states_ptr=states, dgates_ptr=dgates, seq_ptr=_sequence_of_steps(cu_seqlens, L),
         L=L, F=F, n_f_blocks=n_f_blocks, REVERSE=bool(reverse),
         BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f, num_warps=cfg.num_warps,
     )
 
 
-def _linear_scan_fwd(gates, inputs, initial_state, reverse: bool):
+def _linear_scan_fwd(gates, inputs, initial_state, reverse: bool, cu_seqlens=None):
     """States (E, L, F) in the inputs' promoted dtype, computed in the state dtype (float32, or
-    float64 for float64 inputs); initial_state: (E, F) or None."""
+    float64 for float64 inputs); initial_state: (E, F) or None; packed (``cu_seqlens`` (S + 1,),
+    E = 1): (S, F) or None."""
     gates, inputs = gates.contiguous(), inputs.contiguous()
     initial_state = None if initial_state is None else initial_state.contiguous()
     out = torch.empty(inputs.shape, device=inputs.device, dtype=torch.promote_types(gates.dtype, inputs.dtype))
     if out.numel():
-        _launch(gates, inputs, initial_state, out, None, None, reverse)
+        _launch(gates, inputs, initial_state, out, None, None, reverse, cu_seqlens)
     return out
 
 
-def _linear_scan_bwd(grad, gates, states, initial_state, reverse: bool):
+def _linear_scan_bwd(grad, gates, states, initial_state, reverse: bool, cu_seqlens=None):
     """(dgates, dinputs, dinitial_state) of :func:`_linear_scan_fwd` given its states."""
     E, L, F = states.shape
     grad, gates, states = grad.contiguous(), gates.contiguous(), states.contiguous()
@@ -163,9 +204,18 @@ def _linear_scan_bwd(grad, gates, states, initial_state, reverse: bool):
     lam = torch.empty(E, L, F, device=states.device, dtype=dtype)
     dgates = torch.empty(E, L, F, device=states.device, dtype=dtype)
     if lam.numel():
-        _launch(gates, grad, initial_state, lam, states, dgates, not reverse)
-    first = L - 1 if reverse else 0
-    dinitial_state = None if initial_state is None else gates[:, first].to(dtype) * lam[:, first]
+        _launch(gates, grad, initial_state, lam, states, dgates, not reverse, cu_seqlens)
+    if initial_state is None:
+        return dgates, lam, None
+    if cu_seqlens is None:
+        first = L - 1 if reverse else 0
+        return dgates, lam, gates[:, first].to(dtype) * lam[:, first]
+    # dLoss/dh0[s] = a·λ at sequence s's first step in scan order (0 for an empty sequence)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    nonempty = (lengths > 0).nonzero()[:, 0]
+    first = (cu_seqlens[1:] - 1 if reverse else cu_seqlens[:-1])[nonempty]
+    dinitial_state = torch.zeros(initial_state.shape, device=states.device, dtype=dtype)
+    dinitial_state[nonempty] = gates[0, first].to(dtype) * lam[0, first]
     return dgates, lam, dinitial_state
 
 
@@ -175,48 +225,52 @@ _NONE = (0,)  # shape of the placeholder a custom op returns for an absent optio
 
 
 @torch.library.custom_op("ssm::linear_scan_fwd", mutates_args=())
-def linear_scan_fwd(gates: Tensor, inputs: Tensor, initial_state: Optional[Tensor], reverse: bool) -> Tensor:
-    return _linear_scan_fwd(gates, inputs, initial_state, reverse)
+def linear_scan_fwd(
+    gates: Tensor, inputs: Tensor, initial_state: Optional[Tensor], reverse: bool, cu_seqlens: Optional[Tensor] = None
+) -> Tensor:
+    return _linear_scan_fwd(gates, inputs, initial_state, reverse, cu_seqlens)
 
 
 @linear_scan_fwd.register_fake
-def _(gates, inputs, initial_state, reverse):
+def _(gates, inputs, initial_state, reverse, cu_seqlens=None):
     return torch.empty_like(inputs, dtype=torch.promote_types(gates.dtype, inputs.dtype))
 
 
 @torch.library.custom_op("ssm::linear_scan_bwd", mutates_args=())
 def linear_scan_bwd(
-    grad: Tensor, gates: Tensor, states: Tensor, initial_state: Optional[Tensor], reverse: bool
+    grad: Tensor, gates: Tensor, states: Tensor, initial_state: Optional[Tensor], reverse: bool,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dgates, dinputs, dinitial_state = _linear_scan_bwd(grad, gates, states, initial_state, reverse)
+    dgates, dinputs, dinitial_state = _linear_scan_bwd(grad, gates, states, initial_state, reverse, cu_seqlens)
     if dinitial_state is None:
         dinitial_state = states.new_empty(_NONE, dtype=dgates.dtype)
     return dgates, dinputs, dinitial_state
 
 
 @linear_scan_bwd.register_fake
-def _(grad, gates, states, initial_state, reverse):
+def _(grad, gates, states, initial_state, reverse, cu_seqlens=None):
     dtype = compute_dtype(gates, states, initial_state)
     dinitial_state = states.new_empty(_NONE if initial_state is None else initial_state.shape, dtype=dtype)
     return states.new_empty(states.shape, dtype=dtype), states.new_empty(states.shape, dtype=dtype), dinitial_state
 
 
 def _setup_context(ctx, inputs, output):
-    gates, inputs_, initial_state, reverse = inputs
-    ctx.save_for_backward(gates, output, initial_state)
+    gates, inputs_, initial_state, reverse, cu_seqlens = inputs
+    ctx.save_for_backward(gates, output, initial_state, cu_seqlens)
     ctx.reverse = reverse
     ctx.dtypes = (gates.dtype, inputs_.dtype, None if initial_state is None else initial_state.dtype)
 
 
 def _backward(ctx, grad):
-    gates, states, initial_state = ctx.saved_tensors
-    dgates, dinputs, dinitial_state = linear_scan_bwd(grad, gates, states, initial_state, ctx.reverse)
+    gates, states, initial_state, cu_seqlens = ctx.saved_tensors
+    dgates, dinputs, dinitial_state = linear_scan_bwd(grad, gates, states, initial_state, ctx.reverse, cu_seqlens)
     gates_dtype, inputs_dtype, initial_state_dtype = ctx.dtypes
     return (
         dgates.to(gates_dtype),
         dinputs.to(inputs_dtype),
         None if initial_state is None else dinitial_state.to(initial_state_dtype),
-        None,
+        None,  # reverse
+        None,  # cu_seqlens
     )
 
 
@@ -227,11 +281,14 @@ linear_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_scan_triton(
-    gates: Tensor, inputs: Tensor, dim: int, initial_state: Tensor | None, reverse: bool
+    gates: Tensor, inputs: Tensor, dim: int, initial_state: Tensor | None, reverse: bool,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor:
-    """Backend "triton" of :func:`ssm.scan.linear_scan` (``dim`` non-negative)."""
+    """Backend "triton" of :func:`ssm.scan.linear_scan` (``dim`` non-negative; packed
+    sequences with ``cu_seqlens``, E = 1, initial_state (S, ...))."""
     shape = inputs.shape
     E, L, F = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
-    initial_state = None if initial_state is None else initial_state.reshape(E, F)
-    states = linear_scan_fwd(gates.reshape(E, L, F), inputs.reshape(E, L, F), initial_state, reverse)
+    if initial_state is not None:
+        initial_state = initial_state.reshape(E if cu_seqlens is None else initial_state.shape[0], F)
+    states = linear_scan_fwd(gates.reshape(E, L, F), inputs.reshape(E, L, F), initial_state, reverse, cu_seqlens)
     return states.reshape(shape)

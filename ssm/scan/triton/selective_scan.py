@@ -20,7 +20,15 @@ implementation, and whose backward is another custom op: a model calling them tr
 ``fullgraph=True``. Custom ops cannot return None: the backward returns an empty tensor for an
 absent input, and the autograd formula turns it back into None.
 
-Shape symbols: B batch, L length, D channels, N state size, G groups, T chunk length (CHUNK).
+Packed sequences (cu_seqlens, batch 1): the launcher gives the kernels the sequence of each
+step (``seq_ptr``, (L,) int32). At a sequence's first step the scan's gate becomes 0 and its
+input gains exp(Δ·A)·h0[s] (the sequence's initial state, or nothing), so the state restarts
+wherever the step falls in a chunk; each sequence's last state is stored at its last step.
+The backward mirrors it: the adjoint is cut at the same steps, dLoss/d(last state of s) enters
+at s's last step, and dLoss/dh0[s] = exp(Δ·A)·λ leaves at its first.
+
+Shape symbols: B batch, L length, D channels, N state size, G groups, T chunk length (CHUNK),
+S packed sequences.
 """
 
 from __future__ import annotations
@@ -99,11 +107,12 @@ _FLAGS = {
     "HAS_D": lambda a: a["D_ptr"] is not None,
     "HAS_Z": lambda a: a["z_ptr"] is not None,
     "HAS_DELTA_BIAS": lambda a: a["delta_bias_ptr"] is not None,
+    "PACKED": lambda a: a["seq_ptr"] is not None,
+    "HAS_INITIAL_STATE": lambda a: a["initial_state_ptr"] is not None,
 }
 _FWD_FLAGS = {
     **_FLAGS,
     "COMPUTE": lambda a: tl_dtype(a["last_state_ptr"].dtype),  # float32, or float64 for float64 inputs
-    "HAS_INITIAL_STATE": lambda a: a["initial_state_ptr"] is not None,
     "SAVE_CHUNK_STATES": lambda a: a["chunk_states_ptr"].shape[2] > 0,  # off when no backward follows
 }
 _BWD_FLAGS = {
@@ -182,20 +191,49 @@ def _delta_at(delta_ptr, offsets, mask, delta_bias, COMPUTE: tl.constexpr, SOFTP
 
 
 @triton.jit
-def _chunk_states(delta, u, A, Bt, mask, h_start):
+def _chunk_states(delta, u, A, Bt, mask, h_start, starts, h0, PACKED: tl.constexpr):
     """The states of one chunk (BLOCK_D, BLOCK_N, CHUNK) from the state before it, and the
-    chunk's gates exp(Δ·A) and inputs Δ·u·B. Steps past L are the identity (gate 1, input 0)."""
+    chunk's gates exp(Δ·A) and inputs Δ·u·B. Steps past L are the identity (gate 1, input 0).
+    PACKED: at the steps where ``starts`` (CHUNK,) the scan's gate is 0 and its input gains
+    gate·h0 (h0: (BLOCK_D, BLOCK_N, CHUNK), zero elsewhere): a sequence restarts there.
+    Returns (states, the true gates and inputs, the gates the scan ran with)."""
     valid = mask[:, None, :]
     gate = tl.where(valid, tl.exp(delta[:, None, :] * A[:, :, None]), 1.0)
     drive = tl.where(valid, (delta * u)[:, None, :] * Bt, 0.0)
-    gate_prod, drive_sum = tl.associative_scan((gate, drive), 2, first_order_combine)
-    return drive_sum + gate_prod * h_start[:, :, None], gate, drive
+    if PACKED:
+        restart = starts[None, None, :]
+        scan_gate = tl.where(restart, 0.0, gate)
+        scan_drive = drive + tl.where(restart, gate * h0, 0.0)
+    else:
+        scan_gate = gate
+        scan_drive = drive
+    gate_prod, drive_sum = tl.associative_scan((scan_gate, scan_drive), 2, first_order_combine)
+    return drive_sum + gate_prod * h_start[:, :, None], gate, drive, scan_gate
+
+
+@triton.jit
+def _sequence_edges(seq_ptr, t, t_mask, L):
+    """For steps t (CHUNK,) of packed sequences: each step's sequence, and whether it is its
+    sequence's first and last step."""
+    seq = tl.load(seq_ptr + t, mask=t_mask, other=-1)
+    before = tl.load(seq_ptr + t - 1, mask=t_mask & (t > 0), other=-1)
+    after = tl.load(seq_ptr + t + 1, mask=t_mask & (t + 1 < L), other=-1)
+    return seq, t_mask & (seq != before), t_mask & (seq != after)
+
+
+@triton.jit
+def _per_sequence(ptr, seq, d, n, dn_mask, at, dim, N):
+    """Pointers (BLOCK_D, BLOCK_N, CHUNK) into a (S, D, N) per-sequence state at each step's
+    sequence, and the mask of the steps ``at`` (CHUNK,)."""
+    offsets = (seq[None, None, :] * dim + d[:, None, None]) * N + n[None, :, None]
+    return ptr + offsets, dn_mask[:, :, None] & at[None, None, :]
 
 
 @triton.heuristics(_FWD_FLAGS)
 @triton.jit
 def _selective_scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, initial_state_ptr,  # inputs
+    seq_ptr,  # packed: (L,) int32, the sequence of each step; else None
     out_ptr, last_state_ptr, chunk_states_ptr,  # outputs
     dim, L, N, n_chunks,
     stride_B0, stride_B1, stride_B2, stride_B3,  # B: (B, G, N, L), or (D, N) using the first two
@@ -204,13 +242,14 @@ def _selective_scan_fwd_kernel(
     SOFTPLUS: tl.constexpr,
     COMPUTE: tl.constexpr, B_VARYING: tl.constexpr, C_VARYING: tl.constexpr, HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
-    SAVE_CHUNK_STATES: tl.constexpr,
+    SAVE_CHUNK_STATES: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """out (B, D, L), the last state (B, D, N) and the state before each chunk (B, D, n_chunks, N).
 
     u, delta, z, out: contiguous (B, D, L); A: contiguous (D, N); D, delta_bias: (D,);
-    initial and last state: contiguous (B, D, N); B, C: any strides."""
+    initial and last state: contiguous (B, D, N), or (S, D, N) when PACKED (B = 1; the last
+    states of empty sequences are left as the launcher wrote them); B, C: any strides."""
     pid_b, d, d_mask, n, n_mask, dn_mask, A, D_skip, delta_bias, B_base, B_fixed, C_base, C_fixed = _prologue(
         A_ptr, D_ptr, delta_bias_ptr, B_ptr, C_ptr, N, SEGMENT,
         stride_B0, stride_B1, stride_C0, stride_C1, B_PER_GROUP, C_PER_GROUP,
@@ -218,9 +257,9 @@ def _selective_scan_fwd_kernel(
     )
     t_local = tl.arange(0, CHUNK)
     state_offsets = (pid_b * dim + d[:, None]) * N + n[None, :]  # into (B, D, N)
-    if HAS_INITIAL_STATE:
+    if HAS_INITIAL_STATE and not PACKED:
         h = tl.load(initial_state_ptr + state_offsets, mask=dn_mask, other=0.0).to(COMPUTE)
-    else:
+    else:  # (packed: the first step starts a sequence, which brings its own initial state)
         h = tl.zeros([BLOCK_D, BLOCK_N], dtype=COMPUTE)
     row = (pid_b * dim + d) * L  # (BLOCK_D,) start of each channel's row in (B, D, L)
     chunk_offsets = ((pid_b * dim + d[:, None]) * n_chunks) * N + n[None, :]  # (B, D, n_chunks, N)
@@ -236,9 +275,21 @@ def _selective_scan_fwd_kernel(
         delta, _ = _delta_at(delta_ptr, offsets, mask, delta_bias, COMPUTE, SOFTPLUS)
         Bt = _BC_at(B_base, B_fixed, n, n_mask, t, t_mask, stride_B2, stride_B3, B_VARYING, COMPUTE)
         Ct = _BC_at(C_base, C_fixed, n, n_mask, t, t_mask, stride_C2, stride_C3, C_VARYING, COMPUTE)
-        hs, _, _ = _chunk_states(delta, u, A, Bt, mask, h)
+        h0 = tl.zeros([BLOCK_D, BLOCK_N, CHUNK], dtype=COMPUTE)
+        if PACKED:
+            seq, starts, ends = _sequence_edges(seq_ptr, t, t_mask, L)
+            if HAS_INITIAL_STATE:
+                h0_ptrs, h0_mask = _per_sequence(initial_state_ptr, seq, d, n, dn_mask, starts, dim, N)
+                h0 = tl.load(h0_ptrs, mask=h0_mask, other=0.0).to(COMPUTE)
+        else:
+            starts = t_mask
+            ends = t_mask
+        hs, _, _, _ = _chunk_states(delta, u, A, Bt, mask, h, starts, h0, PACKED)
         y = tl.sum(hs * Ct, axis=1)  # (BLOCK_D, CHUNK)
         h = _at_time(hs, t_local, CHUNK - 1)
+        if PACKED:  # each sequence's state after its last step
+            last_ptrs, last_mask = _per_sequence(last_state_ptr, seq, d, n, dn_mask, ends, dim, N)
+            tl.store(last_ptrs, hs, mask=last_mask)
         if HAS_D:
             y += D_skip[:, None] * u
         if HAS_Z:
@@ -246,13 +297,15 @@ def _selective_scan_fwd_kernel(
             y = y * z * tl.sigmoid(z)
         tl.store(out_ptr + offsets, y, mask=mask)
 
-    tl.store(last_state_ptr + state_offsets, h, mask=dn_mask)
+    if not PACKED:
+        tl.store(last_state_ptr + state_offsets, h, mask=dn_mask)
 
 
 @triton.heuristics(_BWD_FLAGS)
 @triton.jit
 def _selective_scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, chunk_states_ptr,  # forward
+    initial_state_ptr, seq_ptr,  # packed only (else None): (S, D, N) and (L,) int32
     dout_ptr, dlast_ptr,  # upstream gradients
     du_ptr, ddelta_ptr, dz_ptr, dinitial_state_ptr,  # gradients written in full
     dA_part_ptr, dD_part_ptr, ddelta_bias_part_ptr,  # per batch row: (B, D, N), (B, D), (B, D)
@@ -264,6 +317,7 @@ def _selective_scan_bwd_kernel(
     SOFTPLUS: tl.constexpr,
     COMPUTE: tl.constexpr, B_VARYING: tl.constexpr, C_VARYING: tl.constexpr, HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr, HAS_DLAST: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, PACKED: tl.constexpr,
     LOG2_CHUNK: tl.constexpr, INT: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
@@ -271,7 +325,9 @@ def _selective_scan_bwd_kernel(
     run the adjoint recurrence λ_t = g_t + a_{t+1}·λ_{t+1} (g_t = dLoss/dy_t·C_t) backwards
     through it, carrying dLoss/dh into the chunk before. Reductions over channels (dB, dC when
     time-varying) and over batch rows and time (dA, dD, d delta_bias, fixed dB, dC) are written
-    as partial sums, one per program, and summed in a fixed order by the launcher."""
+    as partial sums, one per program, and summed in a fixed order by the launcher.
+    PACKED: dlast and dinitial_state are (S, D, N), read at each sequence's last step and
+    written at its first (those of empty sequences are left as the launcher wrote them)."""
     pid_b, d, d_mask, n, n_mask, dn_mask, A, D_skip, delta_bias, B_base, B_fixed, C_base, C_fixed = _prologue(
         A_ptr, D_ptr, delta_bias_ptr, B_ptr, C_ptr, N, SEGMENT,
         stride_B0, stride_B1, stride_C0, stride_C1, B_PER_GROUP, C_PER_GROUP,
@@ -279,7 +335,7 @@ def _selective_scan_bwd_kernel(
     )
     t_local = tl.arange(0, CHUNK)
     state_offsets = (pid_b * dim + d[:, None]) * N + n[None, :]
-    if HAS_DLAST:  # dLoss/dh of the step after the chunk, as seen from the chunk's last state
+    if HAS_DLAST and not PACKED:  # dLoss/dh of the step after the chunk, seen from the last state
         carry = tl.load(dlast_ptr + state_offsets, mask=dn_mask, other=0.0).to(COMPUTE)
     else:
         carry = tl.zeros([BLOCK_D, BLOCK_N], dtype=COMPUTE)
@@ -306,7 +362,15 @@ def _selective_scan_bwd_kernel(
         delta, raw = _delta_at(delta_ptr, offsets, mask, delta_bias, COMPUTE, SOFTPLUS)
         Bt = _BC_at(B_base, B_fixed, n, n_mask, t, t_mask, stride_B2, stride_B3, B_VARYING, COMPUTE)
         Ct = _BC_at(C_base, C_fixed, n, n_mask, t, t_mask, stride_C2, stride_C3, C_VARYING, COMPUTE)
-        hs, gate, drive = _chunk_states(delta, u, A, Bt, mask, h_start)
+        h0 = tl.zeros([BLOCK_D, BLOCK_N, CHUNK], dtype=COMPUTE)
+        if PACKED:
+            seq, starts, _ = _sequence_edges(seq_ptr, t, t_mask, L)
+            if HAS_INITIAL_STATE:
+                h0_ptrs, h0_mask = _per_sequence(initial_state_ptr, seq, d, n, dn_mask, starts, dim, N)
+                h0 = tl.load(h0_ptrs, mask=h0_mask, other=0.0).to(COMPUTE)
+        else:
+            starts = t_mask
+        hs, gate, drive, scan_gate = _chunk_states(delta, u, A, Bt, mask, h_start, starts, h0, PACKED)
 
         # Through the output: out = (y + D·u)·silu(z).
         dout = tl.load(dout_ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
@@ -348,9 +412,21 @@ def _selective_scan_bwd_kernel(
         next_mask = d_mask[:, None] & (t_rev + 1 < L)[None, :] & (t_local > 0)[None, :]
         delta_next, _ = _delta_at(delta_ptr, rev_offsets + 1, next_mask, delta_bias, COMPUTE, SOFTPLUS)
         gate_next = tl.where(next_mask[:, None, :], tl.exp(delta_next[:, None, :] * A[:, :, None]), 1.0)
-        lam_prod, lam_sum = tl.associative_scan((gate_next, dy_rev[:, None, :] * C_rev), 2, first_order_combine)
+        g_rev = dy_rev[:, None, :] * C_rev
+        if PACKED:
+            # A sequence's last step: nothing flows back from the next step (it starts another
+            # sequence: its carry is 0 too), and dLoss/d(its last state) enters here.
+            seq_rev, _, ends_rev = _sequence_edges(seq_ptr, t_rev, t_rev_mask, L)
+            gate_next = tl.where(ends_rev[None, None, :], 0.0, gate_next)
+            if HAS_DLAST:
+                dlast_ptrs, dlast_mask = _per_sequence(dlast_ptr, seq_rev, d, n, dn_mask, ends_rev, dim, N)
+                g_rev += tl.load(dlast_ptrs, mask=dlast_mask, other=0.0).to(COMPUTE)
+        lam_prod, lam_sum = tl.associative_scan((gate_next, g_rev), 2, first_order_combine)
         lam = _flip_time(lam_sum + lam_prod * carry[:, :, None], BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)
-        carry = _at_time(gate * lam, t_local, 0)  # dLoss/dh before the chunk
+        carry = _at_time(scan_gate * lam, t_local, 0)  # dLoss/dh before the chunk
+        if PACKED:  # dLoss/dh0[s] at each sequence's first step
+            dh0_ptrs, dh0_mask = _per_sequence(dinitial_state_ptr, seq, d, n, dn_mask, starts, dim, N)
+            tl.store(dh0_ptrs, gate * lam, mask=dh0_mask)
 
         # h_t = a_t·h_{t-1} + Δ_t·u_t·B_t with a_t = exp(Δ_t·A): a_t·h_{t-1} = h_t - drive_t
         # (no shift of h needed); dLoss/d(Δ_t·A) = λ_t·a_t·h_{t-1}.
@@ -372,7 +448,8 @@ def _selective_scan_bwd_kernel(
         tl.store(du_ptr + offsets, du, mask=mask)
         tl.store(ddelta_ptr + offsets, ddelta, mask=mask)
 
-    tl.store(dinitial_state_ptr + state_offsets, carry, mask=dn_mask)
+    if not PACKED:
+        tl.store(dinitial_state_ptr + state_offsets, carry, mask=dn_mask)
     tl.store(dA_part_ptr + state_offsets, dA_acc, mask=dn_mask)
     if not B_VARYING:
         tl.store(dB_part_ptr + state_offsets, dB_acc, mask=dn_mask)
@@ -399,13 +476,32 @@ def _BC_args(name: str, M: Tensor, dim: int) -> dict:
     return args
 
 
+def _sequence_of_steps(cu_seqlens: Tensor | None, length: int) -> Tensor | None:
+    """(L,) int32: the packed sequence each step belongs to (None when not packed)."""
+    if cu_seqlens is None:
+        return None
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    steps = torch.arange(lengths.numel(), device=cu_seqlens.device, dtype=torch.int32)
+    return torch.repeat_interleave(steps, lengths, output_size=length)
+
+
+def _per_sequence_or_zeros(state: Tensor | None, num_seqs: int, dim: int, N: int, like: Tensor, dtype) -> Tensor:
+    """A (S, D, N) state to be overwritten for every non-empty sequence: for the empty ones it
+    is ``state`` (their initial state, or dLoss/d(last state)) or 0."""
+    if state is None:
+        return like.new_zeros(num_seqs, dim, N, dtype=dtype)
+    return state.to(dtype, copy=True).contiguous()
+
+
 def _selective_scan_fwd(
-    u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, initial_state, save_chunk_states: bool
+    u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, initial_state, save_chunk_states: bool,
+    cu_seqlens=None,
 ):
     """u, delta, z: (B, D, L); A: (D, N); B, C: (D, N) or (B, G, N, L); D, delta_bias: (D,);
     initial_state: (B, D, N). Returns out (B, D, L) in u's dtype, the last state (B, D, N) and
     the state before each chunk (B, D, n_chunks, N), both in the state dtype; with
-    ``save_chunk_states=False`` (no backward to come) the last is (B, D, 0, N), never written."""
+    ``save_chunk_states=False`` (no backward to come) the last is (B, D, 0, N), never written.
+    Packed (``cu_seqlens`` (S + 1,) int64, B = 1): initial and last states are (S, D, N)."""
     batch, dim, length = u.shape
     N = A.shape[1]
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
@@ -413,15 +509,19 @@ def _selective_scan_fwd(
     n_chunks = cfg.n_chunks(length)
     u, delta, A, z, D, delta_bias, initial_state = _contiguous(u, delta, A, z, D, delta_bias, initial_state)
     out = torch.empty_like(u)
-    last_state = u.new_empty(batch, dim, N, dtype=dtype)
     chunk_states = u.new_empty(batch, dim, n_chunks if save_chunk_states else 0, N, dtype=dtype)
+    if cu_seqlens is None:
+        last_state = u.new_empty(batch, dim, N, dtype=dtype)
+    else:
+        last_state = _per_sequence_or_zeros(initial_state, cu_seqlens.numel() - 1, dim, N, u, dtype)
     if out.numel() == 0:
-        last_state.zero_() if initial_state is None else last_state.copy_(initial_state)
+        if cu_seqlens is None:
+            last_state.zero_() if initial_state is None else last_state.copy_(initial_state)
         return out, last_state, chunk_states.zero_()
     check_launchable(u)
     _selective_scan_fwd_kernel[cfg.grid(batch, dim)](
         u_ptr=u, delta_ptr=delta, A_ptr=A, B_ptr=B, C_ptr=C, D_ptr=D, z_ptr=z,
-        delta_bias_ptr=delta_bias, initial_state_ptr=initial_state,
+        delta_bias_ptr=delta_bias, initial_state_ptr=initial_state, seq_ptr=_sequence_of_steps(cu_seqlens, length),
         out_ptr=out, last_state_ptr=last_state, chunk_states_ptr=chunk_states,
         dim=dim, L=length, N=N, n_chunks=n_chunks, **_BC_args("B", B, dim), **_BC_args("C", C, dim),
         SEGMENT=cfg.segment, SOFTPLUS=bool(delta_softplus),
@@ -430,22 +530,30 @@ def _selective_scan_fwd(
     return out, last_state, chunk_states
 
 
-def _selective_scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, chunk_states):
+def _selective_scan_bwd(
+    dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, chunk_states,
+    initial_state=None, cu_seqlens=None,
+):
     """Gradients of :func:`_selective_scan_fwd`'s out and last state, given its saved chunk
     states: (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state), each in its input's
-    dtype (None for an absent input; dinitial_state in the state dtype)."""
+    dtype (None for an absent input; dinitial_state in the state dtype). Packed: the forward's
+    ``initial_state`` (S, D, N) (or None) and ``cu_seqlens``; dlast and dinitial_state are
+    (S, D, N)."""
     batch, dim, length = u.shape
     N = A.shape[1]
     dtype = chunk_states.dtype
     cfg = config(u, B, C)
     n_segments, n_blocks = cfg.grid(batch, dim)[1:]
-    u, delta, A, z, D, delta_bias, dout, dlast, chunk_states = _contiguous(
-        u, delta, A, z, D, delta_bias, dout, dlast, chunk_states
+    u, delta, A, z, D, delta_bias, dout, dlast, chunk_states, initial_state = _contiguous(
+        u, delta, A, z, D, delta_bias, dout, dlast, chunk_states, initial_state
     )
     new = dict(device=u.device, dtype=dtype)
     du, ddelta = torch.empty_like(u), torch.empty_like(delta)
     dz = None if z is None else torch.empty_like(z)
-    dinitial_state = torch.empty(batch, dim, N, **new)
+    if cu_seqlens is None:
+        dinitial_state = torch.empty(batch, dim, N, **new)
+    else:  # an empty sequence's last state is its initial state: the gradient passes through
+        dinitial_state = _per_sequence_or_zeros(dlast, cu_seqlens.numel() - 1, dim, N, u, dtype)
     dA_part = torch.empty(batch, dim, N, **new)
     dD_part = None if D is None else torch.empty(batch, dim, **new)
     ddelta_bias_part = None if delta_bias is None else torch.empty(batch, dim, **new)
@@ -458,7 +566,9 @@ def _selective_scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_
         check_launchable(u)
         _selective_scan_bwd_kernel[cfg.grid(batch, dim)](
             u_ptr=u, delta_ptr=delta, A_ptr=A, B_ptr=B, C_ptr=C, D_ptr=D, z_ptr=z,
-            delta_bias_ptr=delta_bias, chunk_states_ptr=chunk_states, dout_ptr=dout, dlast_ptr=dlast,
+            delta_bias_ptr=delta_bias, chunk_states_ptr=chunk_states,
+            initial_state_ptr=initial_state if cu_seqlens is not None else None,
+            seq_ptr=_sequence_of_steps(cu_seqlens, length), dout_ptr=dout, dlast_ptr=dlast,
             du_ptr=du, ddelta_ptr=ddelta, dz_ptr=dz, dinitial_state_ptr=dinitial_state,
             dA_part_ptr=dA_part, dD_part_ptr=dD_part, ddelta_bias_part_ptr=ddelta_bias_part,
             dB_part_ptr=dB_part, dC_part_ptr=dC_part,
@@ -468,11 +578,11 @@ def _selective_scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_
             BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, num_warps=cfg.num_warps_bwd,
         )
     else:
-        for t in (dinitial_state, dA_part, dD_part, ddelta_bias_part, dB_part, dC_part):
+        for t in (dA_part, dD_part, ddelta_bias_part, dB_part, dC_part):
             if t is not None:
                 t.zero_()
-        if dlast is not None:
-            dinitial_state.copy_(dlast)
+        if cu_seqlens is None:
+            dinitial_state.zero_() if dlast is None else dinitial_state.copy_(dlast)
 
     def reduce_BC(M, partial):
         if M.ndim == 2:  # (B, D, N) -> (D, N)
@@ -511,18 +621,22 @@ def selective_scan_fwd(
     delta_softplus: bool,
     initial_state: Optional[Tensor],
     save_chunk_states: bool = True,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """out, last state, chunk-start states (what the backward needs)."""
-    return _selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_chunk_states)
+    return _selective_scan_fwd(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_chunk_states, cu_seqlens
+    )
 
 
 @selective_scan_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_chunk_states=True):
+def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_chunk_states=True, cu_seqlens=None):
     batch, dim, length = u.shape
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     n_chunks = config(u, B, C).n_chunks(length) if save_chunk_states else 0
     N = A.shape[1]
-    return torch.empty_like(u), u.new_empty(batch, dim, N, dtype=dtype), u.new_empty(batch, dim, n_chunks, N, dtype=dtype)
+    states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return torch.empty_like(u), u.new_empty(states, dim, N, dtype=dtype), u.new_empty(batch, dim, n_chunks, N, dtype=dtype)
 
 
 @torch.library.custom_op("ssm::selective_scan_bwd", mutates_args=())
@@ -539,35 +653,43 @@ def selective_scan_bwd(
     delta_bias: Optional[Tensor],
     delta_softplus: bool,
     chunk_states: Tensor,
+    initial_state: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state (empty for absent inputs)."""
-    grads = _selective_scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states)
+    """du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state (empty for absent inputs).
+    ``initial_state`` is read only when packed (``cu_seqlens``)."""
+    grads = _selective_scan_bwd(
+        dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, initial_state, cu_seqlens
+    )
     return tuple(u.new_empty(_NONE) if g is None else g for g in grads)
 
 
 @selective_scan_bwd.register_fake
-def _(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states):
+def _(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, initial_state=None,
+      cu_seqlens=None):
     def like(x):
         return u.new_empty(_NONE) if x is None else torch.empty_like(x)
 
-    dinitial_state = chunk_states.new_empty(u.shape[0], u.shape[1], A.shape[1])
+    states = u.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dinitial_state = chunk_states.new_empty(states, u.shape[1], A.shape[1])
     return like(u), like(delta), like(A), like(B), like(C), like(D), like(z), like(delta_bias), dinitial_state
 
 
 def _setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, _save = inputs
+    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, _save, cu_seqlens = inputs
     ctx.mark_non_differentiable(output[2])
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, output[2])
+    packed_initial_state = initial_state if cu_seqlens is not None else None  # read again only when packed
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, output[2], packed_initial_state, cu_seqlens)
     ctx.delta_softplus = delta_softplus
     ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
 
 
 def _backward(ctx, dout, dlast, _dchunk_states):
-    u, delta, A, B, C, D, z, delta_bias, chunk_states = ctx.saved_tensors
+    u, delta, A, B, C, D, z, delta_bias, chunk_states, initial_state, cu_seqlens = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(u)
     du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state = selective_scan_bwd(
-        dout, dlast, u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, chunk_states
+        dout, dlast, u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, chunk_states, initial_state, cu_seqlens
     )
     initial_state_dtype = ctx.initial_state_dtype
     return (
@@ -578,6 +700,7 @@ def _backward(ctx, dout, dlast, _dchunk_states):
         None,  # delta_softplus
         None if initial_state_dtype is None else dinitial_state.to(initial_state_dtype),
         None,  # save_chunk_states
+        None,  # cu_seqlens
     )
 
 
@@ -598,12 +721,15 @@ def selective_scan_triton(
     delta_bias: Tensor | None,
     delta_softplus: bool,
     initial_state: Tensor | None,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Backend "triton" of :func:`ssm.scan.selective_scan` (inputs already validated; B and C
     as (D, N) or (B, G, N, L)). Returns out (B, D, L) in u's dtype and the last state (B, D, N)
-    in float32 (float64 for float64 inputs)."""
+    in float32 (float64 for float64 inputs); packed (``cu_seqlens``), the states are (S, D, N)."""
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     # Chunk states are only for a backward: not written when none can follow (inference).
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    out, last_state, _ = selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save)
+    out, last_state, _ = selective_scan_fwd(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save, cu_seqlens
+    )
     return out, last_state
