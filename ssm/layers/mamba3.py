@@ -81,15 +81,20 @@ class Mamba3(nn.Module):
             raise ValueError(f"rope_fraction must be 0.5 or 1.0 (as in mamba-ssm), got {rope_fraction!r}")
         self.rope_fraction, self.A_floor, self.is_outproj_norm, self.is_mimo = rope_fraction, A_floor, is_outproj_norm, is_mimo
         self.mimo_rank = mimo_rank if is_mimo else 1
-        if self.mimo_rank < 1:
+        if is_mimo and (isinstance(mimo_rank, bool) or not isinstance(mimo_rank, int) or mimo_rank < 1):
             raise ValueError(f"mimo_rank must be a positive int, got {mimo_rank!r}")
+        # mamba-ssm's attribute names, for code that reads them
+        self.num_bc_heads = ngroups
+        self.rotary_dim_divisor = int(2 / rope_fraction)
         rotated = int(d_state * rope_fraction)
-        self.num_rope_angles = (rotated - rotated % 2) // 2  # M pairs
+        self.split_tensor_size = rotated - rotated % 2  # rotated state entries, 2·M
+        self.num_rope_angles = self.split_tensor_size // 2  # M pairs
         if self.num_rope_angles < 1:
             raise ValueError(f"d_state·rope_fraction = {d_state * rope_fraction} leaves no state pair to rotate")
         if is_mimo and d_state % 2:
             raise ValueError(f"MIMO pairs state entry m with m + d_state/2, so d_state must be even, got {d_state}")
-        self.fuse_pregate_headwise_norm = fuse_pregate_headwise_norm
+        # as mamba-ssm: true only where its fused kernel applies (MIMO with the output norm)
+        self.fuse_pregate_headwise_norm = bool(fuse_pregate_headwise_norm and is_mimo and is_outproj_norm)
         self.chunk_size, self.layer_idx, self.backend = chunk_size, layer_idx, backend
         self.rotary = "halved" if is_mimo else "interleaved"
 
@@ -157,7 +162,7 @@ class Mamba3(nn.Module):
 
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> Mamba3Cache:
         device = device or self.in_proj.weight.device
-        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        state_dtype = torch.float64 if (dtype or self.in_proj.weight.dtype) == torch.float64 else torch.float32
         H, P, N, M = self.nheads, self.headdim, self.d_state, self.num_rope_angles
         key = (batch, self.mimo_rank, H, N) if self.is_mimo else (batch, H, N)
         zeros = [torch.zeros(shape, device=device, dtype=state_dtype) for shape in ((batch, H, M), (batch, H, P, N), key, (batch, H, P))]

@@ -243,7 +243,12 @@ def test_parameters_match_mamba_ssm():
         "mimo_o": (24, 4, 64), "D": (24,), "norm.weight": (1536,), "out_proj.weight": (768, 1536),
     }
     # an odd rotated size drops to the even size below it: N 10, fraction 0.5 → 5 → 4 entries, 2 angles
-    assert Mamba3(32, d_state=10, headdim=16, device="meta").in_proj.weight.shape[0] == 2 * 64 + 2 * 10 + 3 * 4 + 2
+    odd = Mamba3(32, d_state=10, headdim=16, ngroups=2, device="meta")
+    assert odd.in_proj.weight.shape[0] == 2 * 64 + 2 * 10 * 2 + 3 * 4 + 2
+    # mamba-ssm's attributes: its kernels' fused norm only for MIMO with the output norm
+    assert (odd.num_bc_heads, odd.split_tensor_size, odd.num_rope_angles, odd.rotary_dim_divisor) == (2, 4, 2, 4)
+    assert not odd.fuse_pregate_headwise_norm and odd.mimo_rank == 1
+    assert Mamba3(768, is_mimo=True, is_outproj_norm=True, device="meta").fuse_pregate_headwise_norm
 
 
 def test_initialisation():
@@ -279,5 +284,7 @@ def test_bad_inputs():
         Mamba3(D_MODEL, headdim=5)
     with pytest.raises(ValueError, match="ngroups = 3 must divide the number of heads 8"):
         Mamba3(D_MODEL, headdim=4, ngroups=3)
+    with pytest.raises(ValueError, match="mimo_rank must be a positive int, got 2.0"):
+        Mamba3(D_MODEL, headdim=4, is_mimo=True, mimo_rank=2.0)
     with pytest.raises(ValueError, match="leaves no state pair to rotate"):
         Mamba3(D_MODEL, d_state=2, headdim=4)
