@@ -67,6 +67,15 @@ the same loss on the first batch. Second, the scan alone on one batch's document
 model's layer shape (D = 2·d_model, N = 16): one packed ``selective_scan`` call against a
 Python loop calling it once per document, forward + backward, for each backend in
 ``--backends`` (default: all but ref).
+
+``--op layer`` times whole mixer layers instead: Mamba (Mamba-1), Mamba2 and Mamba3 (SISO, and
+MIMO of rank ``--mimo-rank``) at one shape, input (``--batch``, ``--length``, ``--d-model``),
+expand 2, N = ``--state``, head dim ``--headdim`` (Mamba-3 and Mamba-2 alike, and one group of
+B and C), each on its default backend for the device. Forward and forward + backward (gradients
+of the input and every parameter for a fixed upstream gradient), the median of ``--repeats``
+after ``--warmup``, the layers taking turns in each round so that a change of machine load falls
+on all of them alike; each row's time is also given as a ratio to Mamba-2's, measured in the
+same run.
 """
 
 from __future__ import annotations
@@ -379,7 +388,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--op", choices=[*OPS, "generate", "packed", "train-step"], default="selective")
+    parser.add_argument("--op", choices=[*OPS, "generate", "packed", "layer", "train-step"], default="selective")
     parser.add_argument("--batch", type=int, default=None, help="default 1 (8 for train-step)")
     parser.add_argument("--dim", type=int, default=1536)
     parser.add_argument("--state", type=int, default=16, help="N, the state size per channel")
@@ -421,6 +430,9 @@ def parse_args(argv):
     train.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
                        help="also time ssm's step in a child process under MALLOC_MMAP_THRESHOLD_=BYTES")
     train.add_argument("--only-ssm", action="store_true", help=argparse.SUPPRESS)  # the child's mode
+    layer = parser.add_argument_group("--op layer (also --batch, --length, --state, --d-model, --dtype)")
+    layer.add_argument("--headdim", type=int, default=32, help="P of Mamba2 and Mamba3")
+    layer.add_argument("--mimo-rank", type=int, default=4, help="R of the Mamba3 MIMO row")
     args = parser.parse_args(argv)
     train_step = args.op == "train-step"
     if args.batch is None:
@@ -434,6 +446,15 @@ def parse_args(argv):
         unknown = set(args.peers) - {"transformers", "mambapy"}
         if unknown:
             parser.error(f"unknown peers {sorted(unknown)}: choose from transformers, mambapy")
+        return args
+    if args.op == "layer":
+        args.d_model = args.d_model or 128
+        if min(args.batch, args.length, args.state, args.d_model, args.headdim, args.mimo_rank, args.repeats) < 1:
+            parser.error("--batch, --length, --state, --d-model, --headdim, --mimo-rank and --repeats must be positive")
+        if (2 * args.d_model) % args.headdim:
+            parser.error(f"--headdim {args.headdim} must divide 2·d_model = {2 * args.d_model}")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            parser.error("--device cuda, but CUDA is not available")
         return args
     if args.d_model is None:
         args.d_model = 128 if args.op == "packed" else 256
@@ -841,6 +862,58 @@ def benchmark_train_step(args) -> int:
     return 0 if ok else 1
 
 
+def benchmark_layers(args) -> int:
+    """Forward and forward + backward of whole mixer layers, as ratios to Mamba-2's."""
+    from ssm import Mamba, Mamba2, Mamba3
+
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    d, N, P = args.d_model, args.state, args.headdim
+    kw = dict(device=device, dtype=dtype)
+    torch.manual_seed(args.seed)
+    layers = {
+        "Mamba2": Mamba2(d, d_state=N, headdim=P, **kw),
+        "Mamba3": Mamba3(d, d_state=N, headdim=P, **kw),
+        f"Mamba3 MIMO R={args.mimo_rank}": Mamba3(d, d_state=N, headdim=P, is_mimo=True, mimo_rank=args.mimo_rank, **kw),
+        "Mamba": Mamba(d, d_state=N, **kw),
+    }
+    x = torch.randn(args.batch, args.length, d, **kw)
+    grad = torch.randn(args.batch, args.length, d, **kw)
+
+    def forward(layer):
+        with torch.no_grad():
+            return layer(x)
+
+    def fwd_bwd(layer):
+        xi = x.detach().requires_grad_()
+        return torch.autograd.grad(layer(xi), [xi, *layer.parameters()], grad)
+
+    samples = {(name, way): [] for name in layers for way in ("fwd", "fwd+bwd")}
+    for i in range(args.warmup + args.repeats):
+        for name, layer in layers.items():
+            for way, fn in (("fwd", forward), ("fwd+bwd", fwd_bwd)):
+                synchronize(device)
+                start = time.perf_counter()
+                fn(layer)
+                synchronize(device)
+                if i >= args.warmup:
+                    samples[name, way].append(1e3 * (time.perf_counter() - start))
+    ms = {key: statistics.median(v) for key, v in samples.items()}
+    params = {name: sum(p.numel() for p in layer.parameters()) for name, layer in layers.items()}
+    print(f"mixer layers, input ({args.batch}, {args.length}, {d}) {args.dtype}, expand 2, N = {N}, P = {P}, "
+          f"default backends; {describe_device(device)}; median of {args.repeats} after {args.warmup} warm-up")
+    print(f"{'layer':18s} {'params':>8s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd / Mamba2':>13s} {'fwd+bwd / Mamba2':>17s}")
+    for name in layers:
+        f, fb = ms[name, "fwd"], ms[name, "fwd+bwd"]
+        print(f"{name:18s} {params[name]:8d} {f:9.2f} {fb:11.2f} {f / ms['Mamba2', 'fwd']:12.2f}x "
+              f"{fb / ms['Mamba2', 'fwd+bwd']:16.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "parameters": params,
+                       "ms": {f"{name}/{way}": v for (name, way), v in ms.items()},
+                       "device": describe_device(device)}, f, indent=2)
+    return 0
+
+
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -855,6 +928,8 @@ def main(argv: list[str] | None = None) -> int:
         return benchmark_packed(args)
     if args.op == "train-step":
         return benchmark_train_step(args)
+    if args.op == "layer":
+        return benchmark_layers(args)
     op, device, dtype = OPS[args.op], torch.device(args.device), DTYPES[args.dtype]
 
     torch.manual_seed(args.seed)

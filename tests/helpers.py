@@ -14,7 +14,7 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ssm.scan import linear_scan, selective_scan, ssd
+from ssm.scan import TrapezoidalState, linear_scan, selective_scan, ssd, trapezoidal_scan
 
 # ----------------------------------------------------------------------------- poisoning
 
@@ -310,6 +310,88 @@ def check_ssd(inputs: dict, backend: str, dtype: torch.dtype | None = None, chun
     assert out.dtype == inputs["x"].dtype
     assert last.dtype == state_dtype(inputs["x"].dtype)
     return (out, last), grads
+
+
+# ----------------------------------------------------------------------------- trapezoidal_scan
+
+
+def trapezoidal_inputs(length, *, batch=2, heads=4, head_dim=3, groups=2, N=8, M=2, ranks=None, D=True, z=True,
+                       bias=True, mimo=True, initial_state=True, packed=None, dtype=torch.float32, seed=0) -> dict:
+    """Inputs for trapezoidal_scan (Mamba-3) in the ranges its layer gives them, as leaf tensors.
+    ``ranks=None``: B, C (batch, L, G, N) without a rank axis (SISO); an int R: (batch, L, R, G, N),
+    with mimo_x, mimo_z (when z), mimo_o when ``mimo``. ``packed``: a list of sequence lengths
+    laid end to end in a batch of one (their sum is ``length``); the initial state is then per
+    sequence. Δ around 0.05..0.6, A in [-3, -0.1], λ in [0, 1], rotary rates up to ±π."""
+    g = torch.Generator().manual_seed(seed)
+    rand = _uniform(g, dtype)
+    fp32 = state_dtype(dtype)
+    if packed is not None:
+        assert sum(packed) == length, (packed, length)
+        batch = 1
+    rank_shape = () if ranks is None else (ranks,)
+    x = dict(
+        x=rand(batch, length, heads, head_dim),
+        dt=rand(batch, length, heads, lo=0.05, hi=0.6),
+        A=rand(batch, length, heads, lo=-3.0, hi=-0.1),
+        B=rand(batch, length, *rank_shape, groups, N),
+        C=rand(batch, length, *rank_shape, groups, N),
+        trap=rand(batch, length, heads, lo=0.0, hi=1.0),
+        angles=rand(batch, length, heads, M, lo=-math.pi, hi=math.pi),
+    )
+    if D:
+        x["D"] = rand(heads, dt=fp32)
+    if z:
+        x["z"] = rand(batch, length, heads, head_dim)
+    if bias:
+        x["B_bias"] = rand(heads, *rank_shape, N, lo=0.5, hi=1.5, dt=fp32)
+        x["C_bias"] = rand(heads, *rank_shape, N, lo=0.5, hi=1.5, dt=fp32)
+    if ranks is not None and mimo:
+        x["mimo_x"] = rand(heads, ranks, head_dim, dt=fp32)
+        if z:
+            x["mimo_z"] = rand(heads, ranks, head_dim, dt=fp32)
+        x["mimo_o"] = rand(heads, ranks, head_dim, dt=fp32)
+    rows = batch if packed is None else len(packed)
+    for t in x.values():
+        t.requires_grad_(True)
+    if initial_state:
+        state = TrapezoidalState(
+            rand(rows, heads, M, lo=-4.0, hi=4.0, dt=fp32), rand(rows, heads, head_dim, N, dt=fp32),
+            rand(rows, *rank_shape, heads, N, dt=fp32), rand(rows, heads, head_dim, dt=fp32),
+        )
+        for t in state:
+            t.requires_grad_(True)
+        x.update({f"initial_{name}": t for name, t in zip(TrapezoidalState._fields, state)})
+    if packed is not None:
+        x["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(packed)])
+    return x
+
+
+def trapezoidal_call(rotary="interleaved", chunk_size=8):
+    """(out, *last state) of trapezoidal_scan on inputs from :func:`trapezoidal_inputs`."""
+
+    def call(inputs, backend):
+        kw = {k: v for k, v in inputs.items() if not k.startswith("initial_")}
+        parts = [inputs.get(f"initial_{name}") for name in TrapezoidalState._fields]
+        state = TrapezoidalState(*parts) if parts[0] is not None else None
+        out, last = trapezoidal_scan(**kw, rotary=rotary, initial_state=state, return_last_state=True,
+                                     chunk_size=chunk_size, backend=backend)
+        return (out, *last)
+
+    return call
+
+
+def check_trapezoidal(inputs: dict, backend: str, dtype=None, rotary="interleaved", chunk_size=8):
+    """``backend`` against the float64 reference: out and every part of the last state, every
+    gradient; out in x's dtype, the state in float32 (or float64)."""
+    inputs = dict(inputs)
+    cu_seqlens = inputs.pop("cu_seqlens", None)
+    call = trapezoidal_call(rotary, chunk_size)
+    names = ["out", *(f"last {name}" for name in TrapezoidalState._fields)]
+    wrapped = call if cu_seqlens is None else (lambda i, b: call({**i, "cu_seqlens": cu_seqlens}, b))
+    outs, grads = check_against_reference(wrapped, inputs, backend, dtype, names)
+    assert outs[0].dtype == inputs["x"].dtype
+    assert all(o.dtype == state_dtype(inputs["x"].dtype) for o in outs[1:])
+    return outs, grads
 
 
 # ----------------------------------------------------------------------------- packed sequences

@@ -81,3 +81,19 @@ def test_packed_mode_compares_packed_with_padded_and_looped(tmp_path):
     losses = report["first_batch_loss"]
     assert math.isclose(losses["pscan/padded"], losses["pscan/packed"], rel_tol=1e-4)
     assert report["scan_ms"]["pscan"]["max_grad_rel_diff"] < 1e-4 and report["documents"]["count"] == 3
+
+
+def test_layer_mode_times_every_mixer(tmp_path):
+    """--op layer on a tiny shape: a forward and a forward + backward time for Mamba, Mamba2
+    and both forms of Mamba3, and the parameter counts of the layers built."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "l.json"
+    args = ["--op", "layer", "--batch", "1", "--length", "9", "--d-model", "8", "--state", "4", "--headdim", "4",
+            "--mimo-rank", "2", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--json", str(path)]
+    assert main(args) == 0
+    report = json.loads(path.read_text())
+    names = {"Mamba", "Mamba2", "Mamba3", "Mamba3 MIMO R=2"}
+    assert set(report["ms"]) == {f"{n}/{w}" for n in names for w in ("fwd", "fwd+bwd")}
+    assert all(v > 0 for v in report["ms"].values())
+    # in_proj 8 → 2·16 + 2·4 + 3·4 + 1 (SISO), out_proj, dt_bias, B/C biases (4, 1, 4), B/C norms, D
+    assert report["parameters"]["Mamba3"] == 8 * 53 + 16 * 8 + 4 + 2 * 16 + 2 * 4 + 4

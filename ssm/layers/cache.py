@@ -63,3 +63,23 @@ def check_token(name: str, x: torch.Tensor, d_model: int) -> torch.Tensor:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name} must have shape (batch, d_model) or (batch, 1, d_model) with d_model = {d_model}, got {got}")
     return x
+
+
+@dataclass
+class Mamba3Cache:
+    """The recurrent state of a Mamba-3 mixer: ``state`` is a TrapezoidalState (phase
+    (batch, H, M) kept modulo 2π, ssm (batch, H, P, N), the last rotated key (batch, H, N) or
+    (batch, R, H, N) with MIMO, the last input x (batch, H, P)), all float32 (float64 for a
+    float64 model). Its size does not grow with the tokens seen."""
+
+    state: tuple
+
+    @property
+    def batch_size(self) -> int:
+        return self.state[1].shape[0]
+
+    def check_batch(self, batch: int) -> None:
+        if batch != self.batch_size:
+            raise ValueError(
+                f"cache was allocated for batch size {self.batch_size}, but the input has batch size {batch}"
+            )

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-MIXERS = ("Mamba1", "Mamba2")
+MIXERS = ("Mamba1", "Mamba2", "Mamba3")
 MAMBA_SSM_NORM_EPSILON = 1e-5  # the ε mamba-ssm builds every norm with
 
 
@@ -26,7 +26,7 @@ class MambaConfig:
     d_intermediate: int = 0  # hidden width of the gated MLP after each mixer; 0 = no MLP
     n_layer: int = 64  # number of residual blocks
     vocab_size: int = 50277  # tokens; the embedding is padded up to pad_vocab_size_multiple
-    ssm_cfg: dict = field(default_factory=dict)  # "layer": "Mamba1" (default) or "Mamba2", plus the mixer's arguments (d_state = N, d_conv, expand, headdim = P, ...)
+    ssm_cfg: dict = field(default_factory=dict)  # "layer": "Mamba1" (default), "Mamba2" or "Mamba3", plus the mixer's arguments (d_state = N, d_conv, expand, headdim = P, ...)
     attn_layer_idx: list = field(default_factory=list)  # mamba-ssm's hybrid attention layers: not supported, must be empty
     attn_cfg: dict = field(default_factory=dict)
     rms_norm: bool = True  # RMSNorm (True) or LayerNorm (False)

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..layers import Block, GatedMLP, LayerCache, Mamba, Mamba2, RMSNorm
+from ..layers import Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, RMSNorm
 from .config import MambaConfig
 
-_MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2}
+_MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}
 
 
 @dataclass

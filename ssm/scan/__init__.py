@@ -3,6 +3,7 @@
     selective_scan(u, delta, A, B, C, ...)   Mamba-1 / S6 selective scan           (selective.py)
     linear_scan(gates, inputs, dim=...)      h_t = gates_t·h_{t-1} + inputs_t       (linear.py)
     ssd(x, dt, A, B, C, ...)                 Mamba-2 / SSD: a scalar decay per head (ssd.py)
+    trapezoidal_scan(x, dt, A, B, C, ...)    Mamba-3: trapezoidal rule, rotary state, MIMO (trapezoidal.py)
     selective_scan_step, ssd_step            one step of each, for recurrent inference (step.py)
     scan(fn, init, xs, checkpoint=...)       any step fn over pytrees (jax.lax.scan), O(√L) backward
     associative_scan(fn, elems, dim=...)     parallel prefix of any associative fn (generic.py)
@@ -16,25 +17,31 @@ tries them on each device type); ``backends(op, device)`` lists them:
     "pscan"    parallel scan in pure PyTorch with its own backward (pscan.py)
     "cpu"      chunked sequential sweeps compiled to C++, with a reverse-sweep backward (cpu.py)
     "triton"   fused Triton kernels for CUDA; on the CPU only under TRITON_INTERPRET=1 (triton/)
-    "chunked"  the chunked SSD algorithm, for ssd (chunked.py)
+    "chunked"  the chunked SSD algorithm, for ssd (chunked.py) and trapezoidal_scan (trapezoidal_chunked.py)
     "auto"     the best one for the inputs' device
 """
 
 from . import linear as _linear
 from . import selective as _selective
 from . import ssd as _ssd
+from . import trapezoidal as _trapezoidal
+from ._common_trapezoidal import TrapezoidalState
 from .generic import associative_scan, scan
 from .linear import linear_scan
-from .reference import linear_scan_ref, selective_scan_ref, ssd_ref
+from .reference import linear_scan_ref, selective_scan_ref, ssd_ref, trapezoidal_scan_ref
 from .selective import selective_scan
 from .ssd import ssd
-from .step import selective_scan_step, ssd_step
+from .step import selective_scan_step, ssd_step, trapezoidal_scan_step
+from .trapezoidal import trapezoidal_scan
 
-_TABLES = {table.op: table for table in (_selective.BACKENDS, _linear.BACKENDS, _ssd.BACKENDS)}
+_TABLES = {
+    table.op: table for table in (_selective.BACKENDS, _linear.BACKENDS, _ssd.BACKENDS, _trapezoidal.BACKENDS)
+}
 
 
 def backends(op: str, device=None) -> list[str]:
-    """Names of the backends of ``op`` ("selective_scan", "linear_scan" or "ssd"); with
+    """Names of the backends of ``op`` ("selective_scan", "linear_scan", "ssd" or
+    "trapezoidal_scan"); with
     ``device``, only those that run there now. ``"auto"`` is always accepted as well."""
     if op not in _TABLES:
         raise ValueError(f"unknown op {op!r}; expected one of {list(_TABLES)}")
@@ -45,12 +52,16 @@ __all__ = [
     "selective_scan",
     "linear_scan",
     "ssd",
+    "trapezoidal_scan",
+    "TrapezoidalState",
     "selective_scan_step",
     "ssd_step",
+    "trapezoidal_scan_step",
     "scan",
     "associative_scan",
     "backends",
     "selective_scan_ref",
     "linear_scan_ref",
     "ssd_ref",
+    "trapezoidal_scan_ref",
 ]

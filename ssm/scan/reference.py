@@ -209,3 +209,159 @@ def ssd_ref(
     if z is not None:
         y = y * F.silu(z.to(dtype))
     return y.to(out_dtype), h
+
+
+def trapezoidal_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    trap: torch.Tensor,
+    angles: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    B_bias: torch.Tensor | None = None,
+    C_bias: torch.Tensor | None = None,
+    mimo_x: torch.Tensor | None = None,
+    mimo_z: torch.Tensor | None = None,
+    mimo_o: torch.Tensor | None = None,
+    rotary: str = "interleaved",
+    initial_state: tuple | None = None,
+    chunk_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """The Mamba-3 recurrence as a loop over time, with the state held as the paper writes it:
+    complex numbers on the rotary pairs, so that the rotation is part of the decay; ``chunk_size``
+    is ignored.
+
+    x, z: (B, L, H, P); dt, A, trap: (B, L, H); B, C: (B, L, R, G, N) (R = 1: also (B, L, G, N));
+    angles: (B, L, H, M); D: (H,); B_bias, C_bias: (H, R, N) ((H, N) with 4-D B); mimo_x,
+    mimo_z, mimo_o: (H, R, P); initial_state: (phase (B, H, M), h (B, H, P, N), key (B, R, H, N)
+    ((B, H, N) with 4-D B), value (B, H, P)); with cu_seqlens (S + 1,) every B above is S.
+
+    State pairs (n0, n1) are complex numbers n0 + i·n1: (2m, 2m+1) for "interleaved", (m, m + N/2)
+    for "halved", m < M; the other N - 2M entries are real. Per head h (group g = h // (H/G)),
+    rank r, time t, with k = B + B_bias, q = C + C_bias, v_r = x ⊙ mimo_x[:, r]:
+
+        λ̂_t = exp(Δ_t·(A_t − i·θ_t)) on the pairs, exp(Δ_t·A_t) on the real entries
+        ĥ_t = λ̂_t·ĥ_{t-1} + (1 − λ_t)·Δ_t·λ̂_t·Σ_r v_{t-1,r} ⊗ k_{t-1,r} + λ_t·Δ_t·Σ_r v_{t,r} ⊗ k_{t,r}
+        y_{t,r} = Re(conj(ĥ_t)·q_{t,r}) + D·v_{t,r},  gated by silu(z_t ⊙ mimo_z[:, r]),
+        out_t = Σ_r mimo_o[:, r] ⊙ y_{t,r}  (without mimo_o: one output per rank, (B, L, R, H, P))
+
+    (the exponential-trapezoidal rule of Mamba-3 with a complex A; λ = trap). ĥ lives in the
+    frame of the current step; the state the scan hands over is the real state in absolute
+    coordinates: h_t = e^{iφ_t}·ĥ_t on the pairs, φ_t = φ_{-1} + Σ_{s ≤ t} Δ_s·θ_s the phase,
+    and the key is likewise e^{iφ_t}·k_t (the rotated key of the last step), the value x_t.
+
+    Returns out in x's dtype and the last state (phase, h, key, value) in the compute dtype.
+    """
+    dtype = compute_dtype(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o)
+    if initial_state is not None:
+        dtype = compute_dtype(torch.empty(0, dtype=dtype), *initial_state)
+    cdtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+    rank_axis = B.ndim == 5
+    if not rank_axis:
+        B, C = B.unsqueeze(2), C.unsqueeze(2)
+        B_bias = None if B_bias is None else B_bias.unsqueeze(1)
+        C_bias = None if C_bias is None else C_bias.unsqueeze(1)
+    batch, length, heads, head_dim = x.shape
+    ranks, groups, N = B.shape[2], B.shape[3], B.shape[4]
+    M = angles.shape[-1]
+    if rotary == "interleaved":
+        n0, n1 = torch.arange(0, 2 * M, 2), torch.arange(1, 2 * M, 2)
+    else:
+        n0, n1 = torch.arange(M), torch.arange(M) + N // 2
+    paired = torch.zeros(N, dtype=torch.bool)
+    paired[n0], paired[n1] = True, True
+    nr = (~paired).nonzero()[:, 0]  # the real entries
+    n0, n1, nr = (i.to(x.device) for i in (n0, n1, nr))
+
+    def per_head(M_):  # (B, L, R, G, N) -> (B, L, R, H, N): head h reads group h // (H / G)
+        return M_.to(dtype).repeat_interleave(heads // groups, dim=3)
+
+    k_all, q_all = per_head(B), per_head(C)
+    if B_bias is not None:
+        k_all = k_all + B_bias.to(dtype).transpose(0, 1)  # (R, H, N)
+    if C_bias is not None:
+        q_all = q_all + C_bias.to(dtype).transpose(0, 1)
+    x_all = x.to(dtype)
+    vx = torch.ones(ranks, heads, head_dim, dtype=dtype, device=x.device) if mimo_x is None else mimo_x.to(dtype).transpose(0, 1)
+    vz = None if mimo_z is None else mimo_z.to(dtype).transpose(0, 1)
+
+    def as_complex(w):  # (..., N) -> the pairs as complex numbers (..., M) and the real part
+        return torch.complex(w[..., n0], w[..., n1]), w[..., nr]
+
+    def as_real(wc, wr):  # the inverse
+        out = wr.new_zeros(*wr.shape[:-1], N)
+        out[..., n0], out[..., n1], out[..., nr] = wc.real, wc.imag, wr
+        return out
+
+    bounds = [(b, 0, length) for b in range(batch)] if cu_seqlens is None else [
+        (0, int(s), int(e)) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])
+    ]
+    outs = [None] * len(bounds)
+    last = []
+    for i, (b, start, end) in enumerate(bounds):
+        if initial_state is None:
+            phase = x.new_zeros(heads, M, dtype=dtype)
+            h = x.new_zeros(heads, head_dim, N, dtype=dtype)
+            key = x.new_zeros(ranks, heads, N, dtype=dtype)
+            value = x.new_zeros(heads, head_dim, dtype=dtype)
+        else:
+            phase, h, key, value = (s[i].to(dtype) for s in initial_state)
+            if not rank_axis:
+                key = key.unsqueeze(0)
+        turn = torch.exp(torch.complex(torch.zeros_like(phase), -phase))  # e^{-iφ}: into the frame
+        hc, hr = as_complex(h)
+        hc = hc * turn[:, None, :]  # (H, P, M)
+        kc, kr = as_complex(key)
+        kc = kc * turn  # (R, H, M): the previous key, unrotated
+        prev_v = value[None] * vx  # (R, H, P)
+        prev_kc, prev_kr = kc, kr
+        ys = []
+        for t in range(start, end):
+            delta, a, lam = dt[b, t].to(dtype), A[b, t].to(dtype), trap[b, t].to(dtype)  # (H,)
+            theta = angles[b, t].to(dtype)  # (H, M)
+            phase = phase + delta[:, None] * theta
+            decay_c = torch.exp(delta[:, None] * torch.complex(a[:, None].expand(-1, M), -theta))  # (H, M)
+            decay_r = torch.exp(delta * a)  # (H,)
+            k_c, k_r = as_complex(k_all[b, t])  # (R, H, M), (R, H, N - 2M)
+            q_c, q_r = as_complex(q_all[b, t])
+            v = x_all[b, t][None] * vx  # (R, H, P)
+            prev_in_c = torch.einsum("rhp,rhm->hpm", prev_v.to(cdtype), prev_kc)
+            prev_in_r = torch.einsum("rhp,rhn->hpn", prev_v, prev_kr)
+            new_in_c = torch.einsum("rhp,rhm->hpm", v.to(cdtype), k_c)
+            new_in_r = torch.einsum("rhp,rhn->hpn", v, k_r)
+            beta = ((1 - lam) * delta)[:, None, None]
+            gamma = (lam * delta)[:, None, None]
+            hc = decay_c[:, None, :] * (hc + beta * prev_in_c) + gamma * new_in_c
+            hr = decay_r[:, None, None] * (hr + beta * prev_in_r) + gamma * new_in_r
+            y = torch.einsum("hpm,rhm->rhp", hc.conj(), q_c).real + torch.einsum("hpn,rhn->rhp", hr, q_r)
+            if D is not None:
+                y = y + D.to(dtype)[None, :, None] * v
+            if z is not None:
+                gate = z[b, t].to(dtype)[None] * (1.0 if vz is None else vz)
+                y = y * gate * torch.sigmoid(gate)
+            if mimo_o is not None:
+                y = (y * mimo_o.to(dtype).transpose(0, 1)).sum(0)  # (H, P)
+            elif not rank_axis:
+                y = y[0]
+            ys.append(y)
+            prev_v, prev_kc, prev_kr = v, k_c, k_r
+        if not ys:  # a sequence without steps hands over its initial state as it is
+            last.append((phase, h, key if rank_axis else key[0], value))
+            continue
+        outs[i] = torch.stack(ys)
+        turn_back = torch.exp(torch.complex(torch.zeros_like(phase), phase))  # e^{iφ}: back out
+        h_last = as_real(hc * turn_back[:, None, :], hr)
+        key_last = as_real(prev_kc * turn_back, prev_kr)
+        last.append((phase, h_last, key_last if rank_axis else key_last[0], x_all[b, end - 1]))
+
+    out_shape = (heads, head_dim) if (mimo_o is not None or not rank_axis) else (ranks, heads, head_dim)
+    if cu_seqlens is None:
+        out = torch.stack([o if o is not None else x_all.new_zeros(0, *out_shape) for o in outs])
+    else:
+        out = torch.cat([o for o in outs if o is not None] or [x_all.new_zeros(0, *out_shape)])[None]
+    last_state = tuple(torch.stack(parts) for parts in zip(*last))
+    return out.to(x.dtype), last_state

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ._checks import check_shape, check_tensor, compute_dtype
+from . import _common_trapezoidal as trapezoidal
 from ._common import selective_delta, selective_skip_and_gate, ssd_delta, ssd_skip_and_gate
 
 
@@ -111,3 +112,86 @@ def ssd_step(
     h = decay * state.to(dtype) + (dt[..., None] * x32)[..., None] * B
     y = ssd_skip_and_gate((h * C).sum(-1), x32, D, z)  # (batch, H, P)
     return y.to(x.dtype), h
+
+
+def trapezoidal_scan_step(
+    state: tuple,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    trap: torch.Tensor,
+    angles: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    *,
+    B_bias: torch.Tensor | None = None,
+    C_bias: torch.Tensor | None = None,
+    mimo_x: torch.Tensor | None = None,
+    mimo_z: torch.Tensor | None = None,
+    mimo_o: torch.Tensor | None = None,
+    rotary: str = "interleaved",
+) -> tuple[torch.Tensor, "trapezoidal.TrapezoidalState"]:
+    """One step of ``trapezoidal_scan`` (Mamba-3), in the direct form of its recurrence.
+
+    Shapes: state a TrapezoidalState (phase (batch, H, M), ssm (batch, H, P, N), key
+    (batch, H, N) or (batch, R, H, N), value (batch, H, P)); x, z (batch, H, P); dt, A, trap
+    (batch, H); B, C (batch, G, N) or (batch, R, G, N) (as the key); angles (batch, H, M);
+    D (H,); biases (H, N) or (H, R, N); mimo_x, mimo_z, mimo_o (H, R, P).
+    Returns ``(out, new_state)``: out (batch, H, P) ((batch, R, H, P) per rank when B has a
+    rank axis and mimo_o is None) in x's dtype, new_state in the state's compute dtype.
+    """
+    if not isinstance(state, (tuple, list)) or len(state) != 4:
+        raise ValueError(f"state must be a TrapezoidalState (phase, ssm, key, value), got {type(state).__name__}")
+    phase, h, key, value = state
+    check_tensor("state.ssm", h, ndim=4)
+    batch, heads, head_dim, N = h.shape
+    check_tensor("x", x, ndim=3)
+    check_shape("x", x, (batch, heads, head_dim), "(batch, H, P)")
+    for name, t in (("dt", dt), ("A", A), ("trap", trap)):
+        check_tensor(name, t, ndim=2)
+        check_shape(name, t, (batch, heads), "(batch, H)")
+    check_tensor("B", B, ndim=(3, 4))
+    rank_axis = B.ndim == 4
+    ranks, groups = (B.shape[1], B.shape[2]) if rank_axis else (1, B.shape[1])
+    check_shape("B", B, (batch, *((ranks,) if rank_axis else ()), groups, N), "(batch, R, G, N)" if rank_axis else "(batch, G, N)")
+    check_shape("C", C, B.shape, "like B")
+    if groups == 0 or heads % groups:
+        raise ValueError(f"B has G = {groups} groups, but H = {heads} is not divisible by G")
+    check_tensor("angles", angles, ndim=3)
+    M = angles.shape[-1]
+    check_shape("angles", angles, (batch, heads, M), "(batch, H, M)")
+    check_shape("state.phase", phase, (batch, heads, M), "(batch, H, M)")
+    check_shape("state.key", key, (batch, ranks, heads, N) if rank_axis else (batch, heads, N), "like B's rank axis")
+    check_shape("state.value", value, (batch, heads, head_dim), "(batch, H, P)")
+    if rotary not in ("interleaved", "halved"):
+        raise ValueError(f"rotary must be 'interleaved' or 'halved', got {rotary!r}")
+    dtype = compute_dtype(h, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o)
+    if not rank_axis:
+        B, C, key = B[:, None], C[:, None], key[:, None]
+        B_bias = None if B_bias is None else B_bias[:, None]
+        C_bias = None if C_bias is None else C_bias[:, None]
+
+    delta, lam = dt.to(dtype), trap.to(dtype)
+    new_phase = phase.to(dtype) + delta[..., None] * angles.to(dtype)  # (batch, H, M)
+    cos, sin = torch.cos(new_phase)[:, None], torch.sin(new_phase)[:, None]  # (batch, 1, H, M)
+    k = trapezoidal.rotate(trapezoidal.per_head(B, heads, B_bias, dtype), cos, sin, rotary)  # (batch, R, H, N)
+    q = trapezoidal.rotate(trapezoidal.per_head(C, heads, C_bias, dtype), cos, sin, rotary)
+    v = trapezoidal.values(x, mimo_x, ranks, dtype)  # (batch, R, H, P)
+    v_prev = trapezoidal.values(value, mimo_x, ranks, dtype)
+    alpha = torch.exp(delta * A.to(dtype))[..., None, None]  # (batch, H, 1, 1)
+    beta = ((1 - lam) * delta)[..., None, None] * alpha
+    gamma = (lam * delta)[..., None, None]
+    new_h = (
+        alpha * h.to(dtype)
+        + beta * torch.einsum("brhp,brhn->bhpn", v_prev, key.to(dtype))
+        + gamma * torch.einsum("brhp,brhn->bhpn", v, k)
+    )
+    y = torch.einsum("bhpn,brhn->brhp", new_h, q)  # (batch, R, H, P)
+    out = trapezoidal.gate_and_contract(y[:, None], v[:, None], D, None if z is None else z[:, None], mimo_z, mimo_o,
+                                        dtype)[:, 0]
+    if mimo_o is None and not rank_axis:
+        out = out[:, 0]
+    new_key = k if rank_axis else k[:, 0]
+    return out.to(x.dtype), trapezoidal.TrapezoidalState(new_phase, new_h, new_key, x.to(dtype))

@@ -141,7 +141,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(torch.tensor([[1]]), -1)
     with pytest.raises(ValueError, match=r"ssm_cfg\['layer'\] must be one of"):
-        MambaConfig(ssm_cfg={"layer": "Mamba3"})
+        MambaConfig(ssm_cfg={"layer": "Mamba4"})
     with pytest.raises(ValueError, match=r"unknown ssm_cfg key\(s\) \['d_sate'\] for Mamba"):
         MambaLM(MambaConfig(d_model=8, n_layer=1, vocab_size=5, ssm_cfg={"d_sate": 4}))
 

@@ -14,6 +14,9 @@ CONFIGS = {
     # slowly decaying heads, so that whatever the padding left in the state would still show
     "mamba2": dict(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4, "A_init_range": (0.01, 0.1)},
                    d_intermediate=40),
+    "mamba3": dict(ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": 4}),
+    "mamba3-mimo": dict(ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "is_mimo": True, "mimo_rank": 2,
+                                 "is_outproj_norm": True, "chunk_size": 4}),
 }
 
 

@@ -22,9 +22,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ssm.scan.triton import linear_scan, selective_scan
+from ssm.scan.triton import linear_scan, selective_scan, trapezoidal_scan
 
-IO = {"u_ptr", "delta_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr", "dout_ptr", "du_ptr", "ddelta_ptr", "dz_ptr"}
+IO = {"u_ptr", "delta_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr", "dout_ptr", "du_ptr", "ddelta_ptr", "dz_ptr", "x_ptr"}
+INT64 = {"bounds_ptr", "chunk_first_ptr"}
 
 
 def signature(fn, constexprs: dict, io_type: str) -> dict:
@@ -33,7 +34,7 @@ def signature(fn, constexprs: dict, io_type: str) -> dict:
     return {
         name: "constexpr" if name in constexprs
         else "*i32" if name == "seq_ptr"
-        else (f"*{io_type}" if name in IO else "*fp32") if name.endswith("_ptr")
+        else (f"*{io_type}" if name in IO else "*i64" if name in INT64 else "*fp32") if name.endswith("_ptr")
         else "i32"
         for name in fn.arg_names
     }
@@ -55,6 +56,16 @@ def variants():
         fwd = {**flags, **BC, "SAVE_CHUNK_STATES": True}
         yield selective_scan._selective_scan_fwd_kernel.fn, fwd, cfg.num_warps
         yield selective_scan._selective_scan_bwd_kernel.fn, {**flags, **BC, **bwd}, cfg.num_warps_bwd
+    # trapezoidal_scan at a Mamba-3 layer of mamba-ssm's defaults (P 64, N 128), SISO and MIMO rank 4
+    for ranks in (1, 4):
+        cfg = trapezoidal_scan.config(64, 128, ranks)
+        blocks = dict(BLOCK_R=cfg.block_r, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, HALVED=ranks > 1,
+                      COMPUTE=tl.float32, HAS_B_BIAS=True, HAS_C_BIAS=True, HAS_MIMO_X=ranks > 1, HAS_Z=True,
+                      HAS_MIMO_Z=ranks > 1, HAS_MIMO_O=ranks > 1, HAS_D=True)
+        yield (trapezoidal_scan._trapezoidal_scan_fwd_kernel.fn,
+               {**blocks, "HAS_INITIAL_STATE": True, "SAVE_CHUNK_STATES": True}, cfg.num_warps)
+        yield (trapezoidal_scan._trapezoidal_scan_bwd_kernel.fn,
+               {**blocks, "HAS_DLAST": True, "INT": tl.int32, "LOG2_CHUNK": cfg.chunk.bit_length() - 1}, cfg.num_warps)
     lin = linear_scan.config(65536, 4)
     for backward, packed in ((False, False), (True, False), (False, True), (True, True)):
         constexprs = dict(COMPUTE=tl.float32, REVERSE=True, HAS_INITIAL_STATE=True, BACKWARD=backward,

@@ -2,6 +2,7 @@
 
     selective_scan.py   kernels, launchers, custom ops with autograd, selective_scan_triton
     linear_scan.py      the same for linear_scan
+    trapezoidal_scan.py the same for trapezoidal_scan (Mamba-3)
     _jit.py             the @triton.jit helpers both use
 
 triton is optional: importing ``ssm`` does not import it. An op module (and with it triton) is
@@ -61,4 +62,11 @@ def linear_scan_triton(*args) -> torch.Tensor:
     return linear_scan_triton(*args)
 
 
-__all__ = ["selective_scan_triton", "linear_scan_triton", "available", "devices", "hint", "interpreting"]
+def trapezoidal_scan_triton(*args):
+    """Backend "triton" of ``trapezoidal_scan`` (see trapezoidal_scan.py)."""
+    from .trapezoidal_scan import trapezoidal_scan_triton
+
+    return trapezoidal_scan_triton(*args)
+
+
+__all__ = ["selective_scan_triton", "linear_scan_triton", "trapezoidal_scan_triton", "available", "devices", "hint", "interpreting"]

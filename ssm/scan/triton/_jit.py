@@ -1,4 +1,4 @@
-"""The @triton.jit helpers that both Triton ops use, and the conversions their launchers share.
+"""The @triton.jit helpers that the Triton ops share, and the conversions their launchers share.
 
 Imports triton: only the op modules import this, and only when a Triton kernel is launched.
 """
@@ -55,3 +55,23 @@ def first_order_combine(a_left, x_left, a_right, x_right):
 def softplus(x):
     """log(1 + e^x) without overflow; x itself above 20, as torch's softplus does."""
     return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+
+
+@triton.jit
+def at_time(x, t_local, at: tl.constexpr):
+    """x[:, :, at] of a (BLOCK_D, BLOCK_N, CHUNK) tile."""
+    return tl.sum(tl.where(t_local[None, None, :] == at, x, 0.0), axis=2)
+
+
+@triton.jit
+def flip_time(x, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_CHUNK: tl.constexpr, INT: tl.constexpr):
+    """x[:, :, ::-1] of a (BLOCK_D, BLOCK_N, 2**LOG2_CHUNK) tile, exactly.
+
+    As tl.flip: view time as LOG2_CHUNK axes of size 2 and swap the two halves of each. The
+    swap of a pair (p, q) is (p + q) - itself, in integers (wrapping, so exact) on the bits of
+    the values: a plain sum, which Triton's interpreter runs vectorised, where tl.flip's
+    xor-reduction runs element by element in Python (minutes for the tests)."""
+    y = tl.reshape(x.to(INT, bitcast=True), [BLOCK_D, BLOCK_N] + [2] * LOG2_CHUNK)
+    for i in tl.static_range(LOG2_CHUNK):
+        y = tl.sum(y, 2 + i, keep_dims=True) - y
+    return tl.reshape(y, [BLOCK_D, BLOCK_N, 2**LOG2_CHUNK]).to(x.dtype, bitcast=True)

@@ -42,7 +42,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._jit import at_time as _at_time
 from ._jit import check_launchable, compute_dtype, first_order_combine, next_power_of_2, softplus, tl_dtype
+from ._jit import flip_time as _flip_time
 
 # ----------------------------------------------------------------------------- launch heuristics
 # Pure functions of shapes, so that the launchers, the fake implementations and the tests agree
@@ -225,26 +227,6 @@ def _per_sequence(ptr, seq, d, n, dn_mask, at, dim, N):
     sequence, and the mask of the steps ``at`` (CHUNK,)."""
     offsets = (seq[None, None, :] * dim + d[:, None, None]) * N + n[None, :, None]
     return ptr + offsets, dn_mask[:, :, None] & at[None, None, :]
-
-
-@triton.jit
-def _at_time(x, t_local, at: tl.constexpr):
-    """x[:, :, at] of a (BLOCK_D, BLOCK_N, CHUNK) tile."""
-    return tl.sum(tl.where(t_local[None, None, :] == at, x, 0.0), axis=2)
-
-
-@triton.jit
-def _flip_time(x, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_CHUNK: tl.constexpr, INT: tl.constexpr):
-    """x[:, :, ::-1] of a (BLOCK_D, BLOCK_N, 2**LOG2_CHUNK) tile, exactly.
-
-    As tl.flip: view time as LOG2_CHUNK axes of size 2 and swap the two halves of each. The
-    swap of a pair (p, q) is (p + q) - itself, in integers (wrapping, so exact) on the bits of
-    the values: a plain sum, which Triton's interpreter runs vectorised, where tl.flip's
-    xor-reduction runs element by element in Python (minutes for the tests)."""
-    y = tl.reshape(x.to(INT, bitcast=True), [BLOCK_D, BLOCK_N] + [2] * LOG2_CHUNK)
-    for i in tl.static_range(LOG2_CHUNK):
-        y = tl.sum(y, 2 + i, keep_dims=True) - y
-    return tl.reshape(y, [BLOCK_D, BLOCK_N, 2**LOG2_CHUNK]).to(x.dtype, bitcast=True)
 
 
 @triton.heuristics(_FWD_FLAGS)

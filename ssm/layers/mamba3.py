@@ -1,0 +1,208 @@
+"""The Mamba-3 mixer, with mamba-ssm's constructor arguments, parameter names, shapes and
+initialisation (``mamba_ssm/modules/mamba3.py``), SISO and MIMO."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..scan import TrapezoidalState, trapezoidal_scan, trapezoidal_scan_step
+from .cache import Mamba3Cache, check_sequence, check_token
+from .mamba import dt_bias_init, no_weight_decay
+from .norm import RMSNorm, RMSNormGated, upcast
+
+
+def heavy_tail(x: torch.Tensor) -> torch.Tensor:
+    """1 + x for x ≥ 0, 1 / (1 − x) below: positive, continuous, with a continuous derivative,
+    and only polynomially small for very negative x (mamba-ssm's activation for A)."""
+    return x.clamp(min=0) + 1 / (1 - x.clamp(max=0))
+
+
+class Mamba3(nn.Module):
+    """The Mamba-3 mixer: in_proj → (z, x, B, C, Δ, A, λ, θ); B and C RMS-normalised, then biased
+    per head (and MIMO rank); the trapezoidal scan over H heads of P = headdim channels with a
+    rotary state (``ssm.scan.trapezoidal_scan``); gated by silu(z) (or a per-head gated RMSNorm,
+    ``is_outproj_norm``) → out_proj. No convolution: the trapezoidal rule mixes each step's
+    input with the previous one instead.
+
+    Input and output (batch, L, d_model). d_inner = expand·d_model = H·P; B and C have
+    G = ngroups groups of N = d_state; R = mimo_rank with ``is_mimo`` (else 1). The rotary
+    phase turns M = ⌊N·rope_fraction / 2⌋ state pairs: interleaved pairs (2m, 2m+1) in SISO,
+    (m, m + N/2) in MIMO, as mamba-ssm's kernels do. Per token:
+        A = −max(heavy_tail(A_proj), A_floor),  Δ = softplus(Δ_proj + dt_bias),  λ = sigmoid(λ_proj),
+        θ = π·tanh(θ_proj) (shared by the heads, each turning it by its own Δ).
+    Parameters (as mamba-ssm's ``Mamba3``): in_proj (2·d_inner + 2·N·G·R + 3·H + M, d_model),
+    dt_bias (H,), B_bias, C_bias (H, R, N), B_norm.weight, C_norm.weight (N,), MIMO only
+    mimo_x, mimo_z, mimo_o (H, R, P), D (H,), norm.weight (d_inner,) with is_outproj_norm,
+    out_proj (d_model, d_inner).
+
+    ``fuse_pregate_headwise_norm``, ``dropout`` and ``n_layer`` are accepted for mamba-ssm
+    compatibility and change nothing (the first is a kernel choice in mamba-ssm, with the same
+    result either way). ``chunk_size`` and ``backend`` are passed to the scan.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_state: int = 128,
+        expand: float = 2,
+        headdim: int = 64,
+        ngroups: int = 1,
+        rope_fraction: float = 0.5,
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init_floor: float = 1e-4,
+        A_floor: float = 1e-4,
+        is_outproj_norm: bool = False,
+        is_mimo: bool = False,
+        mimo_rank: int = 4,
+        fuse_pregate_headwise_norm: bool = True,  # accepted for mamba-ssm compatibility; no effect
+        chunk_size: int = 64,
+        dropout: float = 0.0,  # accepted for mamba-ssm compatibility; no effect
+        layer_idx: int | None = None,
+        n_layer: int | None = None,  # accepted for mamba-ssm compatibility; no effect
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.d_model, self.d_state, self.expand, self.headdim = d_model, d_state, expand, headdim
+        self.d_inner = int(expand * d_model)
+        if self.d_inner % headdim:
+            raise ValueError(f"headdim = {headdim} must divide d_inner = expand·d_model = {self.d_inner}")
+        self.nheads, self.ngroups = self.d_inner // headdim, ngroups
+        if ngroups < 1 or self.nheads % ngroups:
+            raise ValueError(f"ngroups = {ngroups} must divide the number of heads {self.nheads}")
+        if rope_fraction not in (0.5, 1.0):
+            raise ValueError(f"rope_fraction must be 0.5 or 1.0 (as in mamba-ssm), got {rope_fraction!r}")
+        self.rope_fraction, self.A_floor, self.is_outproj_norm, self.is_mimo = rope_fraction, A_floor, is_outproj_norm, is_mimo
+        self.mimo_rank = mimo_rank if is_mimo else 1
+        if is_mimo and (isinstance(mimo_rank, bool) or not isinstance(mimo_rank, int) or mimo_rank < 1):
+            raise ValueError(f"mimo_rank must be a positive int, got {mimo_rank!r}")
+        # mamba-ssm's attribute names, for code that reads them
+        self.num_bc_heads = ngroups
+        self.rotary_dim_divisor = int(2 / rope_fraction)
+        rotated = int(d_state * rope_fraction)
+        self.split_tensor_size = rotated - rotated % 2  # rotated state entries, 2·M
+        self.num_rope_angles = self.split_tensor_size // 2  # M pairs
+        if self.num_rope_angles < 1:
+            raise ValueError(f"d_state·rope_fraction = {d_state * rope_fraction} leaves no state pair to rotate")
+        if is_mimo and d_state % 2:
+            raise ValueError(f"MIMO pairs state entry m with m + d_state/2, so d_state must be even, got {d_state}")
+        # as mamba-ssm: true only where its fused kernel applies (MIMO with the output norm)
+        self.fuse_pregate_headwise_norm = bool(fuse_pregate_headwise_norm and is_mimo and is_outproj_norm)
+        self.chunk_size, self.layer_idx, self.backend = chunk_size, layer_idx, backend
+        self.rotary = "halved" if is_mimo else "interleaved"
+
+        H, R, N, G, P = self.nheads, self.mimo_rank, d_state, ngroups, headdim
+        # in_proj's output, in order: z, x, B, C, Δ, A, λ (trapezoid), θ (rotary angles)
+        self._sizes = [self.d_inner, self.d_inner, N * G * R, N * G * R, H, H, H, self.num_rope_angles]
+        self.in_proj = nn.Linear(d_model, sum(self._sizes), bias=False, **kw)
+        self.dt_bias = no_weight_decay(nn.Parameter(dt_bias_init(H, dt_min, dt_max, dt_init_floor, device)))
+        self.B_bias = nn.Parameter(torch.ones(H, R, N, device=device))
+        self.C_bias = nn.Parameter(torch.ones(H, R, N, device=device))
+        self.B_norm = RMSNorm(N, eps=1e-5, **kw)
+        self.C_norm = RMSNorm(N, eps=1e-5, **kw)
+        if is_mimo:
+            self.mimo_x = nn.Parameter(torch.full((H, R, P), 1.0 / R, device=device))
+            self.mimo_z = nn.Parameter(torch.ones(H, R, P, device=device))
+            self.mimo_o = nn.Parameter(torch.full((H, R, P), 1.0 / R, device=device))
+        self.D = no_weight_decay(nn.Parameter(torch.ones(H, device=device)))
+        if is_outproj_norm:
+            self.norm = RMSNormGated(self.d_inner, eps=1e-5, norm_before_gate=True, group_size=P, **kw)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False, **kw)
+
+    # ------------------------------------------------------------------ the shared pieces
+
+    def _inputs(self, u: torch.Tensor):
+        """in_proj(u) (..., d_model) → the scan's inputs, over the leading dims (batch[, L])."""
+        z, x, B, C, dt, A, trap, angles = self.in_proj(u).split(self._sizes, dim=-1)
+        lead = u.shape[:-1]
+        heads = (*lead, self.nheads, self.headdim)
+        groups = (*lead, self.mimo_rank, self.ngroups, self.d_state)
+        B, C = self.B_norm(B.reshape(groups)), self.C_norm(C.reshape(groups))
+        A = (-heavy_tail(upcast(A))).clamp(max=-self.A_floor)
+        dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
+        trap = torch.sigmoid(upcast(trap))
+        theta = (math.pi * torch.tanh(upcast(angles))).unsqueeze(-2).expand(*lead, self.nheads, self.num_rope_angles)
+        return z.reshape(heads), x.reshape(heads), B, C, dt, A, trap, theta
+
+    def _scan_options(self, z):
+        """The keyword arguments of the scan (and its step) that the parameters set, and whether
+        the per-head norm and the rank contraction are left to _finish."""
+        norm_here = self.is_outproj_norm
+        options = dict(rotary=self.rotary)
+        if self.is_mimo:
+            options.update(B_bias=self.B_bias, C_bias=self.C_bias, mimo_x=self.mimo_x)
+            if not norm_here:
+                options.update(mimo_z=self.mimo_z, mimo_o=self.mimo_o)
+        else:
+            options.update(B_bias=self.B_bias[:, 0], C_bias=self.C_bias[:, 0])
+        return options, None if norm_here else z
+
+    def _finish(self, y: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
+        """The scan's output → (per-head gated RMSNorm, rank contraction) → out_proj.
+        y: (..., H, P), or (..., R, H, P) per rank (MIMO with is_outproj_norm)."""
+        if self.is_outproj_norm and self.is_mimo:
+            z = upcast(z).unsqueeze(-3) * upcast(self.mimo_z).transpose(0, 1)  # (..., R, H, P)
+            y = self.norm(upcast(y).flatten(-2), z.flatten(-2)).unflatten(-1, (self.nheads, self.headdim))
+            y = (y * upcast(self.mimo_o).transpose(0, 1)).sum(-3)  # (..., H, P)
+        elif self.is_outproj_norm:
+            y = self.norm(upcast(y).flatten(-2), upcast(z).flatten(-2)).unflatten(-1, (self.nheads, self.headdim))
+        return self.out_proj(y.flatten(-2).to(dtype))
+
+    def _BC(self, M):
+        return M if self.is_mimo else M[..., 0, :, :]  # SISO: no rank axis
+
+    # ------------------------------------------------------------------ the API
+
+    def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> Mamba3Cache:
+        device = device or self.in_proj.weight.device
+        state_dtype = torch.float64 if (dtype or self.in_proj.weight.dtype) == torch.float64 else torch.float32
+        H, P, N, M = self.nheads, self.headdim, self.d_state, self.num_rope_angles
+        key = (batch, self.mimo_rank, H, N) if self.is_mimo else (batch, H, N)
+        zeros = [torch.zeros(shape, device=device, dtype=state_dtype) for shape in ((batch, H, M), (batch, H, P, N), key, (batch, H, P))]
+        return Mamba3Cache(TrapezoidalState(*zeros))
+
+    def forward(self, hidden_states: torch.Tensor, cache: Mamba3Cache | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
+        leave the state after the last token in it (prefill). With ``cu_seqlens`` (S + 1,), the
+        batch of one holds S sequences end to end (and a cache, if any, is for S sequences)."""
+        check_sequence("hidden_states", hidden_states, self.d_model)
+        batch = hidden_states.shape[0]
+        if cache is not None:
+            cache.check_batch(batch if cu_seqlens is None else len(cu_seqlens) - 1)
+        z, x, B, C, dt, A, trap, theta = self._inputs(hidden_states)
+        options, z_scan = self._scan_options(z)
+        y, last = trapezoidal_scan(
+            x, dt, A, self._BC(B), self._BC(C), trap, theta, self.D, z_scan, **options,
+            initial_state=None if cache is None else cache.state, return_last_state=True,
+            chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, backend=self.backend,
+        )
+        if cache is not None:
+            cache.state = _wrapped(last)
+        return self._finish(y, z, hidden_states.dtype)
+
+    def step(self, hidden_states: torch.Tensor, cache: Mamba3Cache) -> torch.Tensor:
+        """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the
+        number of tokens seen; updates ``cache``."""
+        u = check_token("hidden_states", hidden_states, self.d_model)
+        cache.check_batch(u.shape[0])
+        z, x, B, C, dt, A, trap, theta = self._inputs(u)
+        options, z_scan = self._scan_options(z)
+        y, state = trapezoidal_scan_step(
+            cache.state, x, dt, A, self._BC(B), self._BC(C), trap, theta, self.D, z_scan, **options
+        )
+        cache.state = _wrapped(state)
+        out = self._finish(y, z, u.dtype)
+        return out if hidden_states.ndim == 2 else out[:, None]
+
+
+def _wrapped(state: TrapezoidalState) -> TrapezoidalState:
+    """The state with its phase taken modulo 2π: decoding stays as precise at any length."""
+    return state._replace(phase=torch.remainder(state.phase, 2 * math.pi))

@@ -1,0 +1,199 @@
+"""The arithmetic the fast paths of ``trapezoidal_scan`` share (the chunked and Triton backends,
+and the one-step form). The reference (reference.py) imports none of it: it runs the recurrence
+on complex numbers, where these run it on rotated real vectors, so that a slip in either shows
+up as a difference between them.
+
+The fast paths compute the recurrence in a shifted form. With c_t = (1 − λ_{t+1})·Δ_{t+1} the
+weight the next step gives to this step's input (0 at the last step of a sequence) and
+s_t = λ_t·Δ_t + c_t, the state H_t = h_t + c_t·U_t, U_t = Σ_r v_{t,r} ⊗ k̃_{t,r}, obeys the
+first-order recurrence of Mamba-2's SSD with a rank-R input:
+
+    H_t = α_t·H_{t-1} + s_t·U_t,                  H_{-1} = h_{-1} + (1 − λ_0)·Δ_0·U_{-1}
+    y_{t,r} = H_t·q̃_{t,r} − c_t·Σ_{r'} (q̃_{t,r}·k̃_{t,r'})·v_{t,r'} + D·v_{t,r}
+
+and h_{L-1} = H_{L-1} (c is 0 there). The *core* that both backends implement takes a = Δ·A
+(α = exp(a)), s, c, the phase φ and H_{-1}; the prologue here computes those, the epilogue the
+last state (phase, h, rotated key, value) from the core's H_{L-1}.
+
+k̃ = Rot(φ_t)·(B_t + B_bias) and q̃ = Rot(φ_t)·(C_t + C_bias) rotate each state pair (n0, n1) by
+its phase: (w0, w1) → (w0·cos φ − w1·sin φ, w0·sin φ + w1·cos φ); the pairs are (2m, 2m + 1)
+("interleaved") or (m, m + N/2) ("halved"), m < M; the other entries are not rotated.
+
+Shape symbols: B batch, L length, H heads, P head dim, G groups, N state size, R MIMO rank,
+M rotary pairs, S packed sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+TWO_PI = 2 * math.pi
+
+
+class TrapezoidalState(NamedTuple):
+    """What Mamba-3's recurrence carries from one step to the next, per sequence:
+    phase (·, H, M) the cumulative rotary angle φ (not reduced modulo 2π), ssm (·, H, P, N) the
+    state h in absolute (rotated) coordinates, key (·, R, H, N) (or (·, H, N) without a rank
+    axis) the last step's rotated key k̃, value (·, H, P) the last step's input x."""
+
+    phase: torch.Tensor
+    ssm: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+def rotate(w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: str) -> torch.Tensor:
+    """w (..., N) with its M pairs rotated by the angles whose cos and sin are (..., M)."""
+    M, N = cos.shape[-1], w.shape[-1]
+    if rotary == "interleaved":
+        w0, w1, rest = w[..., 0 : 2 * M : 2], w[..., 1 : 2 * M : 2], w[..., 2 * M :]
+        r0, r1 = w0 * cos - w1 * sin, w0 * sin + w1 * cos
+        return torch.cat([torch.stack([r0, r1], dim=-1).flatten(-2), rest], dim=-1)
+    half = N // 2
+    w0, w1 = w[..., :M], w[..., half : half + M]
+    r0, r1 = w0 * cos - w1 * sin, w0 * sin + w1 * cos
+    return torch.cat([r0, w[..., M:half], r1, w[..., half + M :]], dim=-1)
+
+
+def rotate_backward(dw: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: str):
+    """Gradients through :func:`rotate`, given d(rotated w) ``dw`` (..., N) and w (..., N):
+    (dw through the inverse rotation, dcos, dsin), the last two (..., M)."""
+    M = cos.shape[-1]
+    if rotary == "interleaved":
+        (d0, d1), (w0, w1) = (dw[..., 0 : 2 * M : 2], dw[..., 1 : 2 * M : 2]), (w[..., 0 : 2 * M : 2], w[..., 1 : 2 * M : 2])
+    else:
+        half = w.shape[-1] // 2
+        (d0, d1), (w0, w1) = (dw[..., :M], dw[..., half : half + M]), (w[..., :M], w[..., half : half + M])
+    return rotate(dw, cos, -sin, rotary), d0 * w0 + d1 * w1, d1 * w0 - d0 * w1
+
+
+def per_head(M: torch.Tensor, heads: int, bias: torch.Tensor | None, dtype) -> torch.Tensor:
+    """B or C (..., R, G, N) as (..., R, H, N), head h reading group h // (H / G), plus its
+    bias (H, R, N)."""
+    out = M.to(dtype).repeat_interleave(heads // M.shape[-2], dim=-2)
+    return out if bias is None else out + bias.to(dtype).transpose(0, 1)
+
+
+def values(x: torch.Tensor, mimo_x: torch.Tensor | None, ranks: int, dtype) -> torch.Tensor:
+    """v = x ⊙ mimo_x per rank: x (..., H, P) -> (..., R, H, P)."""
+    x = x.to(dtype).unsqueeze(-3)
+    return x.expand(*x.shape[:-3], ranks, *x.shape[-2:]) if mimo_x is None else x * mimo_x.to(dtype).transpose(0, 1)
+
+
+def gate_and_contract(y, v, D, z, mimo_z, mimo_o, dtype):
+    """y (B, L, R, H, P) → (y + D·v)·silu(z ⊙ mimo_z), then Σ_r mimo_o ⊙ · when mimo_o is given."""
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * v
+    if z is not None:
+        g = z.to(dtype).unsqueeze(2)
+        if mimo_z is not None:
+            g = g * mimo_z.to(dtype).transpose(0, 1)
+        y = y * F.silu(g)
+    if mimo_o is not None:
+        y = (y * mimo_o.to(dtype).transpose(0, 1)).sum(2)
+    return y
+
+
+class Prepared(NamedTuple):
+    """The core's inputs that the prologue derives (all in the compute dtype)."""
+
+    a: torch.Tensor  # (B, L, H) Δ·A
+    s: torch.Tensor  # (B, L, H)
+    c: torch.Tensor  # (B, L, H)
+    phase: torch.Tensor  # (B, L, H, M) φ_t, not reduced (what the last state reports)
+    cos: torch.Tensor  # (B, L, H, M) cos φ_t, from φ reduced modulo 2π in float64
+    sin: torch.Tensor
+    H_init: torch.Tensor | None  # (B or S, H, P, N)
+
+
+def prologue(x, dt, A, B, trap, angles, mimo_x, initial_state, cu_seqlens, dtype) -> Prepared:
+    """a, s, c, the phase and H_{-1} (see the module docstring)."""
+    batch, length, heads, _ = x.shape
+    ranks = B.shape[2]
+    delta, lam = dt.to(dtype), trap.to(dtype)
+    a = delta * A.to(dtype)
+    carried = (1 - lam) * delta  # (1 − λ_t)·Δ_t: the weight step t gives to step t - 1's input
+    c = F.pad(carried[:, 1:], (0, 0, 0, 1))  # c_t = carried_{t+1}; 0 after the last step
+    if cu_seqlens is not None:
+        starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+        nonempty = ends > starts
+        c = c.index_fill(1, ends[nonempty] - 1, 0.0)  # nor across the end of a packed sequence
+    s = lam * delta + c
+
+    # φ_t = φ_{-1} + Σ_{s ≤ t} Δ_s·θ_s per sequence, summed in float64 so that long sequences
+    # keep their precision; cos and sin of it reduced modulo 2π.
+    increments = delta.double()[..., None] * angles.double()  # (B, L, H, M)
+    phase0 = None if initial_state is None else initial_state[0].double()
+    summed = increments.cumsum(1)
+    if cu_seqlens is None:
+        phase64 = summed if phase0 is None else summed + phase0[:, None]
+    else:
+        before = F.pad(summed, (0, 0, 0, 0, 1, 0))[:, starts]  # (1, S, H, M): sum before each start
+        base = -before if phase0 is None else phase0[None] - before
+        seq_of = torch.repeat_interleave(torch.arange(len(starts), device=x.device), ends - starts, output_size=length)
+        phase64 = summed + base[:, seq_of]
+    reduced = torch.remainder(phase64, TWO_PI)
+    phase = phase64.to(dtype)
+    cos, sin = torch.cos(reduced).to(dtype), torch.sin(reduced).to(dtype)
+
+    H_init = None
+    if initial_state is not None:
+        _, h0, key0, value0 = initial_state
+        # the first step's β-term: (1 − λ_0)·Δ_0 times the previous step's input U_{-1}
+        if cu_seqlens is None:
+            first = carried[:, 0] if length else carried.new_zeros(batch, heads)  # (B, H)
+        else:
+            first = torch.where(nonempty[:, None], carried[0, starts.clamp(max=max(length - 1, 0))], 0.0)
+        v0 = values(value0, mimo_x, ranks, dtype)  # (S, R, H, P)
+        U0 = torch.einsum("srhp,srhn->shpn", v0, key0.to(dtype))
+        H_init = h0.to(dtype) + first[..., None, None] * U0
+    return Prepared(a, s, c, phase, cos, sin, H_init)
+
+
+def epilogue(prepared: Prepared, H_last, x, B, B_bias, rotary, initial_state, cu_seqlens, dtype) -> TrapezoidalState:
+    """The last state from the core's H_{L-1}: the phase, the rotated key and the value of each
+    sequence's last step (its initial state's, or zeros, when it has none)."""
+    batch, length, heads, head_dim = x.shape
+    ranks, N = B.shape[2], B.shape[4]
+    M = prepared.phase.shape[-1]
+    if cu_seqlens is None:
+        rows, last = torch.arange(batch, device=x.device), torch.full((batch,), length - 1, device=x.device)
+        nonempty = torch.full((batch,), length > 0, device=x.device)
+    else:
+        starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+        nonempty = ends > starts
+        rows, last = torch.zeros_like(ends), (ends - 1).clamp(min=0)
+    if length == 0:
+        last = last.clamp(min=0)
+        phase = x.new_zeros(len(rows), heads, M, dtype=dtype)
+        key = x.new_zeros(len(rows), ranks, heads, N, dtype=dtype)
+        value = x.new_zeros(len(rows), heads, head_dim, dtype=dtype)
+    else:
+        phase = prepared.phase[rows, last]  # (S, H, M)
+        k = per_head(B[rows, last], heads, B_bias, dtype)  # (S, R, H, N)
+        key = rotate(k, prepared.cos[rows, last][:, None], prepared.sin[rows, last][:, None], rotary)
+        value = x[rows, last].to(dtype)
+    if initial_state is None:
+        empty = (x.new_zeros(1, dtype=dtype),) * 3
+    else:
+        empty = tuple(s.to(dtype) for s in (initial_state[0], initial_state[2], initial_state[3]))
+
+    def pick(found, fallback):
+        keep = nonempty.reshape(-1, *[1] * (found.ndim - 1))
+        return torch.where(keep, found, fallback)
+
+    return TrapezoidalState(pick(phase, empty[0]), H_last, pick(key, empty[1]), pick(value, empty[2]))
+
+
+def run(core: Callable, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
+        initial_state, chunk_size, cu_seqlens, dtype):
+    """A fast backend: prologue, ``core`` (which returns the output and H_{L-1}), epilogue.
+    B, C are (B, L, R, G, N), the biases (H, R, N), the key state (·, R, H, N)."""
+    p = prologue(x, dt, A, B, trap, angles, mimo_x, initial_state, cu_seqlens, dtype)
+    out, H_last = core(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, p.a, p.s, p.c, p.cos, p.sin,
+                       p.H_init, rotary, chunk_size, cu_seqlens)
+    return out, epilogue(p, H_last, x, B, B_bias, rotary, initial_state, cu_seqlens, dtype)

@@ -1,0 +1,212 @@
+"""The public trapezoidal scan: the recurrence of Mamba-3 (exponential-trapezoidal rule, rotary
+complex state, MIMO), mamba-ssm's ``mamba3_siso_combined`` / ``mamba3_mimo`` with named options.
+
+Named for what sets the recurrence apart, as its siblings are (``selective_scan``: the selective
+S6 scan; ``ssd``: state-space duality): the trapezoidal rule that mixes each step's input with
+the previous one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton
+from ._backends import BackendTable
+from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
+from ._common_trapezoidal import TrapezoidalState
+from .reference import trapezoidal_scan_ref
+from .trapezoidal_chunked import trapezoidal_scan_chunked
+
+# Backends take the public arguments less return_last_state, in the same order (cu_seqlens
+# last: None, or validated int64 (S + 1,) on the inputs' device), with B and C as
+# (batch, L, R, G, N), the biases (H, R, N) and the key state (·, R, H, N), and return
+# (out, last_state) with out (batch, L, H, P), or (batch, L, R, H, P) without mimo_o.
+BACKENDS = BackendTable("trapezoidal_scan", auto={"cuda": ("triton", "chunked"), "*": ("chunked",)})
+BACKENDS.add("ref", trapezoidal_scan_ref)
+BACKENDS.add("chunked", trapezoidal_scan_chunked)
+BACKENDS.add("triton", triton.trapezoidal_scan_triton, devices=triton.devices, hint=triton.hint)
+
+ROTARY = ("interleaved", "halved")
+
+
+def trapezoidal_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    trap: torch.Tensor,
+    angles: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    *,
+    B_bias: torch.Tensor | None = None,
+    C_bias: torch.Tensor | None = None,
+    mimo_x: torch.Tensor | None = None,
+    mimo_z: torch.Tensor | None = None,
+    mimo_o: torch.Tensor | None = None,
+    rotary: str = "interleaved",
+    initial_state: tuple | None = None,
+    return_last_state: bool = False,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+):
+    """The Mamba-3 scan: a trapezoidal-rule state update on a rotating (complex) state, with
+    rank-R (MIMO) inputs and outputs.
+
+    Shapes (time second, as in mamba-ssm's Mamba-3 ops):
+        x, z:             (batch, L, H, P)          H heads of P channels
+        dt, A, trap:      (batch, L, H)             Δ > 0, A < 0 (per step), λ in [0, 1]
+        B, C:             (batch, L, G, N), or (batch, L, R, G, N) for MIMO rank R; H % G == 0,
+                          head h uses group h // (H / G)
+        angles:           (batch, L, H, M)          rotary rates θ of M ≤ N/2 state pairs
+        D:                (H,)
+        B_bias, C_bias:   (H, N), or (H, R, N) with the rank axis
+        mimo_x, mimo_z, mimo_o:  (H, R, P), only with the rank axis
+        initial_state:    TrapezoidalState (phase (batch, H, M), ssm (batch, H, P, N),
+                          key (batch, H, N) or (batch, R, H, N), value (batch, H, P)); with
+                          cu_seqlens every batch there is S
+        cu_seqlens:       (S + 1,) integer: S sequences end to end along L in a batch of one
+
+    Computes, per head, for t = 0 .. L-1 (k = B + B_bias, q = C + C_bias, v_r = x ⊙ mimo_x[:, r]):
+        φ_t = φ_{t-1} + Δ_t·θ_t                          the phase of each rotary pair
+        k̃_{t,r}, q̃_{t,r} = Rot(φ_t)·k_{t,r}, Rot(φ_t)·q_{t,r}
+        α_t = exp(Δ_t·A_t),  β_t = (1 − λ_t)·Δ_t·α_t,  γ_t = λ_t·Δ_t
+        h_t = α_t·h_{t-1} + β_t·Σ_r v_{t-1,r} ⊗ k̃_{t-1,r} + γ_t·Σ_r v_{t,r} ⊗ k̃_{t,r}   (P × N)
+        y_{t,r} = h_t·q̃_{t,r} + D·v_{t,r},   gated by silu(z_t ⊙ mimo_z[:, r])
+        out_t = Σ_r mimo_o[:, r] ⊙ y_{t,r}
+    Rot(φ) turns each pair (n0, n1), by φ of its index m: (w0, w1) → (w0·cos φ − w1·sin φ,
+    w0·sin φ + w1·cos φ); the pairs are (2m, 2m + 1) for ``rotary="interleaved"`` (mamba-ssm's
+    SISO) or (m, m + N/2) for ``"halved"`` (its MIMO); the other N − 2M entries do not turn.
+    This is the complex state of the Mamba-3 paper written in real coordinates (see
+    reference.py). The step before the first is the initial state's (its key and value give
+    the β-term of step 0), or zero.
+
+    Returns ``out`` (batch, L, H, P) in x's dtype ((batch, L, R, H, P), one output per rank,
+    when B has a rank axis and mimo_o is not given), or ``(out, last_state)``: a
+    TrapezoidalState in float32 (float64 for float64 inputs) of the phase φ_{L-1} (not reduced
+    modulo 2π), h_{L-1}, the last rotated key k̃_{L-1} and the last x, which continues the scan
+    exactly when passed as ``initial_state``. With cu_seqlens, each sequence starts from its
+    own initial state (or zero) and the last state is per sequence (a zero-length sequence's
+    is its initial state). Gradients flow to every tensor argument, into the initial state and
+    from the last state.
+
+    ``chunk_size``: block length of the "chunked" algorithm (others ignore it).
+    ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("trapezoidal_scan")``: "ref" (a
+    loop over time on the complex state), "chunked" (chunked matrix products, any device),
+    "triton" (fused kernels for CUDA; on the CPU only in Triton's interpreter).
+    """
+    check_tensor("x", x, ndim=4)
+    batch, length, heads, head_dim = x.shape
+    for name, t in (("dt", dt), ("A", A), ("trap", trap)):
+        check_tensor(name, t, ndim=3)
+        check_shape(name, t, (batch, length, heads), "(batch, L, H)")
+    check_tensor("B", B, ndim=(4, 5))
+    rank_axis = B.ndim == 5
+    if rank_axis:
+        ranks, groups, N = B.shape[2:]
+        check_shape("B", B, (batch, length, ranks, groups, N), "(batch, L, R, G, N)")
+    else:
+        ranks, (groups, N) = 1, B.shape[2:]
+        check_shape("B", B, (batch, length, groups, N), "(batch, L, G, N)")
+    if groups == 0 or heads % groups != 0:
+        raise ValueError(f"B has G = {groups} groups, but H = {heads} heads (from x) is not divisible by G")
+    check_tensor("C", C, ndim=B.ndim)
+    check_shape("C", C, B.shape, "(batch, L, R, G, N) like B" if rank_axis else "(batch, L, G, N) like B")
+    check_tensor("angles", angles, ndim=4)
+    M = angles.shape[3]
+    check_shape("angles", angles, (batch, length, heads, M), "(batch, L, H, M)")
+    if rotary not in ROTARY:
+        raise ValueError(f"rotary must be one of {list(ROTARY)}, got {rotary!r}")
+    if rotary == "halved" and N % 2:
+        raise ValueError(f"rotary='halved' pairs entry m with m + N/2, so N must be even, got N = {N}")
+    if 2 * M > N:
+        raise ValueError(f"angles has M = {M} rotary pairs, but the state has only N = {N} entries (2·M ≤ N)")
+    if D is not None:
+        check_tensor("D", D, ndim=1)
+        check_shape("D", D, (heads,), "(H,)")
+    if z is not None:
+        check_tensor("z", z, ndim=4)
+        check_shape("z", z, x.shape, "(batch, L, H, P) like x")
+    for name, t in (("B_bias", B_bias), ("C_bias", C_bias)):
+        if t is not None:
+            check_tensor(name, t, ndim=B.ndim - 2)
+            check_shape(name, t, (heads, ranks, N) if rank_axis else (heads, N), "(H, R, N)" if rank_axis else "(H, N)")
+    for name, t in (("mimo_x", mimo_x), ("mimo_z", mimo_z), ("mimo_o", mimo_o)):
+        if t is not None:
+            if not rank_axis:
+                raise ValueError(f"{name} needs B and C with a rank axis (batch, L, R, G, N); B is {tuple(B.shape)}")
+            check_tensor(name, t, ndim=3)
+            check_shape(name, t, (heads, ranks, head_dim), "(H, R, P)")
+    if mimo_z is not None and z is None:
+        raise ValueError("mimo_z scales z, but z is None")
+    state_batch = batch
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens(cu_seqlens, length, batch, x.device)
+        state_batch = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        initial_state = _check_state(initial_state, state_batch, heads, head_dim, N, M, ranks, rank_axis,
+                                     cu_seqlens is not None)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_same_device(
+        "x", x, dt=dt, A=A, B=B, C=C, trap=trap, angles=angles, D=D, z=z, B_bias=B_bias, C_bias=C_bias,
+        mimo_x=mimo_x, mimo_z=mimo_z, mimo_o=mimo_o,
+        **{f"initial_state.{n}": t for n, t in zip(TrapezoidalState._fields, initial_state or ())},
+    )
+    impl = BACKENDS.resolve(backend, x.device)
+
+    dtype = compute_dtype(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
+                          *(initial_state or ()))
+    if not rank_axis:  # one canonical form for the backends: a rank axis of 1
+        B, C = B.unsqueeze(2), C.unsqueeze(2)
+        B_bias = None if B_bias is None else B_bias.unsqueeze(1)
+        C_bias = None if C_bias is None else C_bias.unsqueeze(1)
+        if initial_state is not None:
+            initial_state = initial_state._replace(key=initial_state.key.unsqueeze(1))
+    per_rank = rank_axis and mimo_o is None
+    if length == 0:
+        out = x.new_empty(batch, 0, *((ranks,) if per_rank else ()), heads, head_dim)
+        if not return_last_state:
+            return out
+        if initial_state is None:
+            last = TrapezoidalState(
+                x.new_zeros(state_batch, heads, M, dtype=dtype), x.new_zeros(state_batch, heads, head_dim, N, dtype=dtype),
+                x.new_zeros(state_batch, ranks, heads, N, dtype=dtype), x.new_zeros(state_batch, heads, head_dim, dtype=dtype),
+            )
+        else:
+            last = TrapezoidalState(*(t.to(dtype, copy=True) for t in initial_state))
+    else:
+        out, last = impl.fn(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
+                            initial_state, chunk_size, cu_seqlens)
+        if not rank_axis:
+            out = out.squeeze(2)  # (batch, L, 1, H, P): the backends' one output per rank
+        out = out.contiguous()
+        last = TrapezoidalState(*last)
+    if not return_last_state:
+        return out
+    if not rank_axis:
+        last = last._replace(key=last.key.squeeze(1))
+    return out, last
+
+
+def _check_state(state, batch, heads, head_dim, N, M, ranks, rank_axis, packed) -> TrapezoidalState:
+    if not isinstance(state, (tuple, list)) or len(state) != 4:
+        raise ValueError(
+            "initial_state must be a TrapezoidalState (phase, ssm, key, value) as returned with "
+            f"return_last_state=True, got {type(state).__name__}"
+        )
+    rows = "S" if packed else "batch"
+    key_shape = (batch, ranks, heads, N) if rank_axis else (batch, heads, N)
+    key_symbols = f"({rows}, R, H, N)" if rank_axis else f"({rows}, H, N)"
+    expected = (
+        ("phase", (batch, heads, M), f"({rows}, H, M)"),
+        ("ssm", (batch, heads, head_dim, N), f"({rows}, H, P, N)"),
+        ("key", key_shape, key_symbols),
+        ("value", (batch, heads, head_dim), f"({rows}, H, P)"),
+    )
+    for t, (name, shape, symbols) in zip(state, expected):
+        check_tensor(f"initial_state.{name}", t, ndim=len(shape))
+        check_shape(f"initial_state.{name}", t, shape, symbols)
+    return TrapezoidalState(*state)

@@ -1,0 +1,101 @@
+"""Backend "chunked" of ``trapezoidal_scan`` (Mamba-3): the chunked SSD algorithm (chunked.py)
+on the shifted form of the recurrence (see _common_trapezoidal.py). Pure PyTorch, any device;
+gradients by autograd.
+
+Inside a chunk of T steps, with cumulative log decays s_t = a_0 + ... + a_t and the R ranks of
+each step as R positions sharing its decay,
+
+    y_{t,r} = Σ_{u < t, r'} (q̃_{t,r}·k̃_{u,r'}) exp(s_t − s_u) σ_u v_{u,r'}
+            + Σ_{r'} (q̃_{t,r}·k̃_{t,r'}) (σ_t − c_t) v_{t,r'}            (the diagonal: λ_t·Δ_t)
+            + exp(s_t) · H_prev·q̃_{t,r}                                   (the state entering)
+    H_end = exp(s_{T−1})·H_prev + Σ_u exp(s_{T−1} − s_u) σ_u Σ_r v_{u,r} ⊗ k̃_{u,r}
+
+(σ is the shifted form's s, renamed here to keep s for the log decays). Packed sequences run
+one after another, each from its own initial state.
+
+Symbols: B batch, c chunks, T (U) positions inside a chunk, R (R') ranks, H heads, P head dim,
+N state size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _common_trapezoidal as common
+from ._checks import compute_dtype
+
+
+def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
+    """One run of the core over (B, L, ...) inputs (k, q: (B, L, R, H, N); v: (B, L, R, H, P);
+    a, sigma, c: (B, L, H); H0: (B, H, P, N) or None). Returns y (B, L, R, H, P) (before the
+    skip, the gate and the rank contraction) and the state after the last step."""
+    batch, length, ranks, heads, N = k.shape
+    P = v.shape[-1]
+    T = min(chunk_size, length)
+    pad = (-length) % T
+    if pad:  # padded steps: no decay (a = 0), no input: the state passes through unchanged
+        k, q, v = (F.pad(t, (0, 0, 0, 0, 0, 0, 0, pad)) for t in (k, q, v))
+        a, sigma, c = (F.pad(t, (0, 0, 0, pad)) for t in (a, sigma, c))
+    nc = (length + pad) // T
+    k = k.reshape(batch, nc, T, ranks, heads, N)
+    q = q.reshape(batch, nc, T, ranks, heads, N)
+    v = v.reshape(batch, nc, T, ranks, heads, P)
+    a, sigma, c = (t.reshape(batch, nc, T, heads).permute(0, 1, 3, 2) for t in (a, sigma, c))  # (B, c, H, T)
+    s = torch.cumsum(a, dim=-1)
+
+    # Intra-chunk weights W[t, u] = exp(s_t − s_u)·σ_u for u < t, σ_t − c_t on the diagonal.
+    causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
+    log_decay = (s[..., :, None] - s[..., None, :]).masked_fill(~causal, float("-inf"))
+    W = torch.exp(log_decay) * sigma[..., None, :] - torch.diag_embed(c)  # (B, c, H, T, U)
+    scores = torch.einsum("bctrhn,bcuqhn->bchtruq", q, k)  # (B, c, H, T, R, U, R')
+    y = torch.einsum("bchtruq,bchtu,bcuqhp->bctrhp", scores, W, v)
+
+    to_end = torch.exp(s[..., -1:] - s) * sigma  # (B, c, H, U)
+    chunk_inputs = torch.einsum("bchu,bcurhp,bcurhn->bchpn", to_end, v, k)  # (B, c, H, P, N)
+    chunk_decay = torch.exp(s[..., -1])[..., None, None]  # (B, c, H, 1, 1)
+    state = k.new_zeros(batch, heads, P, N) if H0 is None else H0
+    entering = []
+    for i in range(nc):
+        entering.append(state)
+        state = chunk_decay[:, i] * state + chunk_inputs[:, i]
+    entering = torch.stack(entering, dim=1)  # (B, c, H, P, N)
+    y = y + torch.einsum("bctrhn,bchpn,bcht->bctrhp", q, entering, torch.exp(s))
+    return y.reshape(batch, nc * T, ranks, heads, P)[:, :length], state
+
+
+def _core(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init, rotary,
+          chunk_size, cu_seqlens):
+    dtype = a.dtype
+    heads, ranks = x.shape[2], B.shape[2]
+    cos, sin = cos[:, :, None], sin[:, :, None]  # (B, L, 1, H, M): the same for every rank
+    k = common.rotate(common.per_head(B, heads, B_bias, dtype), cos, sin, rotary)  # (B, L, R, H, N)
+    q = common.rotate(common.per_head(C, heads, C_bias, dtype), cos, sin, rotary)
+    v = common.values(x, mimo_x, ranks, dtype)  # (B, L, R, H, P)
+    if cu_seqlens is None:
+        y, H_last = _chunks(k, q, v, a, sigma, c, H_init, chunk_size)
+    else:
+        ys, lasts = [], []
+        for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            H0 = None if H_init is None else H_init[i : i + 1]
+            if end == start:
+                lasts.append(H0 if H0 is not None else v.new_zeros(1, heads, v.shape[-1], k.shape[-1]))
+                continue
+            part = slice(start, end)
+            y_i, last_i = _chunks(k[:, part], q[:, part], v[:, part], a[:, part], sigma[:, part], c[:, part], H0,
+                                  chunk_size)
+            ys.append(y_i)
+            lasts.append(last_i)
+        y, H_last = torch.cat(ys, dim=1), torch.cat(lasts)
+    out = common.gate_and_contract(y, v, D, z, mimo_z, mimo_o, dtype)
+    return out.to(x.dtype), H_last
+
+
+def trapezoidal_scan_chunked(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
+                             initial_state, chunk_size, cu_seqlens):
+    """Backend "chunked" of :func:`ssm.scan.trapezoidal_scan` (inputs validated, B and C
+    (B, L, R, G, N), biases (H, R, N), the key state (·, R, H, N))."""
+    dtype = compute_dtype(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
+                          *(initial_state or ()))
+    return common.run(_core, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
+                      initial_state, chunk_size, cu_seqlens, dtype)

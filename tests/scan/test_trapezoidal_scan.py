@@ -1,0 +1,290 @@
+"""trapezoidal_scan (Mamba-3): the reference on hand-computed cases, every backend against the
+reference (forward, every part of the last state, every gradient), the one-step form against
+the scan, packed sequences, and bad input. The Triton backend's cases are in
+test_triton_trapezoidal.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ssm.scan import TrapezoidalState, backends, trapezoidal_scan, trapezoidal_scan_step
+from tests.helpers import assert_close, check_trapezoidal, trapezoidal_call, trapezoidal_inputs
+
+FAST_BACKENDS = [b for b in backends("trapezoidal_scan", "cpu") if b not in ("ref", "triton")]
+ROTARY = ["interleaved", "halved"]
+
+
+# ----------------------------------------------------------------------------- the reference by hand
+
+
+def two_steps(delta: float, theta: float, rotary="interleaved", N=2, backend="ref", steps=2, **kw):
+    """One head, P = 1, one rotary pair: x = (1, 2), A = −ln 2 / Δ (so α = 1/2), λ = 1/2,
+    B = C = e_0 at both steps (the first ``steps`` of them)."""
+    e0 = torch.zeros(N, dtype=torch.float64)
+    e0[0] = 1.0
+    BC = e0.expand(1, steps, 1, N)  # (batch, L, G, N)
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)[:steps].reshape(1, steps, 1, 1)
+    dt = torch.full((1, steps, 1), delta, dtype=torch.float64)
+    A = torch.full((1, steps, 1), -math.log(2.0) / delta, dtype=torch.float64)
+    trap = torch.full((1, steps, 1), 0.5, dtype=torch.float64)
+    angles = torch.full((1, steps, 1, 1), theta, dtype=torch.float64)
+    return trapezoidal_scan(x, dt, A, BC, BC, trap, angles, rotary=rotary, return_last_state=True, backend=backend,
+                            **kw)
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_two_steps_by_hand(backend):
+    """Δ = 1/2, θ = π: the phase is π/2 after step 0 and π after step 1; α = 1/2, β_1 = (1 − λ)Δα
+    = 1/8, γ = λΔ = 1/4.
+    Step 0: k̃ = q̃ = Rot(π/2)·e_0 = (0, 1); h_0 = γ·x_0·k̃_0 = (0, 1/4); y_0 = h_0·q̃_0 = 1/4.
+    Step 1: k̃ = q̃ = Rot(π)·e_0 = (−1, 0); h_1 = α·h_0 + β_1·x_0·k̃_0 + γ·x_1·k̃_1
+            = (0, 1/8) + (0, 1/8) + (−1/2, 0) = (−1/2, 1/4); y_1 = h_1·q̃_1 = 1/2.
+    (β with the current step's input would give y_1 = 3/4; a phase not scaled by Δ, 1/4.)"""
+    out, last = two_steps(0.5, math.pi, backend=backend)
+    torch.testing.assert_close(out.flatten(), torch.tensor([0.25, 0.5], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(last.phase.flatten(), torch.tensor([math.pi], dtype=torch.float64))
+    torch.testing.assert_close(last.ssm.flatten(), torch.tensor([-0.5, 0.25], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(last.key.flatten(), torch.tensor([-1.0, 0.0], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(last.value.flatten(), torch.tensor([2.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_rotary_pairs_by_hand(backend):
+    """N = 4, one pair, phase π/2 at the last step: e_0 turns into e_1 when pairs are
+    interleaved (0, 1), into e_2 when halved (0, 2); nothing turns with θ = 0."""
+    expected = {"interleaved": [0.0, 1.0, 0.0, 0.0], "halved": [0.0, 0.0, 1.0, 0.0]}
+    for rotary, key in expected.items():
+        _, last = two_steps(0.5, math.pi / 2, rotary, N=4, backend=backend)  # phase π/4, then π/2
+        torch.testing.assert_close(last.key.flatten(), torch.tensor(key, dtype=torch.float64), rtol=0, atol=1e-12)
+        _, still = two_steps(0.5, 0.0, rotary, N=4, backend=backend)
+        torch.testing.assert_close(still.key.flatten(), torch.tensor([1.0, 0, 0, 0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_initial_state_by_hand(backend):
+    """The initial state's key and value feed step 0's β-term. One step, θ = 0, Δ = 1/2 (α = 1/2,
+    β_0 = 1/8, γ = 1/4), from h = 0, value 4 and phase 0 with key e_1:
+    h_0 = β_0·4·e_1 + γ·1·e_0 = (1/4, 1/2), y_0 = h_0·e_0 = 1/4. From phase π/2 with the key
+    turned alike, Rot(π/2)·e_1 = (−1, 0): everything turns by π/2, h_0 = (−1/2, 1/4), and y_0 is
+    still 1/4."""
+    cases = {0.0: ([0.0, 1.0], [0.25, 0.5]), math.pi / 2: ([-1.0, 0.0], [-0.5, 0.25])}
+    for phase, (key, h0) in cases.items():
+        state = TrapezoidalState(torch.full((1, 1, 1), phase, dtype=torch.float64),
+                                 torch.zeros(1, 1, 1, 2, dtype=torch.float64),
+                                 torch.tensor(key, dtype=torch.float64).reshape(1, 1, 2),
+                                 torch.full((1, 1, 1), 4.0, dtype=torch.float64))
+        out, last = two_steps(0.5, 0.0, backend=backend, steps=1, initial_state=state)
+        torch.testing.assert_close(out.flatten(), torch.tensor([0.25], dtype=torch.float64), rtol=0, atol=1e-12)
+        torch.testing.assert_close(last.ssm.flatten(), torch.tensor(h0, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- backends against the reference
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 8, 9, 16, 17, 33])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_lengths_around_chunk_boundaries(backend, length):
+    check_trapezoidal(trapezoidal_inputs(length), backend, chunk_size=8)
+
+
+OPTIONS = {
+    "siso": dict(),
+    "siso, nothing optional": dict(D=False, z=False, bias=False, initial_state=False),
+    "siso, no z": dict(z=False),
+    "mimo": dict(ranks=2),
+    "mimo, rank 3, no MIMO weights": dict(ranks=3, mimo=False),
+    "mimo, no z": dict(ranks=2, z=False),
+    "one group, M = 4 (every pair)": dict(groups=1, M=4),
+    "groups = heads": dict(groups=4, M=1),
+}
+
+
+@pytest.mark.parametrize("rotary", ROTARY)
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=list(OPTIONS))
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_options(backend, options, rotary):
+    check_trapezoidal(trapezoidal_inputs(19, **options), backend, rotary=rotary)
+
+
+def test_mimo_per_rank_outputs():
+    """Without mimo_o the output keeps its rank axis, (batch, L, R, H, P)."""
+    inputs = trapezoidal_inputs(13, ranks=3)
+    del inputs["mimo_o"]
+    (out, *_), _ = check_trapezoidal(inputs, "chunked")
+    assert out.shape == (2, 13, 3, 4, 3)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_chunk_sizes(backend, chunk_size):
+    check_trapezoidal(trapezoidal_inputs(20, ranks=2), backend, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", FAST_BACKENDS + ["ref"])
+def test_half_precision(backend, dtype):
+    """Half-precision inputs, a float32 state: the outputs in the input dtype, the state float32."""
+    check_trapezoidal(trapezoidal_inputs(40, ranks=2, dtype=dtype), backend)
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 12, 1], [0, 17], [9, 8, 0]])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_packed_sequences(backend, lengths):
+    for ranks in (None, 2):
+        check_trapezoidal(trapezoidal_inputs(sum(lengths), packed=lengths, ranks=ranks), backend, rotary="halved")
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_packed_equals_one_call_per_sequence(backend):
+    """Packing changes nothing: each sequence's output and last state as when scanned alone,
+    from its own initial state (an empty sequence returns its initial state)."""
+    lengths = [6, 0, 11]
+    x = {k: v.detach() for k, v in trapezoidal_inputs(17, packed=lengths, ranks=2, dtype=torch.float64).items()}
+    call = trapezoidal_call("interleaved", 4)
+    out, *last = call(x, backend)
+    starts = [0, 6, 6, 17]
+    for s in range(3):
+        part = {k: (v[:, starts[s]:starts[s + 1]] if v.ndim >= 3 and v.shape[1] == 17 else v)
+                for k, v in x.items() if k != "cu_seqlens"}
+        part.update({k: v[s : s + 1] for k, v in x.items() if k.startswith("initial_")})
+        alone, *alone_last = call(part, backend)
+        torch.testing.assert_close(out[:, starts[s]:starts[s + 1]], alone, rtol=1e-12, atol=1e-12)
+        for a, b in zip(last, alone_last):
+            torch.testing.assert_close(a[s : s + 1], b, rtol=1e-12, atol=1e-12)
+    assert torch.equal(last[1][1], x["initial_ssm"][1])  # the empty sequence
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_gradcheck(backend):
+    inputs = trapezoidal_inputs(5, batch=1, heads=2, head_dim=2, groups=1, N=4, M=1, ranks=2, dtype=torch.float64)
+    names = list(inputs)
+
+    def f(*tensors):
+        return trapezoidal_call("halved", 2)(dict(zip(names, tensors)), backend)
+
+    assert torch.autograd.gradcheck(f, tuple(inputs.values()))
+
+
+@pytest.mark.parametrize("ranks", [None, 2])
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_split_sequence_continues_from_last_state(backend, ranks):
+    x = {k: v.detach() for k, v in trapezoidal_inputs(30, ranks=ranks, dtype=torch.float64).items()}
+    call = trapezoidal_call("interleaved", 8)
+    full, *full_last = call(x, backend)
+    first = {k: (v[:, :11] if v.ndim >= 3 and v.shape[1] == 30 else v) for k, v in x.items()}
+    rest = {k: (v[:, 11:] if v.ndim >= 3 and v.shape[1] == 30 else v) for k, v in x.items() if not k.startswith("initial_")}
+    y1, *state = call(first, backend)
+    y2, *last = call({**rest, **{f"initial_{n}": s for n, s in zip(TrapezoidalState._fields, state)}}, backend)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), full, rtol=1e-10, atol=1e-10)
+    for a, b in zip(last, full_last):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_length_zero(backend):
+    x = trapezoidal_inputs(0, ranks=2)
+    out, *last = trapezoidal_call()(x, backend)
+    assert out.shape == (2, 0, 4, 3)
+    for got, name in zip(last, TrapezoidalState._fields):
+        assert torch.equal(got, x[f"initial_{name}"].detach())
+    out, *last = trapezoidal_call()(trapezoidal_inputs(0, initial_state=False), backend)
+    assert out.shape == (2, 0, 4, 3) and all(not t.any() for t in last)
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_gradients_from_the_last_state_alone(backend):
+    """A loss of only the last state (the out gradient never arrives)."""
+    x = trapezoidal_inputs(19, ranks=2)
+    grads = {}
+    for b in ("ref", backend):
+        _, *last = trapezoidal_call()(x, b)
+        loss = sum((t * t).sum() for t in last)
+        grads[b] = torch.autograd.grad(loss, list(x.values()), allow_unused=True, materialize_grads=True)
+    for name, got, want in zip(x, grads[backend], grads["ref"]):
+        assert_close(got, want, torch.float32, f"{backend} d{name}")
+
+
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_phase_is_not_wrapped(backend):
+    """The last phase is φ_{-1} + Σ Δ·θ as summed, not taken modulo 2π (the layer wraps its
+    cache; the op reports what the equation says)."""
+    x = {k: v.detach() for k, v in trapezoidal_inputs(40, dtype=torch.float64).items()}
+    x["angles"] = x["angles"].abs() + 2.0  # every phase grows past 2π
+    _, phase, *_ = trapezoidal_call()(x, backend)
+    expected = x["initial_phase"] + (x["dt"][..., None] * x["angles"]).sum(1)
+    torch.testing.assert_close(phase, expected, rtol=1e-12, atol=1e-12)
+    assert phase.max() > 2 * math.pi
+
+
+# ----------------------------------------------------------------------------- the one-step form
+
+
+@pytest.mark.parametrize("rotary", ROTARY)
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=list(OPTIONS))
+def test_step_equals_the_scan(options, rotary):
+    """Token by token from the same initial state, in float64, to 1e-12 (the step is the direct
+    form of the recurrence; the reference runs it on complex numbers)."""
+    x = {k: v.detach() for k, v in trapezoidal_inputs(9, dtype=torch.float64, **options).items()}
+    out, *last = trapezoidal_call(rotary)(x, "ref")
+    if "initial_phase" in x:
+        state = TrapezoidalState(*(x[f"initial_{n}"] for n in TrapezoidalState._fields))
+    else:
+        state = TrapezoidalState(*(torch.zeros_like(t) for t in last))
+    per_step = ("x", "dt", "A", "B", "C", "trap", "angles")
+    fixed = {k: v for k, v in x.items() if k not in per_step and k != "z" and not k.startswith("initial_")}
+    for t in range(9):
+        z = x["z"][:, t] if "z" in x else None
+        y, state = trapezoidal_scan_step(state, *(x[k][:, t] for k in per_step), z=z, rotary=rotary, **fixed)
+        torch.testing.assert_close(y, out[:, t], rtol=1e-12, atol=1e-12, msg=lambda m: f"step {t}: {m}")
+    for got, want in zip(state, last):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_errors_name_the_argument():
+    x = {k: v.detach() for k, v in trapezoidal_inputs(5, ranks=2).items() if not k.startswith("initial_")}
+    with pytest.raises(ValueError, match=r"dt must have shape \(batch, L, H\)"):
+        trapezoidal_scan(**dict(x, dt=x["dt"][:, :4]))
+    with pytest.raises(ValueError, match=r"trap must have shape \(batch, L, H\)"):
+        trapezoidal_scan(**dict(x, trap=x["trap"][..., :3]))
+    with pytest.raises(ValueError, match=r"C must have shape \(batch, L, R, G, N\) like B"):
+        trapezoidal_scan(**dict(x, C=x["C"][..., :7]))
+    with pytest.raises(ValueError, match="not divisible by G"):
+        trapezoidal_scan(**dict(x, B=x["B"].repeat(1, 1, 1, 3, 1)[:, :, :, :3], C=x["C"].repeat(1, 1, 1, 3, 1)[:, :, :, :3]))
+    with pytest.raises(ValueError, match=r"angles has M = 5 rotary pairs, but the state has only N = 8"):
+        trapezoidal_scan(**dict(x, angles=torch.zeros(2, 5, 4, 5)))
+    with pytest.raises(ValueError, match="rotary must be one of"):
+        trapezoidal_scan(**x, rotary="pairs")
+    with pytest.raises(ValueError, match=r"mimo_o must have shape \(H, R, P\)"):
+        trapezoidal_scan(**dict(x, mimo_o=torch.ones(4, 3, 3)))
+    siso = {k: v.detach() for k, v in trapezoidal_inputs(5).items() if not k.startswith("initial_")}
+    with pytest.raises(ValueError, match="mimo_x needs B and C with a rank axis"):
+        trapezoidal_scan(**siso, mimo_x=torch.ones(4, 1, 3))
+    with pytest.raises(ValueError, match=r"B_bias must have shape \(H, N\)"):
+        trapezoidal_scan(**dict(siso, B_bias=torch.ones(4, 7)))
+    with pytest.raises(ValueError, match="mimo_z scales z, but z is None"):
+        trapezoidal_scan(**dict(x, z=None))
+    with pytest.raises(ValueError, match="initial_state must be a TrapezoidalState"):
+        trapezoidal_scan(**x, initial_state=torch.zeros(2, 4, 3, 8))
+    bad_state = TrapezoidalState(torch.zeros(2, 4, 2), torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, 3))
+    with pytest.raises(ValueError, match=r"initial_state.key must be 4-D"):
+        trapezoidal_scan(**x, initial_state=bad_state)
+    with pytest.raises(ValueError, match=r"initial_state.ssm must have shape \(batch, H, P, N\)"):
+        trapezoidal_scan(**siso, initial_state=bad_state._replace(ssm=torch.zeros(2, 4, 3, 7)))
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        trapezoidal_scan(**x, chunk_size=0)
+    with pytest.raises(ValueError, match="unknown backend 'nope' for trapezoidal_scan"):
+        trapezoidal_scan(**x, backend="nope")
+    with pytest.raises(ValueError, match="N must be even"):
+        odd = {k: v.detach() for k, v in trapezoidal_inputs(5, N=7).items() if not k.startswith("initial_")}
+        trapezoidal_scan(**odd, rotary="halved")
+    with pytest.raises(ValueError, match="with cu_seqlens the sequences are packed along L in a batch of 1"):
+        trapezoidal_scan(**x, cu_seqlens=torch.tensor([0, 2, 5]))
+    packed = {k: v.detach() for k, v in trapezoidal_inputs(5, packed=[2, 2, 1]).items() if not k.startswith("initial_")}
+    with pytest.raises(ValueError, match=r"initial_state.phase must have shape \(S, H, M\)"):
+        trapezoidal_scan(**packed, initial_state=bad_state)
