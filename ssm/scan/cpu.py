@@ -215,10 +215,14 @@ def _build() -> ctypes.CDLL | str:
     return "; ".join(errors)
 
 
-@torch.compiler.assume_constant_result
 def _kernels_ready() -> bool:
     """Whether the kernels can run (a constant to torch.compile, which asks it while tracing)."""
     return kernels() is not None
+
+
+# What @torch.compiler.assume_constant_result sets, without importing torch._dynamo (and with it
+# triton) whenever ssm is imported.
+_kernels_ready._dynamo_marked_constant = True
 
 
 def _ptr(x: Tensor | None) -> int | None:
