@@ -46,6 +46,17 @@ byte vocabulary) prefills ``--positions`` tokens into its cache and times one ``
 generates ``--new-tokens`` tokens greedily with the cache and, for comparison, by running the full
 forward over the growing sequence for every token, and checks that both produce the same tokens.
 
+``--op train-step`` times one whole training step of a language model: forward, cross-entropy
+over every position, backward (no optimizer update), on random byte tokens (batch ``--batch``,
+default 8; ``--length``, default 512; ``--d-model`` 256, ``--layers`` 4, vocabulary 256, N 16,
+expand 2, conv width 4). Implementations, all on the same weights: ``ssm``'s ``MambaLM`` (eager,
+its ``auto`` backend), transformers' ``MambaForCausalLM`` under ``torch.compile`` (it takes its
+associative-scan path there) and mambapy's ``LM`` (parallel scan), each when importable; the
+first step (compiling, for transformers) is timed separately and the losses of that step are
+compared. ``--mmap-threshold BYTES`` also times ``ssm``'s step in a child process run with
+``MALLOC_MMAP_THRESHOLD_=BYTES``, where glibc returns every larger freed block to the system,
+so that a path which allocates large temporaries per call pays page faults for them again.
+
 ``--op packed`` measures packed variable-length sequences on real documents: the files of the
 text task's training split (the Python standard library's sources), drawn at random and cut
 at ``--max-doc-len`` bytes, ``--docs`` per batch. First, training throughput of a ``MambaLM``
@@ -377,11 +388,11 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--op", choices=[*OPS, "generate", "packed", "layer"], default="selective")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--op", choices=[*OPS, "generate", "packed", "layer", "train-step"], default="selective")
+    parser.add_argument("--batch", type=int, default=None, help="default 1 (8 for train-step)")
     parser.add_argument("--dim", type=int, default=1536)
     parser.add_argument("--state", type=int, default=16, help="N, the state size per channel")
-    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--length", type=int, default=None, help="default 1024 (512 for train-step)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
@@ -413,10 +424,29 @@ def parse_args(argv):
     packed.add_argument("--docs", type=int, default=16, help="documents per batch")
     packed.add_argument("--max-doc-len", type=int, default=1024, help="documents are cut at this many bytes")
     packed.add_argument("--batches", type=int, default=3, help="timed training steps per way (after --warmup)")
+    train = parser.add_argument_group("--op train-step")
+    train.add_argument("--peers", type=comma_list, default=["transformers", "mambapy"],
+                       help="peers to run when importable (transformers, mambapy)")
+    train.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                       help="also time ssm's step in a child process under MALLOC_MMAP_THRESHOLD_=BYTES")
+    train.add_argument("--only-ssm", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     layer = parser.add_argument_group("--op layer (also --batch, --length, --state, --d-model, --dtype)")
     layer.add_argument("--headdim", type=int, default=32, help="P of Mamba2 and Mamba3")
     layer.add_argument("--mimo-rank", type=int, default=4, help="R of the Mamba3 MIMO row")
     args = parser.parse_args(argv)
+    train_step = args.op == "train-step"
+    if args.batch is None:
+        args.batch = 8 if train_step else 1
+    if args.length is None:
+        args.length = 512 if train_step else 1024
+    if train_step:
+        args.d_model = args.d_model or 256
+        if min(args.batch, args.length, args.d_model, args.layers, args.repeats) < 1 or args.warmup < 0:
+            parser.error("--batch, --length, --d-model, --layers and --repeats must be positive")
+        unknown = set(args.peers) - {"transformers", "mambapy"}
+        if unknown:
+            parser.error(f"unknown peers {sorted(unknown)}: choose from transformers, mambapy")
+        return args
     if args.op == "layer":
         args.d_model = args.d_model or 128
         if min(args.batch, args.length, args.state, args.d_model, args.headdim, args.mimo_rank, args.repeats) < 1:
@@ -670,6 +700,168 @@ def benchmark_packed(args) -> int:
     return 0 if ok else 1
 
 
+def transformers_mamba(args, device):
+    """transformers' MambaForCausalLM with fresh weights at the benchmark's sizes, or None."""
+    try:
+        from transformers import MambaConfig as HFMambaConfig, MambaForCausalLM
+    except ImportError:
+        return None
+    config = HFMambaConfig(
+        vocab_size=256, hidden_size=args.d_model, state_size=16, num_hidden_layers=args.layers, expand=2,
+        conv_kernel=4, use_bias=False, use_conv_bias=True, tie_word_embeddings=True, layer_norm_epsilon=1e-5,
+    )
+    torch.manual_seed(args.seed)
+    return MambaForCausalLM(config).to(device).float().train()
+
+
+def mambapy_lm(args, hf_state: dict, device):
+    """mambapy's Mamba stack (mambapy.mamba: blocks, parallel scan) between an embedding and a
+    final RMSNorm with a tied LM head, with transformers' weights (the same names as
+    mamba-ssm's, the prefixes aside); None when mambapy is not importable. (mambapy.lm.LM
+    imports mamba-ssm's Triton kernels for its Mamba-2 path, so it is not used.)"""
+    try:
+        from mambapy.mamba import Mamba, MambaConfig as MambapyConfig, RMSNorm
+    except ImportError:
+        return None
+
+    class MambapyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            config = MambapyConfig(d_model=args.d_model, n_layers=args.layers, d_state=16, expand_factor=2,
+                                   d_conv=4, rms_norm_eps=1e-5)
+            self.embedding = torch.nn.Embedding(256, args.d_model)
+            self.mamba = Mamba(config)
+            self.norm_f = RMSNorm(args.d_model, 1e-5)
+
+        def forward(self, tokens):
+            return F.linear(self.norm_f(self.mamba(self.embedding(tokens))), self.embedding.weight)
+
+    model = MambapyLM()
+    state = {}
+    for key, value in hf_state.items():
+        if key in ("backbone.embeddings.weight", "backbone.norm_f.weight"):
+            state[key.split(".")[1].replace("embeddings", "embedding") + ".weight"] = value
+        elif key.startswith("backbone."):
+            state["mamba." + key[len("backbone."):]] = value
+    model.load_state_dict(state)
+    return model.to(device).train()
+
+
+def ssm_lm(args, hf_model, device):
+    """ssm's MambaLM with transformers' weights, read the way users load them (from_pretrained)."""
+    import tempfile
+
+    from ssm import MambaLM
+
+    if hf_model is None:
+        from ssm import MambaConfig
+
+        torch.manual_seed(args.seed)
+        config = MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=256, ssm_cfg={"d_state": 16})
+        return MambaLM(config).to(device).train()
+    with tempfile.TemporaryDirectory() as directory:
+        hf_model.save_pretrained(directory)
+        return MambaLM.from_pretrained(directory, device=device).train()
+
+
+def time_train_steps(step: Callable[[], float], warmup: int, repeats: int) -> tuple[float, float, list[float]]:
+    """(first step's loss, first step's seconds, the later steps' seconds)."""
+    start = time.perf_counter()
+    loss = step()
+    first = time.perf_counter() - start
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return loss, first, times
+
+
+def benchmark_train_step(args) -> int:
+    """A whole language model's training step: ssm against transformers compiled and mambapy."""
+    import subprocess
+
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, 256, (args.batch, args.length + 1), generator=g).to(device)
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+
+    def make_step(model, logits_of):
+        def step() -> float:
+            model.zero_grad(set_to_none=True)
+            logits = logits_of(model, inputs)
+            loss = F.cross_entropy(logits[..., :256].reshape(-1, 256).float(), targets.reshape(-1))
+            loss.backward()
+            return loss.item()
+
+        return step
+
+    # transformers' fresh weights are everyone's weights (when it is importable)
+    hf = transformers_mamba(args, device) if args.peers and not args.only_ssm else None
+    hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()} if hf is not None else None
+    model = ssm_lm(args, hf, device)
+    params = sum(p.numel() for p in model.parameters())
+    rows: dict[str, tuple[float, float, list[float]]] = {}
+    missing = []
+    print("measuring ssm ...", file=sys.stderr, flush=True)
+    rows["ssm MambaLM (eager)"] = time_train_steps(make_step(model, lambda m, x: m(x)), args.warmup, args.repeats)
+    if args.only_ssm:
+        print(json.dumps({"times": rows["ssm MambaLM (eager)"][2]}))
+        return 0
+    if args.mmap_threshold is not None:
+        print(f"measuring ssm under MALLOC_MMAP_THRESHOLD_={args.mmap_threshold} ...", file=sys.stderr, flush=True)
+        child = [sys.executable, os.path.abspath(__file__), "--op", "train-step", "--only-ssm", "--device",
+                 args.device, "--batch", str(args.batch), "--length", str(args.length), "--d-model",
+                 str(args.d_model), "--layers", str(args.layers), "--warmup", str(args.warmup), "--repeats",
+                 str(args.repeats), "--seed", str(args.seed)]
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)}
+        result = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
+        times = json.loads(result.stdout.strip().splitlines()[-1])["times"]
+        rows[f"ssm MambaLM, MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"] = (math.nan, math.nan, times)
+    if "transformers" in args.peers:
+        if hf is None:
+            missing.append("transformers (not importable)")
+        else:
+            print("measuring transformers (compiling first) ...", file=sys.stderr, flush=True)
+            compiled = torch.compile(hf)
+            rows["transformers MambaForCausalLM, torch.compile"] = time_train_steps(
+                make_step(compiled, lambda m, x: m(x).logits), args.warmup, args.repeats
+            )
+    if "mambapy" in args.peers:
+        peer = mambapy_lm(args, hf_state, device) if hf_state is not None else None
+        if peer is None:
+            missing.append("mambapy (not importable, or needs transformers' weights)")
+        else:
+            print("measuring mambapy ...", file=sys.stderr, flush=True)
+            rows["mambapy LM (pscan)"] = time_train_steps(make_step(peer, lambda m, x: m(x)), args.warmup, args.repeats)
+
+    print(f"training step (forward, cross-entropy, backward) of a Mamba LM: d_model {args.d_model}, "
+          f"{args.layers} layers, vocab 256, N 16, batch {args.batch}, L {args.length} "
+          f"({params / 1e6:.2f} M parameters), {describe_device(device)}; median of {args.repeats} steps "
+          f"after the first and {args.warmup} more")
+    ours = statistics.median(rows["ssm MambaLM (eager)"][2])
+    print(f"\n{'':58s} {'first step s':>12s} {'step s':>8s} {'min':>7s} {'max':>7s} {'x ssm':>7s} {'loss':>10s}")
+    for name, (loss, first, times) in rows.items():
+        median = statistics.median(times)
+        print(f"{name:58s} {first:12.2f} {median:8.3f} {min(times):7.3f} {max(times):7.3f} "
+              f"{median / ours:7.2f} {loss:10.6f}")
+    for name in missing:
+        print(f"not measured: {name}")
+    ok = True
+    losses = [loss for loss, _, _ in rows.values() if not math.isnan(loss)]
+    if len(losses) > 1 and max(losses) - min(losses) > 1e-4 * abs(losses[0]):
+        print(f"MISMATCH: first-step losses differ: {losses}", file=sys.stderr)
+        ok = False
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"},
+                       "rows": {n: {"loss": l, "first_s": fs, "step_s": t} for n, (l, fs, t) in rows.items()},
+                       "not_measured": missing}, f, indent=2)
+    return 0 if ok else 1
+
+
 def benchmark_layers(args) -> int:
     """Forward and forward + backward of whole mixer layers, as ratios to Mamba-2's."""
     from ssm import Mamba, Mamba2, Mamba3
@@ -734,6 +926,8 @@ def main(argv: list[str] | None = None) -> int:
         return benchmark_generation(args)
     if args.op == "packed":
         return benchmark_packed(args)
+    if args.op == "train-step":
+        return benchmark_train_step(args)
     if args.op == "layer":
         return benchmark_layers(args)
     op, device, dtype = OPS[args.op], torch.device(args.device), DTYPES[args.dtype]

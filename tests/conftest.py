@@ -12,10 +12,8 @@ minutes. ``_speed_up_interpreter`` replaces the scan by a log-depth scan over wh
 (the same combine function, associated as a tree, as on a GPU) and patches the language once
 per module. tests/scan/test_triton.py checks the scan against the original.
 
-The "cpu" scan backend compiles its chunk bodies with torch.compile on first use (tens of
-seconds on a small machine, per shape family). Tests run it eagerly (the same chunk code,
-uncompiled) unless they ask for the ``compiled_cpu_backend`` fixture, so that the compile
-cost is paid once, in tests/scan/test_cpu_backend.py.
+The "cpu" scan backend builds its C kernels with the system compiler on first use (about a
+second; cached on disk for later runs) and every test runs them, as users do.
 """
 
 from __future__ import annotations
@@ -96,19 +94,3 @@ def _speed_up_interpreter() -> None:
 
 
 _speed_up_interpreter()
-
-
-import pytest  # noqa: E402  (after TRITON_INTERPRET is set)
-
-from ssm.scan import cpu  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _cpu_backend_eager(monkeypatch):
-    monkeypatch.setattr(cpu, "COMPILE", False)
-
-
-@pytest.fixture
-def compiled_cpu_backend(monkeypatch):
-    """The "cpu" backend with its chunk bodies compiled (as outside the tests)."""
-    monkeypatch.setattr(cpu, "COMPILE", True)

@@ -1,416 +1,496 @@
-"""Fast CPU path: sequential sweeps over time in fused chunks, parallel across everything else.
+"""Fast CPU path: sequential sweeps in C, each thread owning whole channels.
 
-On a CPU the parallel scan is the wrong algorithm: batch × channels × state already give
-ample parallelism, and a sweep over L that keeps the state h in cache does O(L) work with no
-(B, L, D, N) temporaries. This backend walks the sequence in chunks of ``CHUNK`` steps. One
-chunk is a small function of the state before it and of the chunk's inputs (time-major, so
-a chunk is a contiguous slice); it is compiled once by ``torch.compile`` (inductor writes a
-fused C++ loop) and called L / CHUNK times. A shorter last chunk runs the same function
-eagerly, so the compiled code never sees the sequence length and is not recompiled for a new
-one. Without a working compiler the chunks run eagerly after a one-time warning.
+On a CPU the parallel scan is the wrong algorithm: batch × channels already give ample
+parallelism, and a sweep over L that keeps the state h in registers does O(L) work with no
+(B, D, L, N) temporaries. The sweeps are written in plain C (cpu_kernels.c, next to this file):
+every thread takes whole channels (a work unit is one channel, or one block of columns of the
+linear scan) and walks all L steps of them alone, vectorised over N, so threads never wait on
+one another inside a sweep; units are handed out dynamically, so a thread that shares its core
+with another busy process simply does fewer of them. Softplus, the D·u skip and the silu(z)
+gate are fused into the sweep, and the backward writes every gradient in one reverse sweep.
 
-Backward is a reverse sweep, not autograd through the loop. The forward keeps only the state
-at the start of every chunk (``states``, (L / CHUNK, B, D, N)); the backward recomputes a
-chunk's states from it, then runs the adjoint recurrence through the chunk:
+Building: at first use the C file is compiled with the system C compiler (``$CC``, else cc,
+gcc or clang) as ``-O3 -march=native -fopenmp`` into a shared library in a user cache
+directory (``$SSM_CACHE_DIR``, else ``$XDG_CACHE_HOME/ssm``, else ``~/.cache/ssm``), named by a
+hash of the source, the compiler, its flags and the CPU, and written atomically; later
+processes load it in milliseconds. It is called through ctypes on the tensors' data pointers,
+so it needs neither torch's headers nor a build step at install time. The kernels take the
+OpenMP runtime torch already loaded (same soname), so they share its threads, and run on
+``torch.get_num_threads()`` of them.
 
-    λ_t = dLoss/dh_t = C_t·gy_t + exp(Δ_{t+1}A)·λ_{t+1}        (λ after the last step: dlast)
-    dC_t = Σ gy_t·h_t     dB_t = Σ λ_t·Δ_t·u_t      d(Δ_t·u_t) = Σ_n λ_t·B_t
-    s_t = λ_t·h_{t-1}·exp(Δ_t A):   dΔ_t += Σ_n s_t·A,   dA += Σ_{b,t} s_t·Δ_t
-    dh_{-1} = exp(Δ_0 A)·λ_0
+If no compiler works, the backend warns once (per compiler and flags tried) and runs
+``pscan``'s pure-PyTorch path instead: correct, several times slower. ``SSM_CPU_KERNEL=0`` (read
+at every call) asks for that path without building or warning. There is no other switch, and
+nothing is decided once for the process: a call that finds the library built uses it.
 
-so forward+backward memory is O(B·D·L) plus (L / CHUNK)·B·D·N for the chunk-start states
-(with CHUNK ≥ N that is itself O(B·D·L)), never O(B·D·L·N). Under ``torch.no_grad()`` (or
-when no input needs a gradient) the forward saves nothing.
+The kernels are torch custom ops (``torch.ops.ssm.cpu_selective_scan_fwd`` / ``_bwd``,
+``cpu_linear_scan_fwd`` / ``_bwd``) with fake implementations and an autograd formula, so a
+user's ``torch.compile`` traces through them without graph breaks and calls the same kernels.
+No shape, dtype or option recompiles anything: one library serves every input.
 
-Costs: the first call compiles the forward chunk and, on the first backward, the backward
-chunk (measured on a loaded 2-core machine: tens of seconds each; inductor caches them on disk,
-so later processes load them in seconds). A new sequence length reuses them (the compiled code
-only ever sees CHUNK steps); a second batch size or width recompiles once with those sizes
-symbolic (torch's automatic dynamic shapes), and not again. The compiled chunk is one parallel
-loop over batch × channels, so each chunk ends in a thread barrier: on an oversubscribed machine
-(more busy threads than cores) ``torch.set_num_threads(1)`` is much faster.
+Backward memory: the forward keeps the state at the start of every chunk of ``CHUNK`` steps,
+(B, L / CHUNK, D, N), beside its inputs; the backward recomputes a chunk's states from it and runs
+the adjoint recurrence back through the chunk (see selective_bwd in cpu_kernels.c). So memory
+is O(B·D·L), never O(B·D·L·N). Under ``torch.no_grad()`` (or when no input needs a gradient)
+nothing is kept.
 
-Environment: ``SSM_CPU_COMPILE=0`` runs the chunks eagerly without a warning (``COMPILE``
-below is the switch; tests set it).
-
-Shape symbols: B batch, D channels, L length, N state size, G groups, T chunk length,
-M all non-scanned elements of a linear scan flattened.
+Shape symbols: B batch, D channels, L length, N state size, G groups, S packed sequences,
+T chunk length (``CHUNK``), E / F linear_scan's flattened dims before / after the scanned one.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import math
 import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 import warnings
+from pathlib import Path
+from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch import Tensor
 
 from ._checks import compute_dtype
-from ._common import linear_per_sequence, selective_delta, selective_per_sequence, selective_skip_and_gate
 
-CHUNK = 16  # steps per compiled chunk
-COMPILE = os.environ.get("SSM_CPU_COMPILE", "1") not in ("0", "false", "off")
+CHUNK = 64  # T: steps between the states the forward keeps for the backward
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno",
+         "-fno-trapping-math", "-ffp-contract=fast")
+ABI = 1  # what ssm_kernels_abi() returns for this version of the structs below
 
-# ----------------------------------------------------------------------------- chunk bodies
-# Each body is a plain function of one chunk; ``_Body`` runs it compiled (full chunks) or
-# eagerly (the last, shorter chunk, or when compiling is off or unavailable).
-
-
-def _grouped(v: torch.Tensor, M: torch.Tensor, t: int) -> torch.Tensor:
-    """v·M_t per channel: v (B, D, K) with K in {1, N}; M fixed (D, N) or time-varying
-    (T, B, G, N) where channel d reads group d // (D / G). Returns (B, D, N)."""
-    if M.ndim == 2:
-        return v * M
-    b, d, k = v.shape
-    G = M.shape[2]
-    return (v.view(b, G, d // G, k) * M[t].unsqueeze(2)).flatten(1, 2)
+# ----------------------------------------------------------------------------- building
 
 
-def _group_sum(v: torch.Tensor, G: int) -> torch.Tensor:
-    """(..., B, D, N) -> (..., B, G, N): the sum over the channels of each group."""
-    *lead, d, n = v.shape
-    return v.view(*lead, G, d // G, n).sum(-2)
+class _SelectiveArgs(ctypes.Structure):
+    """SelectiveArgs of cpu_kernels.c, field for field."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "batch", "dim", "length", "N", "groups_B", "groups_C", "nseq", "nthreads", "chunk",
+        "B_fixed", "C_fixed", "softplus",
+    )] + [(name, ctypes.c_void_p) for name in (
+        "u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0", "cu_seqlens",
+    )] + [(name, ctypes.c_int64 * 3) for name in ("su", "sdelta", "sz", "sB", "sC")] + [
+        (name, ctypes.c_void_p) for name in ("out", "last", "ckpt", "grad_out", "grad_last")
+    ] + [("sgo", ctypes.c_int64 * 3)] + [(name, ctypes.c_void_p) for name in (
+        "d_u", "d_delta", "d_z", "d_A", "d_B", "d_C", "part_B", "part_C", "d_D", "d_delta_bias", "d_h0",
+    )]
 
 
-def _selective_chunk(h, A, delta, u, B, C):
-    """One chunk of the selective scan.
-    h: (B, D, N) state before the chunk; A: (D, N); delta (Δ, after bias/softplus), u: (T, B, D);
-    B, C: (T, B, G, N) time-varying or (D, N) fixed.
-    Returns y (T, B, D) with y_t = C_t·h_t, and the state after the chunk (B, D, N)."""
-    ys = []
-    for t in range(delta.shape[0]):
-        d_t = delta[t].unsqueeze(-1)  # (B, D, 1)
-        h = torch.exp(d_t * A) * h + _grouped(d_t * u[t].unsqueeze(-1), B, t)
-        ys.append(_grouped(h, C, t).sum(-1))  # (B, D)
-    return torch.stack(ys), h
+class _LinearArgs(ctypes.Structure):
+    """LinearArgs of cpu_kernels.c, field for field."""
 
-
-def _selective_chunk_bwd(h, lam_next, A, delta, u, B, C, gy, acc_A, acc_B, acc_C):
-    """The reverse sweep through one chunk (see the module docstring).
-    h: (B, D, N) state before the chunk; lam_next: (B, D, N) the adjoint flowing in from the
-    next chunk, exp(Δ_{t+1}A)·λ_{t+1}; gy: (T, B, D) dLoss/dy; acc_A (B, D, N) and, for
-    fixed B or C, acc_B / acc_C (B, D, N) (else None): running sums over batch and time.
-    Returns (the adjoint flowing to the previous chunk, dΔ (T, B, D), du (T, B, D),
-    dB (T, B, G, N) or the updated acc_B, dC likewise, acc_A)."""
-    T = delta.shape[0]
-    decays, states = [], [h]
-    for t in range(T):  # recompute the chunk's states from the one saved at its start
-        d_t = delta[t].unsqueeze(-1)
-        decay = torch.exp(d_t * A)  # (B, D, N)
-        h = decay * h + _grouped(d_t * u[t].unsqueeze(-1), B, t)
-        decays.append(decay)
-        states.append(h)
-    g = lam_next
-    d_delta, d_u, d_B, d_C = [None] * T, [None] * T, [None] * T, [None] * T
-    for t in range(T - 1, -1, -1):
-        gy_t = gy[t].unsqueeze(-1)  # (B, D, 1)
-        lam = g + _grouped(gy_t, C, t)  # λ_t (B, D, N)
-        d_C[t] = gy_t * states[t + 1]  # per channel; summed over groups below
-        delta_t, u_t = delta[t], u[t]  # (B, D)
-        d_B[t] = lam * (delta_t * u_t).unsqueeze(-1)
-        lam_B = _grouped(lam, B, t)  # λ_t·B_t; d(Δ_t·u_t) is its sum over N
-        s = lam * states[t] * decays[t]
-        # Written as single sums over N (no arithmetic after them), so that the compiled
-        # loop over channels stays one fused loop.
-        d_delta[t] = (s * A + lam_B * u_t.unsqueeze(-1)).sum(-1)  # (B, D)
-        d_u[t] = (lam_B * delta_t.unsqueeze(-1)).sum(-1)
-        acc_A = acc_A + s * delta_t.unsqueeze(-1)
-        g = decays[t] * lam
-    # The sums over channels (time-varying B, C) or over time (fixed) are done once per chunk,
-    # after the sweep: inside it they would split the fused per-channel loop at every step.
-    d_B, d_C = torch.stack(d_B), torch.stack(d_C)  # (T, B, D, N)
-    d_B = acc_B + d_B.sum(0) if B.ndim == 2 else _group_sum(d_B, B.shape[2])
-    d_C = acc_C + d_C.sum(0) if C.ndim == 2 else _group_sum(d_C, C.shape[2])
-    return g, torch.stack(d_delta), torch.stack(d_u), d_B, d_C, acc_A
-
-
-def _linear_chunk(h, a, x, reverse: bool, adjoint: bool):
-    """One chunk of h_t = a_t·h_prev + x_t. h: (M,) the carry from the previous chunk (in scan
-    order); a, x: (T, M). With ``reverse`` the steps run from T-1 down to 0.
-    ``adjoint`` computes instead out_t = h_prev + x_t and carries a_t·out_t: the backward
-    λ_t = g_t + a_{t±1}·λ_{t±1} without shifting the gates, whose last carry is dh_{-1}.
-    Returns (out (T, M), the carry after the chunk)."""
-    T = a.shape[0]
-    outs = [None] * T
-    for t in range(T - 1, -1, -1) if reverse else range(T):
-        if adjoint:
-            out = h + x[t]
-            h = a[t] * out
-        else:
-            h = torch.addcmul(x[t], a[t], h)
-            out = h
-        outs[t] = out
-    return torch.stack(outs), h
-
-
-_warned = False
-
-
-class _Body:
-    """A chunk body run compiled for full chunks, eagerly otherwise. The compiled function is
-    created once (torch.compile caches per input shapes and dtypes). If compiling fails (no
-    C++ compiler, an inductor error), warn once and run eagerly from then on."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self._compiled = None
-        self.failed = False
-
-    def __call__(self, full: bool, *args):
-        if not (full and COMPILE and not self.failed) or _get_current_dispatch_mode() is not None:
-            # (dynamo does not trace under a TorchDispatchMode such as FlopCounterMode)
-            return self.fn(*args)
-        if self._compiled is None:
-            # max_fusion_size: the backward chunk is ~300 ops; with inductor's default (64)
-            # its per-channel loop is cut in ~25 loops, each ending in a thread barrier.
-            self._compiled = torch.compile(
-                self.fn, fullgraph=True, options={"max_fusion_size": 1024}
-            )
-        try:
-            return self._compiled(*args)
-        except Exception as error:  # noqa: BLE001 - any compile failure means: run eagerly
-            self.failed = True
-            _warn_once(error)
-            return self.fn(*args)
-
-
-def _warn_once(error: Exception) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        first_line = (str(error).strip().splitlines() or [""])[0][:200]
-        warnings.warn(
-            "ssm.scan 'cpu' backend: torch.compile could not compile the fused chunk "
-            f"({type(error).__name__}: {first_line}); "
-            "running the chunks eagerly (correct, several times slower). A C++ compiler "
-            "(gcc/clang) makes it fast; set SSM_CPU_COMPILE=0 to silence this.",
-            RuntimeWarning,
-            stacklevel=4,
+    _fields_ = [(name, ctypes.c_int64) for name in ("E", "length", "F", "nseq", "reverse", "nthreads")] + [
+        (name, ctypes.c_void_p) for name in (
+            "gates", "inputs", "h0", "cu_seqlens", "states", "grad", "d_gates", "d_inputs", "d_h0",
         )
+    ]
 
 
-_SELECTIVE_FWD = _Body(_selective_chunk)
-_SELECTIVE_BWD = _Body(_selective_chunk_bwd)
-_LINEAR = _Body(_linear_chunk)
+_KERNELS = ("selective_fwd", "selective_bwd", "linear_fwd", "linear_bwd")
+_lock = threading.Lock()
+_built: dict[tuple, ctypes.CDLL | str] = {}  # build key -> the library, or why it failed
+_warned: set[tuple] = set()
 
 
-def _chunks(length: int):
-    """(start, end, is_full) of each chunk, in time order."""
-    return [(t0, min(t0 + CHUNK, length), t0 + CHUNK <= length) for t0 in range(0, length, CHUNK)]
+def cache_dir() -> Path:
+    """Where built libraries are kept (read when a library is built or looked up)."""
+    if os.environ.get("SSM_CACHE_DIR"):
+        return Path(os.environ["SSM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ssm"
 
 
-def _slice(M: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-    return M if M.ndim == 2 else M[t0:t1]
+def _compiler() -> str | None:
+    if os.environ.get("CC"):
+        return os.environ["CC"]
+    return next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags where Linux says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _build_key() -> tuple:
+    """What decides the build, as far as a process can change it: the compiler asked for."""
+    return (os.environ.get("CC"), FLAGS)
+
+
+def _compile(compiler: str, flags: tuple[str, ...]) -> Path:
+    """Compile the kernels (or find them compiled) and return the library's path."""
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise RuntimeError(f"cannot run the C compiler {compiler!r}: {error}") from error
+    digest = hashlib.sha256(
+        b"\0".join([source, compiler.encode(), version.encode(), " ".join(flags).encode(),
+                    _cpu_identity().encode(), platform.machine().encode()])
+    ).hexdigest()[:20]
+    directory = cache_dir()
+    library = directory / f"cpu_kernels-{digest}{'.dll' if sys.platform == 'win32' else '.so'}"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    # Compile into a temporary name in the same directory, then rename: another process
+    # never sees a half-written library.
+    fd, tmp = tempfile.mkstemp(prefix=library.stem + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {(result.stderr or result.stdout).strip()[:500]}")
+        os.replace(tmp, library)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return library
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.ssm_kernels_abi.restype = ctypes.c_int
+    if lib.ssm_kernels_abi() != ABI:
+        raise RuntimeError(f"{path} has ABI {lib.ssm_kernels_abi()}, expected {ABI}")
+    for name in _KERNELS:
+        args = _SelectiveArgs if name.startswith("selective") else _LinearArgs
+        for suffix in ("_f32", "_f64"):
+            fn = getattr(lib, name + suffix)
+            fn.argtypes, fn.restype = [ctypes.POINTER(args)], None
+    return lib
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The compiled kernels, building them on first use; None when ``SSM_CPU_KERNEL=0`` or when
+    no compiler works (then a warning, once per compiler and flags tried)."""
+    if os.environ.get("SSM_CPU_KERNEL", "1").lower() in ("0", "off", "false", "no"):
+        return None
+    key = _build_key()
+    built = _built.get(key)
+    if built is None:
+        with _lock:
+            built = _built.get(key)
+            if built is None:
+                built = _build()
+                _built[key] = built
+    if isinstance(built, str):
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"ssm.scan 'cpu' backend: could not build its C kernels ({built}); running pscan's "
+                "pure-PyTorch path instead (correct, several times slower). A C compiler (cc, gcc "
+                "or clang; or set CC) makes it fast; SSM_CPU_KERNEL=0 chooses that path silently.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+    return built
+
+
+def _build() -> ctypes.CDLL | str:
+    compiler = _compiler()
+    if compiler is None:
+        return "no C compiler found (looked for $CC, cc, gcc, clang)"
+    errors = []
+    # Without OpenMP (e.g. Apple's clang) the kernels still build, single-threaded.
+    for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):
+        try:
+            return _load(_compile(compiler, flags))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            errors.append(str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
+    return "; ".join(errors)
+
+
+def _kernels_ready() -> bool:
+    """Whether the kernels can run (a constant to torch.compile, which asks it while tracing)."""
+    return kernels() is not None
+
+
+# What @torch.compiler.assume_constant_result sets, without importing torch._dynamo (and with it
+# triton) whenever ssm is imported.
+_kernels_ready._dynamo_marked_constant = True
+
+
+def _ptr(x: Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
+def _strides3(x: Tensor | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if x is None else tuple(x.stride())
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _suffix(x: Tensor) -> str:
+    return "_f64" if x.dtype == torch.float64 else "_f32"
 
 
 # ----------------------------------------------------------------------------- selective scan
+# In the ops, B and C are either fixed (D, N) or time-varying (B, G, L, N) with N contiguous:
+# the layout of a Mamba layer's x_proj output, so that a step reads B_t as N adjacent values.
 
 
-def _selective_sweep(delta, u, A, B, C, h, states=None):
-    """The forward sweep on time-major inputs (see _selective_chunk); with ``states``
-    ((chunks, B, D, N)), the state at the start of each chunk is written there.
-    Returns y (L, B, D) and the last state."""
-    y = torch.empty_like(delta)
-    for k, (t0, t1, full) in enumerate(_chunks(delta.shape[0])):
-        if states is not None:
-            states[k] = h
-        y[t0:t1], h = _SELECTIVE_FWD(
-            full, h, A, delta[t0:t1], u[t0:t1], _slice(B, t0, t1), _slice(C, t0, t1)
-        )
-    return y, h
+def _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens) -> _SelectiveArgs:
+    batch, dim, length = u.shape
+    a = _SelectiveArgs()
+    a.batch, a.dim, a.length, a.N = batch, dim, length, A.shape[1]
+    a.nseq = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    a.nthreads, a.chunk, a.softplus = _threads(), CHUNK, int(softplus)
+    for name, M in (("B", B), ("C", C)):
+        fixed = M.ndim == 2
+        setattr(a, f"{name}_fixed", int(fixed))
+        setattr(a, f"groups_{name}", dim if fixed else M.shape[1])
+        # fixed: channel d reads row d ("group" d), the same at every step and batch row
+        setattr(a, f"s{name}", (0, M.shape[1], 0) if fixed else M.stride()[:3])
+    a.u, a.delta, a.A, a.B, a.C = (x.data_ptr() for x in (u, delta, A, B, C))
+    a.D, a.z, a.delta_bias, a.h0, a.cu_seqlens = (_ptr(x) for x in (D, z, delta_bias, h0, cu_seqlens))
+    a.su, a.sdelta, a.sz = _strides3(u), _strides3(delta), _strides3(z)
+    return a
 
 
-class SelectiveScanCPUFn(torch.autograd.Function):
-    """Differentiable selective scan on time-major inputs of one dtype: delta (Δ), u: (L, B, D);
-    A: (D, N); B, C: (L, B, G, N) or (D, N); h0: (B, D, N) or None.
-    Returns y (L, B, D), y_t = C_t·h_t, and the last state (B, D, N)."""
-
-    @staticmethod
-    def forward(ctx, delta, u, A, B, C, h0):
-        # Detached, so that the chunk body sees the same kind of tensors (no requires_grad)
-        # here and on the no-grad path and is compiled once for both.
-        delta, u, A, B, C = (x.detach() for x in (delta, u, A, B, C))
-        h0 = None if h0 is None else h0.detach()
-        length, batch, dim = delta.shape
-        h = delta.new_zeros(batch, dim, A.shape[1]) if h0 is None else h0
-        states = delta.new_empty(len(_chunks(length)), batch, dim, A.shape[1])
-        y, last = _selective_sweep(delta, u, A, B, C, h, states)
-        ctx.save_for_backward(delta, u, A, B, C, states)
-        ctx.has_h0 = h0 is not None
-        return y, last
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y, grad_last):
-        delta, u, A, B, C, states = ctx.saved_tensors
-        length, batch, dim = delta.shape
-        g = torch.zeros_like(states[0]) if grad_last is None else grad_last.contiguous()
-        grad_y = torch.zeros_like(delta) if grad_y is None else grad_y.contiguous()
-        d_delta, d_u = torch.empty_like(delta), torch.empty_like(delta)
-        d_B = torch.zeros_like(g) if B.ndim == 2 else torch.empty_like(B)
-        d_C = torch.zeros_like(g) if C.ndim == 2 else torch.empty_like(C)
-        acc_A = torch.zeros_like(g)
-        for k, (t0, t1, full) in reversed(list(enumerate(_chunks(length)))):
-            g, d_delta[t0:t1], d_u[t0:t1], dB, dC, acc_A = _SELECTIVE_BWD(
-                full, states[k], g, A, delta[t0:t1], u[t0:t1], _slice(B, t0, t1),
-                _slice(C, t0, t1), grad_y[t0:t1], acc_A,
-                d_B if B.ndim == 2 else None, d_C if C.ndim == 2 else None,
-            )
-            if B.ndim == 2:
-                d_B = dB
-            else:
-                d_B[t0:t1] = dB
-            if C.ndim == 2:
-                d_C = dC
-            else:
-                d_C[t0:t1] = dC
-        if B.ndim == 2:
-            d_B = d_B.sum(0)
-        if C.ndim == 2:
-            d_C = d_C.sum(0)
-        return d_delta, d_u, acc_A.sum(0), d_B, d_C, (g if ctx.has_h0 else None)
+@torch.library.custom_op("ssm::cpu_selective_scan_fwd", mutates_args=(), device_types="cpu")
+def _selective_fwd(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    delta_bias: Optional[Tensor], softplus: bool, h0: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    keep_states: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """u, delta, z (B, D, L), any strides; A (D, N), D and delta_bias (D,), h0 (S, D, N)
+    contiguous; B, C as above; all of one dtype (float32 or float64).
+    Returns out (B, D, L), the last states (S, D, N), and the state entering each chunk
+    (B, ceil(L / T), D, N) when ``keep_states`` (else an empty tensor)."""
+    batch, dim, length = u.shape
+    a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
+    out = u.new_empty(batch, dim, length)
+    last = u.new_empty(a.nseq, dim, A.shape[1])
+    ckpt = u.new_empty(batch, -(-length // CHUNK), dim, A.shape[1]) if keep_states else u.new_empty(0)
+    a.out, a.last, a.ckpt = out.data_ptr(), last.data_ptr(), (ckpt.data_ptr() if keep_states else None)
+    getattr(kernels(), "selective_fwd" + _suffix(u))(ctypes.byref(a))
+    return out, last, ckpt
 
 
-def _pad_to_chunks(M: torch.Tensor) -> torch.Tensor:
-    """Time-major M (L, ...) padded with zeros to whole chunks, so that every chunk runs the
-    compiled body (a short last chunk would run eagerly, several times slower). Padded steps
-    have Δ = 0 and u = 0: no decay and no input, so the state passes through unchanged; their
-    outputs are dropped. Fixed (D, N) B or C is returned as is."""
+@_selective_fwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, keep_states):
+    batch, dim, length = u.shape
+    S = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    ckpt = u.new_empty(batch, -(-length // CHUNK), dim, A.shape[1]) if keep_states else u.new_empty(0)
+    return u.new_empty(batch, dim, length), u.new_empty(S, dim, A.shape[1]), ckpt
+
+
+@torch.library.custom_op("ssm::cpu_selective_scan_bwd", mutates_args=(), device_types="cpu")
+def _selective_bwd(
+    grad_out: Tensor, grad_last: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
+    D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], softplus: bool,
+    h0: Optional[Tensor], cu_seqlens: Optional[Tensor], ckpt: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of u, delta, A, B, C, D, z, delta_bias, h0 (an empty tensor for each absent
+    one) from those of out (any strides) and of the last states (contiguous, or None)."""
+    batch, dim, length = u.shape
+    a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
+    a.ckpt, a.grad_out, a.grad_last, a.sgo = ckpt.data_ptr(), grad_out.data_ptr(), _ptr(grad_last), grad_out.stride()
+    d_u, d_delta = u.new_empty(u.shape), u.new_empty(u.shape)
+    d_z = u.new_empty(u.shape if z is not None else 0)  # (an empty tensor stands for an absent input's)
+    d_A, d_B, d_C = torch.empty_like(A), u.new_empty(B.shape), u.new_empty(C.shape)
+    d_D, d_bias = (u.new_empty(dim if x is not None else 0) for x in (D, delta_bias))
+    d_h0 = u.new_empty(h0.shape if h0 is not None else 0)
+    parts = [u.new_empty(a.nthreads, *M.shape) if M.ndim == 4 else None for M in (B, C)]
+    a.d_u, a.d_delta, a.d_A, a.d_B, a.d_C = (x.data_ptr() for x in (d_u, d_delta, d_A, d_B, d_C))
+    a.d_z, a.d_D, a.d_delta_bias, a.d_h0 = (
+        x.data_ptr() if p is not None else None for x, p in ((d_z, z), (d_D, D), (d_bias, delta_bias), (d_h0, h0))
+    )
+    a.part_B, a.part_C = (_ptr(p) for p in parts)
+    getattr(kernels(), "selective_bwd" + _suffix(u))(ctypes.byref(a))
+    return d_u, d_delta, d_A, d_B, d_C, d_D, d_z, d_bias, d_h0
+
+
+@_selective_bwd.register_fake
+def _(grad_out, grad_last, u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, ckpt):
+    return (
+        u.new_empty(u.shape), u.new_empty(u.shape), u.new_empty(A.shape), u.new_empty(B.shape), u.new_empty(C.shape),
+        u.new_empty(u.shape[1] if D is not None else 0), u.new_empty(u.shape if z is not None else 0),
+        u.new_empty(u.shape[1] if delta_bias is not None else 0), u.new_empty(h0.shape if h0 is not None else 0),
+    )
+
+
+def _selective_setup(ctx, inputs, output):
+    u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, _ = inputs
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, h0, cu_seqlens, output[2])
+    ctx.softplus = softplus
+
+
+def _selective_backward(ctx, grad_out, grad_last, _grad_ckpt):
+    u, delta, A, B, C, D, z, delta_bias, h0, cu_seqlens, ckpt = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(u)
+    grads = _selective_bwd(
+        grad_out, None if grad_last is None else grad_last.contiguous(), u, delta, A, B, C, D, z,
+        delta_bias, ctx.softplus, h0, cu_seqlens, ckpt,
+    )
+    d_u, d_delta, d_A, d_B, d_C, d_D, d_z, d_bias, d_h0 = grads
+    return (d_u, d_delta, d_A, d_B, d_C, d_D if D is not None else None, d_z if z is not None else None,
+            d_bias if delta_bias is not None else None, None, d_h0 if h0 is not None else None, None, None)
+
+
+_selective_fwd.register_autograd(_selective_backward, setup_context=_selective_setup)
+
+
+def _kernel_layout(M: Tensor, dtype: torch.dtype) -> Tensor:
+    """B or C, (D, N) or (B, G, N, L), as the kernels read it: (D, N) contiguous or
+    (B, G, L, N) with N contiguous (a view when it already is, e.g. a Mamba layer's x_proj output)."""
+    M = M.to(dtype)
     if M.ndim == 2:
-        return M
-    pad = -M.shape[0] % CHUNK
-    if pad:
-        M = torch.cat([M, M.new_zeros(pad, *M.shape[1:])])
-    return M.contiguous()
-
-
-def _time_major(M: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, D, L) -> (L, B, D), or B/C (B, G, N, L) -> (L, B, G, N); (D, N) unchanged."""
-    if M.ndim == 2:
-        return M.to(dtype)
-    return M.to(dtype).movedim(-1, 0).contiguous()
+        return M.contiguous()
+    M = M.transpose(-1, -2)  # (B, G, L, N)
+    return M if M.stride(-1) == 1 else M.contiguous()
 
 
 def selective_scan_cpu(
-    u: torch.Tensor,
-    delta: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    delta_bias: torch.Tensor | None = None,
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
     delta_softplus: bool = False,
-    initial_state: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Backend "cpu" of :func:`ssm.scan.selective_scan`.
 
     u, delta, z: (B, D, L); A: (D, N); B, C: (D, N) or (B, G, N, L); D, delta_bias: (D,);
-    initial_state: (B, D, N). Returns out (B, D, L) in u's dtype and the last state (B, D, N)
-    in float32 (float64 for float64 inputs). Δ, the D·u skip and the silu(z) gate are plain
-    tensor ops (autograd differentiates them); the scan itself is SelectiveScanCPUFn."""
-    if torch.compiler.is_compiling():  # inside a user's torch.compile: trace the parallel scan
-        from .pscan import selective_scan_pscan
-
-        return selective_scan_pscan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
-    if cu_seqlens is not None:  # packed sequences: for now one sweep per sequence
-        return selective_per_sequence(
-            selective_scan_cpu, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens
-        )
+    initial_state: (B, D, N), or (S, D, N) with cu_seqlens (S + 1,) (validated; batch 1).
+    Returns out (B, D, L) in u's dtype and the last state (B or S, D, N) in float32 (float64
+    for float64 inputs)."""
+    if not _kernels_ready():
+        return _pscan_selective(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    out_dtype = u.dtype
-    u = u.to(dtype)
-    delta = selective_delta(delta.to(dtype), delta_bias, delta_softplus)  # (B, D, L)
-    length = u.shape[-1]
     args = (
-        _pad_to_chunks(delta.movedim(-1, 0)),  # (L', B, D), L' = L rounded up to whole chunks
-        _pad_to_chunks(u.movedim(-1, 0)),
-        A.to(dtype).contiguous(),  # (D, N)
-        _pad_to_chunks(_time_major(B, dtype)),  # (L', B, G, N) or (D, N)
-        _pad_to_chunks(_time_major(C, dtype)),
-        None if initial_state is None else initial_state.to(dtype).contiguous(),  # (B, D, N)
+        u.to(dtype), delta.to(dtype), A.to(dtype).contiguous(), _kernel_layout(B, dtype), _kernel_layout(C, dtype),
+        None if D is None else D.to(dtype).contiguous(),
+        None if z is None else z.to(dtype),
+        None if delta_bias is None else delta_bias.to(dtype).contiguous(),
     )
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args):
-        y, last = SelectiveScanCPUFn.apply(*args)
-    else:  # inference: no autograd node, no chunk states kept
-        # (detached like inside the autograd Function, so the same compiled chunk serves both)
-        delta_tm, u_tm, A_, B_, C_, h0 = (None if x is None else x.detach() for x in args)
-        h = delta_tm.new_zeros(*delta_tm.shape[1:], A_.shape[1]) if h0 is None else h0
-        y, last = _selective_sweep(delta_tm, u_tm, A_, B_, C_, h)
-    out = selective_skip_and_gate(y[:length].movedim(0, -1), u, D, z)  # (B, D, L)
-    return out.to(out_dtype), last
+    h0 = None if initial_state is None else initial_state.to(dtype).contiguous()
+    keep = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (*args, h0))
+    out, last, _ = _selective_fwd(*args, bool(delta_softplus), h0, cu_seqlens, keep)
+    return out.to(u.dtype), last
 
 
 # ----------------------------------------------------------------------------- linear scan
 
 
-def _linear_sweep(a, x, h0, reverse: bool, adjoint: bool):
-    """All outputs of _linear_chunk over time-major (L, M) inputs, chunk by chunk in scan
-    order. Returns (out (L, M), the last carry)."""
-    out = torch.empty_like(x)
-    h = torch.zeros_like(x[0]) if h0 is None else h0
-    chunks = _chunks(x.shape[0])
-    for t0, t1, full in reversed(chunks) if reverse else chunks:
-        out[t0:t1], h = _LINEAR(full, h, a[t0:t1], x[t0:t1], reverse, adjoint)
-    return out, h
+def _linear_args(gates, inputs, h0, cu_seqlens, reverse) -> _LinearArgs:
+    E, length, F = inputs.shape
+    p = _LinearArgs()
+    p.E, p.length, p.F, p.reverse, p.nthreads = E, length, F, int(reverse), _threads()
+    p.nseq = E if cu_seqlens is None else cu_seqlens.numel() - 1
+    p.gates, p.inputs, p.h0, p.cu_seqlens = (_ptr(x) for x in (gates, inputs, h0, cu_seqlens))
+    return p
 
 
-class LinearScanCPUFn(torch.autograd.Function):
-    """Differentiable h_t = a_t·h_prev + x_t over dim 0 of (L, M) tensors of one dtype."""
+@torch.library.custom_op("ssm::cpu_linear_scan_fwd", mutates_args=(), device_types="cpu")
+def _linear_fwd(gates: Tensor, inputs: Tensor, h0: Optional[Tensor], cu_seqlens: Optional[Tensor], reverse: bool) -> Tensor:
+    """gates, inputs (E, L, F) contiguous, one dtype; h0 (E, F), or (S, F) with cu_seqlens
+    (E = 1). Returns every state, (E, L, F)."""
+    p = _linear_args(gates, inputs, h0, cu_seqlens, reverse)
+    states = torch.empty_like(inputs)
+    p.states = states.data_ptr()
+    getattr(kernels(), "linear_fwd" + _suffix(inputs))(ctypes.byref(p))
+    return states
 
-    @staticmethod
-    def forward(ctx, a, x, h0, reverse: bool):
-        a, x, h0 = a.detach(), x.detach(), (None if h0 is None else h0.detach())
-        h, _ = _linear_sweep(a, x, h0, reverse, adjoint=False)
-        ctx.save_for_backward(a, h, h0)
-        ctx.reverse = reverse
-        return h
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_h):
-        a, h, h0 = ctx.saved_tensors
-        reverse = ctx.reverse
-        # λ_t = g_t + a_next·λ_next runs against the scan direction; its last carry is dh_{-1}.
-        lam, grad_h0 = _linear_sweep(a, grad_h.contiguous(), None, not reverse, adjoint=True)
-        grad_a = torch.empty_like(a)  # da_t = λ_t·h_prev(t), h_prev = h0 (or 0) at the first step
-        first, rest, prev = (-1, slice(None, -1), slice(1, None)) if reverse else (0, slice(1, None), slice(None, -1))
-        torch.mul(lam[rest], h[prev], out=grad_a[rest])
-        grad_a[first] = 0 if h0 is None else lam[first] * h0
-        return grad_a, lam, (grad_h0 if h0 is not None else None), None
+@_linear_fwd.register_fake
+def _(gates, inputs, h0, cu_seqlens, reverse):
+    return torch.empty_like(inputs)
+
+
+@torch.library.custom_op("ssm::cpu_linear_scan_bwd", mutates_args=(), device_types="cpu")
+def _linear_bwd(
+    grad: Tensor, gates: Tensor, states: Tensor, h0: Optional[Tensor], cu_seqlens: Optional[Tensor], reverse: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of gates, inputs and h0 (empty when h0 is None) from grad (E, L, F)."""
+    p = _linear_args(gates, states, h0, cu_seqlens, reverse)
+    grad = grad.contiguous()
+    d_gates, d_inputs = torch.empty_like(gates), torch.empty_like(gates)
+    d_h0 = torch.empty_like(h0) if h0 is not None else gates.new_empty(0)
+    p.states, p.grad, p.d_gates, p.d_inputs = states.data_ptr(), grad.data_ptr(), d_gates.data_ptr(), d_inputs.data_ptr()
+    p.d_h0 = d_h0.data_ptr() if h0 is not None else None
+    getattr(kernels(), "linear_bwd" + _suffix(gates))(ctypes.byref(p))
+    return d_gates, d_inputs, d_h0
+
+
+@_linear_bwd.register_fake
+def _(grad, gates, states, h0, cu_seqlens, reverse):
+    return torch.empty_like(gates), torch.empty_like(gates), torch.empty_like(h0) if h0 is not None else gates.new_empty(0)
+
+
+def _linear_setup(ctx, inputs, output):
+    gates, _, h0, cu_seqlens, reverse = inputs
+    ctx.save_for_backward(gates, output, h0, cu_seqlens)
+    ctx.reverse = reverse
+
+
+def _linear_backward(ctx, grad):
+    gates, states, h0, cu_seqlens = ctx.saved_tensors
+    d_gates, d_inputs, d_h0 = _linear_bwd(grad, gates, states, h0, cu_seqlens, ctx.reverse)
+    return d_gates, d_inputs, (d_h0 if h0 is not None else None), None, None
+
+
+_linear_fwd.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def linear_scan_cpu(
-    gates: torch.Tensor,
-    inputs: torch.Tensor,
+    gates: Tensor,
+    inputs: Tensor,
     dim: int,
-    initial_state: torch.Tensor | None = None,
+    initial_state: Tensor | None = None,
     reverse: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Backend "cpu" of :func:`ssm.scan.linear_scan` (``dim`` non-negative): the scanned
-    dimension is moved first, (L, M), so that each chunk is one contiguous block."""
-    if torch.compiler.is_compiling():
-        from .pscan import linear_scan_pscan
-
-        return linear_scan_pscan(gates, inputs, dim, initial_state, reverse, cu_seqlens)
-    if cu_seqlens is not None:  # packed sequences: for now one sweep per sequence
-        return linear_per_sequence(linear_scan_cpu, gates, inputs, dim, initial_state, reverse, cu_seqlens)
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
+    """Backend "cpu" of :func:`ssm.scan.linear_scan` (``dim`` non-negative): the inputs are
+    viewed as (E, L, F) around the scanned dimension (no copy when contiguous) and scanned in
+    place along it. With cu_seqlens (validated; E = 1), initial_state is (S, *shape after dim)."""
+    if not _kernels_ready():
+        return _pscan_linear(gates, inputs, dim, initial_state, reverse, cu_seqlens)
     dtype = compute_dtype(gates, inputs, initial_state)
     out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
     shape = inputs.shape
     length = shape[dim]
-    moved = (length, *shape[:dim], *shape[dim + 1 :])  # (L, ...)
-    M = math.prod(moved[1:])
-    a = gates.to(dtype).movedim(dim, 0).reshape(length, M).contiguous()  # (L, M)
-    x = inputs.to(dtype).movedim(dim, 0).reshape(length, M).contiguous()
-    h0 = None if initial_state is None else initial_state.to(dtype).reshape(M).contiguous()  # (M,)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, x, h0)):
-        h = LinearScanCPUFn.apply(a, x, h0, reverse)
-    else:
-        h0 = None if h0 is None else h0.detach()
-        h, _ = _linear_sweep(a.detach(), x.detach(), h0, reverse, adjoint=False)
-    return h.view(moved).movedim(0, dim).to(out_dtype)
+    E, F = math.prod(shape[:dim]), math.prod(shape[dim + 1 :])
+    a = gates.to(dtype).reshape(E, length, F).contiguous()
+    x = inputs.to(dtype).reshape(E, length, F).contiguous()
+    rows = E if cu_seqlens is None else cu_seqlens.numel() - 1  # E, or S packed sequences
+    h0 = None if initial_state is None else initial_state.to(dtype).reshape(rows, F).contiguous()
+    return _linear_fwd(a, x, h0, cu_seqlens, bool(reverse)).view(shape).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- without kernels
+
+
+def _pscan_selective(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens):
+    from .pscan import selective_scan_pscan
+
+    return selective_scan_pscan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
+
+
+def _pscan_linear(gates, inputs, dim, initial_state, reverse, cu_seqlens):
+    from .pscan import linear_scan_pscan
+
+    return linear_scan_pscan(gates, inputs, dim, initial_state, reverse, cu_seqlens)

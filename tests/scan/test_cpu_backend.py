@@ -1,25 +1,36 @@
-"""The "cpu" backend beyond the cross-backend tests: its compiled chunks, the eager fallback,
-what it keeps for the backward, and sequence lengths around the chunk size.
-
-Every other test runs the backend eagerly (tests/conftest.py); the compiled path is tested
-here, at one shape family, so that the compile cost is paid once per session.
+"""The "cpu" backend beyond the cross-backend tests (test_selective_scan.py, test_linear_scan.py
+run it against the reference at many shapes): its C kernels at sizes around the chunk length and
+at the usual state size, packed sequences against each sequence run alone by the reference,
+what it keeps for the backward, that every input variant runs the compiled kernels in one
+process, the fallback without a compiler, and the build cache.
 """
 
 from __future__ import annotations
 
-import shutil
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from ssm.scan import cpu, linear_scan, selective_scan
 from ssm.scan.linear import BACKENDS as LINEAR_BACKENDS
+from ssm.scan.reference import linear_scan_ref, selective_scan_ref
 from ssm.scan.selective import BACKENDS as SELECTIVE_BACKENDS
-from tests.helpers import assert_close, check_linear, check_selective, linear_inputs, selective_call, selective_inputs
+from tests.helpers import (
+    REFERENCE_TOLERANCES,
+    assert_relative,
+    check_linear,
+    check_selective,
+    linear_inputs,
+    selective_call,
+    selective_inputs,
+)
 
 T = cpu.CHUNK
+needs_kernels = pytest.mark.skipif(cpu.kernels() is None, reason="the C kernels could not be built here")
 
 
 def test_auto_picks_cpu_for_cpu_tensors():
@@ -27,96 +38,172 @@ def test_auto_picks_cpu_for_cpu_tensors():
     assert LINEAR_BACKENDS.resolve("auto", torch.device("cpu")).name == "cpu"
 
 
-@pytest.mark.parametrize("length", [T - 1, T, T + 1, 2 * T - 1, 2 * T + 1])
+@needs_kernels
+@pytest.mark.parametrize("length", [T - 1, T, T + 1, 2 * T + 3])
 @pytest.mark.parametrize("form", ["fixed", "grouped"])
 def test_selective_chunk_boundaries(length, form):
-    check_selective(selective_inputs(length, B_form=form, C_form="varying"), "cpu")
+    check_selective(selective_inputs(length, B_form=form, C_form="varying", wide_delta=True), "cpu")
 
 
-@pytest.mark.parametrize("length", [T - 1, T, T + 1, 2 * T + 1])
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selective_unrolled_state_sizes(dtype):
+    """N = 16 and 32 take the kernels' whole-vector path (N a multiple of 8), N = 4 the general one."""
+    for N in (16, 32):
+        check_selective(selective_inputs(2 * T + 5, N=N, groups=2, B_form="grouped", dtype=dtype), "cpu")
+
+
+@needs_kernels
+@pytest.mark.parametrize("length", [T - 1, T + 1, 3 * T + 2])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_linear_chunk_boundaries(length, reverse):
+def test_linear_lengths(length, reverse):
     check_linear(linear_inputs((2, length, 3), 1), "cpu", 1, reverse)
+    check_linear(linear_inputs((3, 5, length), 2), "cpu", 2, reverse)  # F = 1: one column per row
 
 
-def grads_against_ref(run, inputs, outputs, what):
-    """``run(inputs, backend)`` -> (outputs, {name: grad}) for "cpu" and "ref"; compare all."""
-    got, got_grads = run(inputs, "cpu")
-    want, want_grads = run(inputs, "ref")
-    for g, w, name in zip(got, want, outputs):
-        assert_close(g, w, torch.float32, f"{what} {name}")
-    for name in inputs:
-        assert_close(got_grads[name], want_grads[name], torch.float32, f"{what} d{name}")
+@needs_kernels
+def test_linear_wide_rows_span_several_column_blocks():
+    check_linear(linear_inputs((1, 37, 2, 300), 1), "cpu", 1, False)  # F = 600: three blocks of 256
 
 
-def run_selective(inputs, backend):
-    out, last = selective_call(inputs, backend)
-    g = torch.Generator().manual_seed(1)
-    upstream = (torch.randn(out.shape, generator=g), torch.randn(last.shape, generator=g))
-    grads = torch.autograd.grad((out, last), list(inputs.values()), upstream)
-    return (out, last), dict(zip(inputs, grads))
+@needs_kernels
+def test_linear_strided_inputs():
+    x = linear_inputs((4, 23, 6), 1)
+    x = {k: (v.detach().transpose(0, -1).contiguous().transpose(0, -1).requires_grad_() if v.ndim == 3 else v)
+         for k, v in x.items()}
+    assert not x["gates"].is_contiguous()
+    check_linear(x, "cpu", 1, True)
 
 
-def run_linear(reverse):
-    def run(x, backend):
-        states = linear_scan(**x, dim=1, reverse=reverse, backend=backend)
-        grads = torch.autograd.grad(states, list(x.values()), torch.randn(states.shape, generator=torch.Generator().manual_seed(1)))
-        return (states,), dict(zip(x, grads))
+# ----------------------------------------------------------------------------- packed sequences
 
-    return run
+# Zero-length sequences at the start, in the middle and at the end; boundaries inside chunks and
+# on chunk edges.
+PACKINGS = [[0, 0, 5, 5, T, T + 9, 3 * T + 1], [0, 3 * T + 1], [0, 1, 2, 3 * T, 3 * T + 1, 3 * T + 1]]
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
-def test_compiled_chunks_match_ref_and_do_not_recompile_per_length(compiled_cpu_backend):
-    """One shape family (batch 2, dim 6, N 4, B time-varying, C grouped), two lengths with
-    full chunks and a tail: the chunks are compiled once and agree with ref. (Not under
-    poisoned(): dynamo does not trace under a dispatch mode, the chunks would run eagerly.)"""
-    torch._dynamo.reset()
+def _packed_selective(form: str, cu: list[int], dtype=torch.float64, seed=0):
+    x = selective_inputs(cu[-1], batch=1, B_form=form, C_form="varying", wide_delta=True, initial_state=False,
+                         dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x["initial_state"] = torch.randn(len(cu) - 1, 6, 4, generator=g, dtype=x["A"].dtype).requires_grad_()
+    return x
+
+
+def _selective_per_sequence(x: dict, cu: list[int]):
+    """The reference, one sequence at a time (a zero-length one returns its initial state)."""
+    outs, lasts = [], []
+    for s in range(len(cu) - 1):
+        lo, hi = cu[s], cu[s + 1]
+        h0 = x["initial_state"][s : s + 1]
+        if lo == hi:
+            outs.append(x["u"][..., :0])
+            lasts.append(h0)
+            continue
+        part = {k: (v[..., lo:hi] if v.ndim >= 3 and k != "initial_state" else v) for k, v in x.items()}
+        part["initial_state"] = h0
+        out, last = selective_scan_ref(
+            part["u"], part["delta"], part["A"], part["B"] if part["B"].ndim == 2 else part["B"].unsqueeze(1),
+            part["C"].unsqueeze(1), part["D"], part["z"], part["delta_bias"], True, part["initial_state"],
+        )
+        outs.append(out)
+        lasts.append(last)
+    return torch.cat(outs, -1), torch.cat(lasts, 0)
+
+
+def _packed_call(x: dict, cu: list[int]):
+    B = x["B"] if x["B"].ndim == 2 else x["B"].unsqueeze(1)
+    return cpu.selective_scan_cpu(x["u"], x["delta"], x["A"], B, x["C"].unsqueeze(1), x["D"], x["z"],
+                                  x["delta_bias"], True, x["initial_state"], torch.tensor(cu))
+
+
+@needs_kernels
+@pytest.mark.parametrize("cu", PACKINGS)
+@pytest.mark.parametrize("form", ["fixed", "varying"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selective_packed_sequences_match_each_sequence_alone(cu, form, dtype):
+    """cu_seqlens: the state restarts at every sequence start from that sequence's initial
+    state; the last states (S, D, N) and every gradient, initial states included, equal the
+    float64 reference run sequence by sequence."""
+    x = _packed_selective(form, cu, dtype)
+    out, last = _packed_call(x, cu)
+    g = torch.Generator().manual_seed(7)
+    upstream = [torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(last.shape, generator=g, dtype=torch.float64)]
+    grads = torch.autograd.grad((out, last), list(x.values()), [u.to(o.dtype) for u, o in zip(upstream, (out, last))])
+    x64 = {k: v.detach().double().requires_grad_() for k, v in x.items()}
+    ref_out, ref_last = _selective_per_sequence(x64, cu)
+    ref_grads = torch.autograd.grad((ref_out, ref_last), list(x64.values()), upstream)
+    fwd_tol, grad_tol = REFERENCE_TOLERANCES[dtype]
+    assert_relative(out, ref_out, fwd_tol, "packed out")
+    assert_relative(last, ref_last, fwd_tol, "packed last_state")
+    for name, got, want in zip(x, grads, ref_grads):
+        assert_relative(got, want, grad_tol, f"packed d{name}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("reverse", [False, True])
+def test_linear_packed_sequences_match_each_sequence_alone(reverse):
+    cu = [0, 0, 5, T + 9, T + 9, 3 * T + 1]
+    g = torch.Generator().manual_seed(3)
+    gates = torch.rand(1, cu[-1], 2, 5, generator=g, dtype=torch.float64).requires_grad_()
+    inputs = torch.randn(1, cu[-1], 2, 5, generator=g, dtype=torch.float64).requires_grad_()
+    h0 = torch.randn(len(cu) - 1, 2, 5, generator=g, dtype=torch.float64).requires_grad_()
+    states = cpu.linear_scan_cpu(gates, inputs, 1, h0, reverse, torch.tensor(cu))
+    upstream = torch.randn(states.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(states, (gates, inputs, h0), upstream)
+    parts = [
+        linear_scan_ref(gates[:, lo:hi], inputs[:, lo:hi], 1, h0[s : s + 1], reverse) if hi > lo else inputs[:, :0]
+        for s, (lo, hi) in enumerate(zip(cu[:-1], cu[1:]))
+    ]
+    ref = torch.cat(parts, 1)
+    ref_grads = torch.autograd.grad(ref, (gates, inputs, h0), upstream)
+    assert_relative(states, ref, 1e-12, "packed states")
+    for name, got, want in zip(("gates", "inputs", "initial_state"), grads, ref_grads):
+        assert_relative(got, want, 1e-12, f"packed d{name}")
+
+
+# ----------------------------------------------------------------------------- compiled code for every variant
+
+
+@needs_kernels
+def test_every_input_variant_runs_the_compiled_kernels(monkeypatch):
+    """Ranks of B and C, with and without z, D, bias and initial state, three dtypes, packed or
+    not: more than the 8 variants after which torch.compile gave up recompiling and ran eagerly.
+    Every one runs the C kernels (the fallback is made to fail), and the ninth and later agree
+    with the reference as the first do."""
+
+    def no_fallback(*args):
+        raise AssertionError("the cpu backend left its kernels")
+
+    monkeypatch.setattr(cpu, "_pscan_selective", no_fallback)
+    monkeypatch.setattr(cpu, "_pscan_linear", no_fallback)
+    variants = [
+        dict(B_form="fixed"), dict(B_form="varying"), dict(B_form="grouped"), dict(B_form="fixed", C_form="grouped"),
+        dict(z=False), dict(D=False), dict(bias=False), dict(initial_state=False),
+        dict(dtype=torch.float64), dict(dtype=torch.bfloat16), dict(B_form="grouped", z=False, D=False, dtype=torch.float64),
+        dict(batch=3, dim=9, N=7, groups=3, B_form="grouped"),
+    ]
+    for i, variant in enumerate(variants):
+        check_selective(selective_inputs(T + 7, seed=i, **variant), "cpu")
+    check_linear(linear_inputs((2, T + 3, 3), 1, dtype=torch.float64), "cpu", 1, False)
+    check_linear(linear_inputs((2, T + 3, 3), 1, initial_state=False), "cpu", 1, True)
+
+
+@needs_kernels
+def test_no_recompilation_by_torch_dynamo():
+    """The backend compiles nothing through torch.compile: new shapes and variants leave
+    dynamo's counters untouched."""
+    from torch._dynamo.utils import counters
+
     counters.clear()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a compile failure would warn
-        inputs = selective_inputs(2 * T + 5, B_form="varying", C_form="grouped")
-        grads_against_ref(run_selective, inputs, ["out", "last_state"], "selective")
-        graphs = counters["stats"]["unique_graphs"]
-        assert graphs >= 2  # the forward and the backward chunk
-        assert cpu._SELECTIVE_FWD._compiled is not None and not cpu._SELECTIVE_FWD.failed
-        assert not cpu._SELECTIVE_BWD.failed
-        inputs = selective_inputs(4 * T - 1, B_form="varying", C_form="grouped", seed=3)
-        grads_against_ref(run_selective, inputs, ["out", "last_state"], "selective")
-        assert counters["stats"]["unique_graphs"] == graphs, "a new length recompiled the chunks"
-
-        for reverse in (False, True):  # the linear scan: its forward and adjoint chunks
-            x = linear_inputs((2, 3 * T + 2, 5), 1)
-            grads_against_ref(run_linear(reverse), x, ["states"], f"linear reverse={reverse}")
-        assert cpu._LINEAR._compiled is not None and not cpu._LINEAR.failed
+    for length, batch in ((T + 1, 2), (3 * T, 1), (7, 5)):
+        x = selective_inputs(length, batch=batch, B_form="grouped")
+        out, last = selective_call(x, "cpu")
+        (out.sum() + last.sum()).backward()
+    assert not counters["stats"]["unique_graphs"]
 
 
-def test_eager_fallback_warns_once_and_stays_correct(monkeypatch):
-    """When torch.compile fails (here: forced to), the chunks run eagerly after one warning."""
-
-    def broken_compile(fn, **kwargs):
-        def run(*args):
-            raise RuntimeError("no C++ compiler found (simulated)")
-
-        return run
-
-    monkeypatch.setattr(cpu, "COMPILE", True)
-    monkeypatch.setattr(cpu, "_warned", False)
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    for name, fn in [("_SELECTIVE_FWD", cpu._selective_chunk), ("_SELECTIVE_BWD", cpu._selective_chunk_bwd),
-                     ("_LINEAR", cpu._linear_chunk)]:
-        monkeypatch.setattr(cpu, name, cpu._Body(fn))
-
-    # (not under poisoned(): under a dispatch mode the chunks run eagerly without compiling)
-    with pytest.warns(RuntimeWarning, match="running the chunks eagerly") as record:
-        grads_against_ref(run_selective, selective_inputs(2 * T + 3), ["out", "last_state"], "selective")
-    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
-    assert cpu._SELECTIVE_FWD.failed and cpu._SELECTIVE_BWD.failed
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no second warning
-        grads_against_ref(run_selective, selective_inputs(3 * T, seed=2), ["out", "last_state"], "selective")
-        grads_against_ref(run_linear(False), linear_inputs((2, 2 * T + 1, 3), 1), ["states"], "linear")
-    assert cpu._LINEAR.failed
+# ----------------------------------------------------------------------------- memory
 
 
 def saved_by(fn):
@@ -132,36 +219,27 @@ def saved_by(fn):
     return shapes, result
 
 
-def test_no_grad_saves_nothing(monkeypatch):
-    seen = []  # the `states` buffer each forward sweep was given
-    sweep = cpu._selective_sweep
-
-    def spy(delta, u, A, B, C, h, states=None):
-        seen.append(states)
-        return sweep(delta, u, A, B, C, h, states)
-
-    monkeypatch.setattr(cpu, "_selective_sweep", spy)
-    inputs = selective_inputs(3 * T + 2)
-
+@needs_kernels
+def test_no_grad_saves_nothing_and_grad_saves_chunk_states():
+    x = selective_inputs(3 * T + 2)
     with torch.no_grad():
-        shapes, (out, last) = saved_by(lambda: selective_call(inputs, "cpu"))
+        shapes, (out, last) = saved_by(lambda: selective_call(x, "cpu"))
     assert shapes == [] and out.grad_fn is None and last.grad_fn is None
-    assert seen == [None], "the no-grad forward allocated chunk states"
 
-    detached = {k: v.detach() for k, v in inputs.items()}  # nothing requires grad
+    detached = {k: v.detach() for k, v in x.items()}  # nothing requires grad
     shapes, (out, last) = saved_by(lambda: selective_call(detached, "cpu"))
     assert shapes == [] and out.grad_fn is None
 
-    # With gradients the chunk states are kept (so the test above can fail), and nothing
-    # saved is as large as (batch, dim, L, N): memory is O(batch·dim·L) (L padded to whole chunks).
-    shapes, (out, last) = saved_by(lambda: selective_call(inputs, "cpu"))
-    batch, dim, length = inputs["u"].shape
-    N = inputs["A"].shape[1]
-    assert (-(-length // T), batch, dim, N) in shapes
-    padded = -(-length // T) * T
-    assert max(torch.Size(s).numel() for s in shapes) <= batch * dim * padded < batch * dim * length * N
+    # With gradients the state entering each chunk is kept, and nothing saved is as large as
+    # (batch, dim, L, N): memory is O(batch·dim·L).
+    shapes, (out, last) = saved_by(lambda: selective_call(x, "cpu"))
+    batch, dim, length = x["u"].shape
+    N = x["A"].shape[1]
+    assert (batch, -(-length // T), dim, N) in shapes
+    assert max(torch.Size(s).numel() for s in shapes) <= batch * dim * length < batch * dim * length * N
 
 
+@needs_kernels
 def test_linear_no_grad_saves_nothing():
     x = linear_inputs((2, 2 * T + 3, 3), 1)
     with torch.no_grad():
@@ -171,14 +249,83 @@ def test_linear_no_grad_saves_nothing():
     assert shapes and states.grad_fn is not None
 
 
-def test_inside_torch_compile_traces_the_parallel_scan():
-    """Under a user's torch.compile the backend traces pscan instead (no graph break)."""
-    g = torch.Generator().manual_seed(0)
-    u, delta = torch.randn(2, 6, 21, generator=g), torch.randn(2, 6, 21, generator=g)
-    A, B, C = -torch.rand(6, 4, generator=g), torch.randn(2, 4, 21, generator=g), torch.randn(2, 4, 21, generator=g)
+# ----------------------------------------------------------------------------- without a compiler
 
-    def f(u, delta):
-        return selective_scan(u, delta, A, B, C, delta_softplus=True, backend="cpu")
 
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    assert_close(compiled(u, delta), f(u, delta), torch.float32, "compiled out")
+def test_without_a_compiler_warns_once_and_runs_pscan(monkeypatch, tmp_path):
+    """No working compiler: one warning naming the way out, then pscan's path, correct; a
+    working compiler (another CC) is used again at once: nothing sticks for the process."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SSM_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="could not build its C kernels") as record:
+        check_selective(selective_inputs(T + 3), "cpu")
+    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no second warning
+        check_selective(selective_inputs(2 * T + 1, seed=2), "cpu")
+        check_linear(linear_inputs((2, T + 1, 3), 1), "cpu", 1, False)
+    assert cpu.kernels() is None
+    monkeypatch.delenv("CC")
+    if cpu.kernels() is not None:  # a compiler is installed here: back on the kernels
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            check_selective(selective_inputs(T + 3), "cpu")
+
+
+def test_kernel_switch_off_runs_pscan_silently(monkeypatch):
+    monkeypatch.setenv("SSM_CPU_KERNEL", "0")
+    calls = []
+    original = cpu._pscan_selective
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(cpu, "_pscan_selective", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        check_selective(selective_inputs(T + 3), "cpu")
+    assert calls
+
+
+@needs_kernels
+def test_build_is_cached_on_disk_and_reused(tmp_path):
+    """A fresh process with an empty cache directory builds the library there (one file, no
+    temporaries left); a second process loads it without building it again."""
+    code = ("import torch; from ssm.scan import cpu, selective_scan; "
+            "u = torch.randn(1, 4, 9); selective_scan(u, u, -torch.ones(4, 2), torch.randn(4, 2), torch.randn(4, 2)); "
+            "assert cpu.kernels() is not None")
+    env = {**os.environ, "SSM_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "error::RuntimeWarning"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    built = sorted(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so", built
+    stamp = built[0].stat().st_mtime_ns
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    assert sorted(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+@needs_kernels
+def test_inside_torch_compile_calls_the_kernels_without_graph_breaks():
+    """Under a user's torch.compile the kernels are opaque custom ops: the graph holds them, and
+    the compiled function gives the eager values and gradients."""
+    x = selective_inputs(T + 5, B_form="grouped")
+    names = list(x)
+
+    def f(*tensors):
+        out, last = selective_call(dict(zip(names, tensors)), "cpu")
+        return (out * out).sum() + last.sum()
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    loss = compiled(*x.values())
+    assert any("cpu_selective_scan_fwd" in t for t in seen)
+    expected = f(*x.values())
+    torch.testing.assert_close(loss, expected)
