@@ -431,7 +431,10 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
         if (pB) memset(pB, 0, sizeof(REAL) * part_size_B);
         if (pC) memset(pC, 0, sizeof(REAL) * part_size_C);
 
-#pragma omp for schedule(dynamic, 1)
+        /* static: which channels a thread adds into its rows of dB, dC is fixed by the team size,
+           so the gradients are the same bits on every run (dynamic scheduling would vary the
+           order of the sums over channels from run to run) */
+#pragma omp for schedule(static)
         for (i64 d = 0; d < Dn; d++) {
             const REAL Dd = a->D ? ((const REAL *)a->D)[d] : 0;
             const i64 gB = d / (Dn / GB), gC = d / (Dn / GC);
