@@ -88,9 +88,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -196,9 +196,7 @@ def peer_cases(op: str, device: torch.device, inputs, grad_out) -> list[Case]:
         fn = pscan if op == "linear_scan" else partial(mambapy_selective_scan, pscan)
         peer_inputs = tuple(to_peer_layout(x.detach()).requires_grad_() for x in inputs)
         peer_grad_out = to_peer_layout(grad_out)
-        cases.append(
-            Case("mambapy.pscan (peer)", fn, peer_inputs, peer_grad_out, is_peer=True, swapped=True)
-        )
+        cases.append(Case("mambapy.pscan (peer)", fn, peer_inputs, peer_grad_out, is_peer=True, swapped=True))
 
     # mamba-ssm's CUDA kernel has our signature and layout, so it runs on our very inputs.
     if op == "selective_scan" and device.type == "cuda":
@@ -289,7 +287,7 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int, warmup: int = 2, repe
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
-def set_bandwidth(result: "Result", inputs, output: torch.Tensor, copy_gbps: float) -> None:
+def set_bandwidth(result: Result, inputs, output: torch.Tensor, copy_gbps: float) -> None:
     """Fill in ``result``'s achieved bandwidths from its times."""
     forward, fwd_bwd = required_bytes(inputs, output)
     result.forward_gbps = forward / (result.forward_ms * 1e-3) / 1e9
@@ -344,8 +342,17 @@ def describe(args, device: torch.device, copy_gbps: float) -> str:
 
 def format_table(results: list[Result]) -> str:
     peers = [r.name for r in results if r.is_peer]
-    headers = ["", "fwd ms", "fwd+bwd ms", "fwd GB/s", "fwd % copy", "fwd+bwd GB/s",
-               "fwd+bwd % copy", "fwd peak", "fwd+bwd peak"]
+    headers = [
+        "",
+        "fwd ms",
+        "fwd+bwd ms",
+        "fwd GB/s",
+        "fwd % copy",
+        "fwd+bwd GB/s",
+        "fwd+bwd % copy",
+        "fwd peak",
+        "fwd+bwd peak",
+    ]
     headers += [f"x vs {p.removesuffix(' (peer)')}" for p in peers] or ["x vs peer"]
     rows = [headers]
     for r in results:
@@ -364,16 +371,14 @@ def format_table(results: list[Result]) -> str:
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(headers))]
     return "\n".join(
-        "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])])
-        for row in rows
+        "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]) for row in rows
     )
 
 
 def format_differences(results: list[Result], reference: str) -> str:
     others = [r for r in results if reference in r.max_abs_diff]
     return f"vs {reference}:  " + "   ".join(
-        f"{r.name} {r.max_abs_diff[reference]:.1e} (grads {r.max_grad_rel_diff[reference]:.1e})"
-        for r in others
+        f"{r.name} {r.max_abs_diff[reference]:.1e} (grads {r.max_grad_rel_diff[reference]:.1e})" for r in others
     )
 
 
@@ -385,38 +390,39 @@ def comma_list(text: str) -> list[str]:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", choices=[*OPS, "generate", "packed", "layer", "train-step"], default="selective")
     parser.add_argument("--batch", type=int, default=None, help="default 1 (8 for train-step)")
     parser.add_argument("--dim", type=int, default=1536)
     parser.add_argument("--state", type=int, default=16, help="N, the state size per channel")
     parser.add_argument("--length", type=int, default=None, help="default 1024 (512 for train-step)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
-    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backends", type=comma_list, help="comma-separated; default: all")
     parser.add_argument("--skip", type=comma_list, default=[], help="backends not to run")
     parser.add_argument("--no-peer", action="store_true", help="do not run the peers")
     parser.add_argument(
-        "--repeats", type=int, default=5,
+        "--repeats",
+        type=int,
+        default=5,
         help="timed runs (the median is reported); ref is slow at big shapes, so a long run "
         "wants --repeats 1 --warmup 0 or --skip ref",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before those")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--copy-mib", type=int, default=None,
+        "--copy-mib",
+        type=int,
+        default=None,
         help="buffer size of the copy-bandwidth measurement (default 1024 on cuda, 64 on cpu)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results there")
     generation = parser.add_argument_group("--op generate and --op packed")
     generation.add_argument("--d-model", type=int, default=None, help="default 256 (generate), 128 (packed)")
     generation.add_argument("--layers", type=int, default=4)
-    generation.add_argument("--positions", type=comma_list, default=["10", "2000"],
-                            help="positions at which one step is timed")
+    generation.add_argument(
+        "--positions", type=comma_list, default=["10", "2000"], help="positions at which one step is timed"
+    )
     generation.add_argument("--new-tokens", type=int, default=256)
     generation.add_argument("--prompt-length", type=int, default=16)
     packed = parser.add_argument_group("--op packed")
@@ -425,10 +431,19 @@ def parse_args(argv):
     packed.add_argument("--max-doc-len", type=int, default=1024, help="documents are cut at this many bytes")
     packed.add_argument("--batches", type=int, default=3, help="timed training steps per way (after --warmup)")
     train = parser.add_argument_group("--op train-step")
-    train.add_argument("--peers", type=comma_list, default=["transformers", "mambapy"],
-                       help="peers to run when importable (transformers, mambapy)")
-    train.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
-                       help="also time ssm's step in a child process under MALLOC_MMAP_THRESHOLD_=BYTES")
+    train.add_argument(
+        "--peers",
+        type=comma_list,
+        default=["transformers", "mambapy"],
+        help="peers to run when importable (transformers, mambapy)",
+    )
+    train.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="also time ssm's step in a child process under MALLOC_MMAP_THRESHOLD_=BYTES",
+    )
     train.add_argument("--only-ssm", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     layer = parser.add_argument_group("--op layer (also --batch, --length, --state, --d-model, --dtype)")
     layer.add_argument("--headdim", type=int, default=32, help="P of Mamba2 and Mamba3")
@@ -475,7 +490,9 @@ def parse_args(argv):
         except ValueError:
             parser.error(f"--positions must be comma-separated ints, got {args.positions}")
         if min(args.d_model, args.layers, args.new_tokens, args.prompt_length, args.repeats, *args.positions) < 1:
-            parser.error("--d-model, --layers, --new-tokens, --prompt-length, --positions and --repeats must be positive")
+            parser.error(
+                "--d-model, --layers, --new-tokens, --prompt-length, --positions and --repeats must be positive"
+            )
         return args
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -499,8 +516,10 @@ def benchmark_generation(args) -> int:
     config = MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=256)
     model = MambaLM(config).to(device).eval()
     params = sum(p.numel() for p in model.parameters())
-    print(f"MambaLM d_model={args.d_model} n_layer={args.layers} vocab=256 ({params / 1e6:.2f} M parameters), "
-          f"{describe_device(device)}")
+    print(
+        f"MambaLM d_model={args.d_model} n_layer={args.layers} vocab=256 ({params / 1e6:.2f} M parameters), "
+        f"{describe_device(device)}"
+    )
 
     # Prefill one cache per position, then time single steps at the positions in turn (so that
     # warm-up and machine noise fall on all of them alike); report the median per position.
@@ -548,12 +567,23 @@ def benchmark_generation(args) -> int:
     for name, seconds in timings.items():
         print(f"  {name:26s} {seconds:8.2f} s   {args.new_tokens / seconds:8.1f} tokens/s")
     same = torch.equal(*outputs.values())
-    print(f"  speed-up of the cache: {timings['full forward per token'] / timings['cached (prefill + step)']:.1f}x; "
-          f"same tokens: {same}")
+    print(
+        f"  speed-up of the cache: {timings['full forward per token'] / timings['cached (prefill + step)']:.1f}x; "
+        f"same tokens: {same}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "parameters": params,
-                       "step_ms": step_ms, "generate_s": timings, "same_tokens": same}, f, indent=2)
+            json.dump(
+                {
+                    "config": {k: v for k, v in vars(args).items() if k != "json"},
+                    "parameters": params,
+                    "step_ms": step_ms,
+                    "generate_s": timings,
+                    "same_tokens": same,
+                },
+                f,
+                indent=2,
+            )
     return 0 if same else 1
 
 
@@ -606,11 +636,18 @@ def benchmark_packed(args) -> int:
     lengths = torch.tensor([len(d) for d in docs], dtype=torch.float64)
     real = sum(len(d) for b in batches for d in b)
     padded_total = sum(len(b) * max(len(d) for d in b) for b in batches)
-    ssm_cfg = {"layer": args.layer, "d_state": 16} if args.layer == "Mamba1" else {"layer": "Mamba2", "d_state": 64, "headdim": 32}
+    ssm_cfg = (
+        {"layer": args.layer, "d_state": 16}
+        if args.layer == "Mamba1"
+        else {"layer": "Mamba2", "d_state": 64, "headdim": 32}
+    )
     config = MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=256, ssm_cfg=ssm_cfg)
-    print(f"{len(docs)} documents of the text task (stdlib sources cut at {args.max_doc_len} bytes), {args.docs} per batch: "
-          f"length mean {lengths.mean():.0f}, median {lengths.median():.0f}, min {lengths.min():.0f}, max {lengths.max():.0f}; "
-          f"padded to each batch's longest, {1 - real / padded_total:.0%} of the positions are padding")
+    print(
+        f"{len(docs)} documents of the text task (stdlib sources cut at {args.max_doc_len} bytes), "
+        f"{args.docs} per batch: length mean {lengths.mean():.0f}, median {lengths.median():.0f}, "
+        f"min {lengths.min():.0f}, max {lengths.max():.0f}; "
+        f"padded to each batch's longest, {1 - real / padded_total:.0%} of the positions are padding"
+    )
     print(f"MambaLM {args.layer} d_model={args.d_model} n_layer={args.layers}, {describe_device(device)}")
 
     def step_fn(model, optimizer, batch, packed):
@@ -651,8 +688,10 @@ def benchmark_packed(args) -> int:
     print(f"{'backend':10s} {'padded':>12s} {'packed':>12s} {'packed/padded':>14s}  first-batch loss padded / packed")
     for backend in args.backends:
         pad, pack = training[backend, "padded"], training[backend, "packed"]
-        print(f"{backend:10s} {pad:12,.0f} {pack:12,.0f} {pack / pad:13.2f}x  "
-              f"{first_losses[backend, 'padded']:.5f} / {first_losses[backend, 'packed']:.5f}")
+        print(
+            f"{backend:10s} {pad:12,.0f} {pack:12,.0f} {pack / pad:13.2f}x  "
+            f"{first_losses[backend, 'padded']:.5f} / {first_losses[backend, 'packed']:.5f}"
+        )
 
     # The scan alone, at the model's layer shape, on the first timed batch's documents.
     scan_ms = {}
@@ -667,48 +706,93 @@ def benchmark_packed(args) -> int:
         cu = F.pad(torch.cumsum(torch.tensor(seq), 0), (1, 0)).to(device)
         bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
         for backend in args.backends:
+
             def packed_call():
                 out = selective_scan(u, delta, A, B, C, D, z, delta_bias, True, cu_seqlens=cu, backend=backend)
                 return torch.autograd.grad(out, inputs, grad)
 
             def loop_call():
-                out = torch.cat([selective_scan(u[..., a:b], delta[..., a:b], A, B[..., a:b], C[..., a:b], D,
-                                                z[..., a:b], delta_bias, True, backend=backend) for a, b in bounds], -1)
+                out = torch.cat(
+                    [
+                        selective_scan(
+                            u[..., a:b],
+                            delta[..., a:b],
+                            A,
+                            B[..., a:b],
+                            C[..., a:b],
+                            D,
+                            z[..., a:b],
+                            delta_bias,
+                            True,
+                            backend=backend,
+                        )
+                        for a, b in bounds
+                    ],
+                    -1,
+                )
                 return torch.autograd.grad(out, inputs, grad)
 
             got, want = packed_call(), loop_call()
             diff = max(relative_difference(g.float(), w.float()) for g, w in zip(got, want))
             ok &= diff < TOLERANCE[torch.float32]
-            scan_ms[backend] = (median_ms(packed_call, device, args.warmup, args.repeats),
-                                median_ms(loop_call, device, args.warmup, args.repeats), diff)
+            scan_ms[backend] = (
+                median_ms(packed_call, device, args.warmup, args.repeats),
+                median_ms(loop_call, device, args.warmup, args.repeats),
+                diff,
+            )
             print(f"  scan {backend}: done", file=sys.stderr, flush=True)
         print(f"\nselective_scan forward + backward on those {len(seq)} documents ({total} steps), D = {dim}, N = 16:")
-        print(f"{'backend':10s} {'packed ms':>10s} {'loop ms':>10s} {'loop/packed':>12s}  max relative gradient difference")
+        print(
+            f"{'backend':10s} {'packed ms':>10s} {'loop ms':>10s} {'loop/packed':>12s}"
+            "  max relative gradient difference"
+        )
         for backend, (pack, loop, diff) in scan_ms.items():
             print(f"{backend:10s} {pack:10.1f} {loop:10.1f} {loop / pack:11.2f}x  {diff:.1e}")
     if not ok:
         print("MISMATCH: packed and padded (or looped) results differ", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"},
-                       "documents": {"count": len(docs), "mean": float(lengths.mean()), "median": float(lengths.median()),
-                                     "max": float(lengths.max()), "padding_fraction": 1 - real / padded_total},
-                       "training_bytes_per_s": {f"{b}/{w}": v for (b, w), v in training.items()},
-                       "first_batch_loss": {f"{b}/{w}": v for (b, w), v in first_losses.items()},
-                       "scan_ms": {b: {"packed": p, "loop": q, "max_grad_rel_diff": d} for b, (p, q, d) in scan_ms.items()},
-                       "device": describe_device(device)}, f, indent=2)
+            json.dump(
+                {
+                    "config": {k: v for k, v in vars(args).items() if k != "json"},
+                    "documents": {
+                        "count": len(docs),
+                        "mean": float(lengths.mean()),
+                        "median": float(lengths.median()),
+                        "max": float(lengths.max()),
+                        "padding_fraction": 1 - real / padded_total,
+                    },
+                    "training_bytes_per_s": {f"{b}/{w}": v for (b, w), v in training.items()},
+                    "first_batch_loss": {f"{b}/{w}": v for (b, w), v in first_losses.items()},
+                    "scan_ms": {
+                        b: {"packed": p, "loop": q, "max_grad_rel_diff": d} for b, (p, q, d) in scan_ms.items()
+                    },
+                    "device": describe_device(device),
+                },
+                f,
+                indent=2,
+            )
     return 0 if ok else 1
 
 
 def transformers_mamba(args, device):
     """transformers' MambaForCausalLM with fresh weights at the benchmark's sizes, or None."""
     try:
-        from transformers import MambaConfig as HFMambaConfig, MambaForCausalLM
+        from transformers import MambaConfig as HFMambaConfig
+        from transformers import MambaForCausalLM
     except ImportError:
         return None
     config = HFMambaConfig(
-        vocab_size=256, hidden_size=args.d_model, state_size=16, num_hidden_layers=args.layers, expand=2,
-        conv_kernel=4, use_bias=False, use_conv_bias=True, tie_word_embeddings=True, layer_norm_epsilon=1e-5,
+        vocab_size=256,
+        hidden_size=args.d_model,
+        state_size=16,
+        num_hidden_layers=args.layers,
+        expand=2,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        tie_word_embeddings=True,
+        layer_norm_epsilon=1e-5,
     )
     torch.manual_seed(args.seed)
     return MambaForCausalLM(config).to(device).float().train()
@@ -720,15 +804,17 @@ def mambapy_lm(args, hf_state: dict, device):
     mamba-ssm's, the prefixes aside); None when mambapy is not importable. (mambapy.lm.LM
     imports mamba-ssm's Triton kernels for its Mamba-2 path, so it is not used.)"""
     try:
-        from mambapy.mamba import Mamba, MambaConfig as MambapyConfig, RMSNorm
+        from mambapy.mamba import Mamba, RMSNorm
+        from mambapy.mamba import MambaConfig as MambapyConfig
     except ImportError:
         return None
 
     class MambapyLM(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            config = MambapyConfig(d_model=args.d_model, n_layers=args.layers, d_state=16, expand_factor=2,
-                                   d_conv=4, rms_norm_eps=1e-5)
+            config = MambapyConfig(
+                d_model=args.d_model, n_layers=args.layers, d_state=16, expand_factor=2, d_conv=4, rms_norm_eps=1e-5
+            )
             self.embedding = torch.nn.Embedding(256, args.d_model)
             self.mamba = Mamba(config)
             self.norm_f = RMSNorm(args.d_model, 1e-5)
@@ -742,7 +828,7 @@ def mambapy_lm(args, hf_state: dict, device):
         if key in ("backbone.embeddings.weight", "backbone.norm_f.weight"):
             state[key.split(".")[1].replace("embeddings", "embedding") + ".weight"] = value
         elif key.startswith("backbone."):
-            state["mamba." + key[len("backbone."):]] = value
+            state["mamba." + key[len("backbone.") :]] = value
     model.load_state_dict(state)
     return model.to(device).train()
 
@@ -812,10 +898,29 @@ def benchmark_train_step(args) -> int:
         return 0
     if args.mmap_threshold is not None:
         print(f"measuring ssm under MALLOC_MMAP_THRESHOLD_={args.mmap_threshold} ...", file=sys.stderr, flush=True)
-        child = [sys.executable, os.path.abspath(__file__), "--op", "train-step", "--only-ssm", "--device",
-                 args.device, "--batch", str(args.batch), "--length", str(args.length), "--d-model",
-                 str(args.d_model), "--layers", str(args.layers), "--warmup", str(args.warmup), "--repeats",
-                 str(args.repeats), "--seed", str(args.seed)]
+        child = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--op",
+            "train-step",
+            "--only-ssm",
+            "--device",
+            args.device,
+            "--batch",
+            str(args.batch),
+            "--length",
+            str(args.length),
+            "--d-model",
+            str(args.d_model),
+            "--layers",
+            str(args.layers),
+            "--warmup",
+            str(args.warmup),
+            "--repeats",
+            str(args.repeats),
+            "--seed",
+            str(args.seed),
+        ]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)}
         result = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
         times = json.loads(result.stdout.strip().splitlines()[-1])["times"]
@@ -837,16 +942,20 @@ def benchmark_train_step(args) -> int:
             print("measuring mambapy ...", file=sys.stderr, flush=True)
             rows["mambapy LM (pscan)"] = time_train_steps(make_step(peer, lambda m, x: m(x)), args.warmup, args.repeats)
 
-    print(f"training step (forward, cross-entropy, backward) of a Mamba LM: d_model {args.d_model}, "
-          f"{args.layers} layers, vocab 256, N 16, batch {args.batch}, L {args.length} "
-          f"({params / 1e6:.2f} M parameters), {describe_device(device)}; median of {args.repeats} steps "
-          f"after the first and {args.warmup} more")
+    print(
+        f"training step (forward, cross-entropy, backward) of a Mamba LM: d_model {args.d_model}, "
+        f"{args.layers} layers, vocab 256, N 16, batch {args.batch}, L {args.length} "
+        f"({params / 1e6:.2f} M parameters), {describe_device(device)}; median of {args.repeats} steps "
+        f"after the first and {args.warmup} more"
+    )
     ours = statistics.median(rows["ssm MambaLM (eager)"][2])
     print(f"\n{'':58s} {'first step s':>12s} {'step s':>8s} {'min':>7s} {'max':>7s} {'x ssm':>7s} {'loss':>10s}")
     for name, (loss, first, times) in rows.items():
         median = statistics.median(times)
-        print(f"{name:58s} {first:12.2f} {median:8.3f} {min(times):7.3f} {max(times):7.3f} "
-              f"{median / ours:7.2f} {loss:10.6f}")
+        print(
+            f"{name:58s} {first:12.2f} {median:8.3f} {min(times):7.3f} {max(times):7.3f} "
+            f"{median / ours:7.2f} {loss:10.6f}"
+        )
     for name in missing:
         print(f"not measured: {name}")
     ok = True
@@ -856,9 +965,15 @@ def benchmark_train_step(args) -> int:
         ok = False
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"},
-                       "rows": {n: {"loss": l, "first_s": fs, "step_s": t} for n, (l, fs, t) in rows.items()},
-                       "not_measured": missing}, f, indent=2)
+            json.dump(
+                {
+                    "config": {k: v for k, v in vars(args).items() if k != "json"},
+                    "rows": {n: {"loss": loss, "first_s": fs, "step_s": t} for n, (loss, fs, t) in rows.items()},
+                    "not_measured": missing,
+                },
+                f,
+                indent=2,
+            )
     return 0 if ok else 1
 
 
@@ -873,7 +988,9 @@ def benchmark_layers(args) -> int:
     layers = {
         "Mamba2": Mamba2(d, d_state=N, headdim=P, **kw),
         "Mamba3": Mamba3(d, d_state=N, headdim=P, **kw),
-        f"Mamba3 MIMO R={args.mimo_rank}": Mamba3(d, d_state=N, headdim=P, is_mimo=True, mimo_rank=args.mimo_rank, **kw),
+        f"Mamba3 MIMO R={args.mimo_rank}": Mamba3(
+            d, d_state=N, headdim=P, is_mimo=True, mimo_rank=args.mimo_rank, **kw
+        ),
         "Mamba": Mamba(d, d_state=N, **kw),
     }
     x = torch.randn(args.batch, args.length, d, **kw)
@@ -899,18 +1016,32 @@ def benchmark_layers(args) -> int:
                     samples[name, way].append(1e3 * (time.perf_counter() - start))
     ms = {key: statistics.median(v) for key, v in samples.items()}
     params = {name: sum(p.numel() for p in layer.parameters()) for name, layer in layers.items()}
-    print(f"mixer layers, input ({args.batch}, {args.length}, {d}) {args.dtype}, expand 2, N = {N}, P = {P}, "
-          f"default backends; {describe_device(device)}; median of {args.repeats} after {args.warmup} warm-up")
-    print(f"{'layer':18s} {'params':>8s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd / Mamba2':>13s} {'fwd+bwd / Mamba2':>17s}")
+    print(
+        f"mixer layers, input ({args.batch}, {args.length}, {d}) {args.dtype}, expand 2, N = {N}, P = {P}, "
+        f"default backends; {describe_device(device)}; median of {args.repeats} after {args.warmup} warm-up"
+    )
+    print(
+        f"{'layer':18s} {'params':>8s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} "
+        f"{'fwd / Mamba2':>13s} {'fwd+bwd / Mamba2':>17s}"
+    )
     for name in layers:
         f, fb = ms[name, "fwd"], ms[name, "fwd+bwd"]
-        print(f"{name:18s} {params[name]:8d} {f:9.2f} {fb:11.2f} {f / ms['Mamba2', 'fwd']:12.2f}x "
-              f"{fb / ms['Mamba2', 'fwd+bwd']:16.2f}x")
+        print(
+            f"{name:18s} {params[name]:8d} {f:9.2f} {fb:11.2f} {f / ms['Mamba2', 'fwd']:12.2f}x "
+            f"{fb / ms['Mamba2', 'fwd+bwd']:16.2f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "parameters": params,
-                       "ms": {f"{name}/{way}": v for (name, way), v in ms.items()},
-                       "device": describe_device(device)}, f, indent=2)
+            json.dump(
+                {
+                    "config": {k: v for k, v in vars(args).items() if k != "json"},
+                    "parameters": params,
+                    "ms": {f"{name}/{way}": v for (name, way), v in ms.items()},
+                    "device": describe_device(device),
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
@@ -936,9 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
     make = selective_inputs if op == "selective_scan" else linear_inputs
     cpu_inputs = make(args.batch, args.dim, args.state, args.length)
     # A, D and delta_bias are parameters and stay float32, as in a Mamba layer.
-    inputs = tuple(
-        x.to(device, dtype if x.ndim >= 3 else torch.float32).requires_grad_() for x in cpu_inputs
-    )
+    inputs = tuple(x.to(device, dtype if x.ndim >= 3 else torch.float32).requires_grad_() for x in cpu_inputs)
     grad_out = torch.randn(cpu_inputs[0].shape).to(device, dtype)  # shaped like u or gates
 
     if op == "selective_scan":
@@ -954,9 +1083,7 @@ def main(argv: list[str] | None = None) -> int:
     results, outputs, grads = [], {}, {}
     for case in cases:
         print(f"measuring {case.name} ...", file=sys.stderr, flush=True)
-        result, outputs[case.name], grads[case.name] = measure(
-            case, device, args.warmup, args.repeats, copy_gbps
-        )
+        result, outputs[case.name], grads[case.name] = measure(case, device, args.warmup, args.repeats, copy_gbps)
         results.append(result)
 
     peers = [r for r in results if r.is_peer]
@@ -981,9 +1108,7 @@ def main(argv: list[str] | None = None) -> int:
         config = {k: v for k, v in vars(args).items() if k != "json"}
         environment = {
             "torch": torch.__version__,
-            "device_name": (
-                torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-            ),
+            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
             "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "peers": peer_versions(),

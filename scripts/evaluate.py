@@ -23,11 +23,18 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default: 1x, 2x, 4x, 8x the trained one)")
-    parser.add_argument("--val-samples", type=int, default=None, help="examples per length (default: the run's data.val_samples)")
+    parser.add_argument(
+        "--lengths", default=None, help="comma-separated sequence lengths (default: 1x, 2x, 4x, 8x the trained one)"
+    )
+    parser.add_argument(
+        "--val-samples", type=int, default=None, help="examples per length (default: the run's data.val_samples)"
+    )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--carried-state", action="store_true",
-                        help="text runs: bits per byte with the state carried across segments against without")
+    parser.add_argument(
+        "--carried-state",
+        action="store_true",
+        help="text runs: bits per byte with the state carried across segments against without",
+    )
     parser.add_argument("--segments", type=int, default=16, help="consecutive segments per stream (--carried-state)")
     args = parser.parse_args(argv)
 
@@ -42,11 +49,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--segments must be positive")
         m = evaluate_carried_state(model, TaskDataModule(config.data, seed=config.seed), args.segments)
         L = config.data.seq_len
-        print(f"text run {args.run_dir} (trained with data.stateful={config.data.stateful}): "
-              f"{config.data.batch_size} streams of {args.segments} x {L} bytes, {m['bytes']} scored")
+        print(
+            f"text run {args.run_dir} (trained with data.stateful={config.data.stateful}): "
+            f"{config.data.batch_size} streams of {args.segments} x {L} bytes, {m['bytes']} scored"
+        )
         print(f"  bits per byte, state carried across segments: {m['bpb_carried']:.4f}")
         print(f"  bits per byte, each segment from a zero state: {m['bpb_fresh']:.4f}")
-        (args.run_dir / "carried_state.json").write_text(json.dumps({**m, "segments": args.segments, "seq_len": L}, indent=2) + "\n")
+        (args.run_dir / "carried_state.json").write_text(
+            json.dumps({**m, "segments": args.segments, "seq_len": L}, indent=2) + "\n"
+        )
         return 0
     trained = config.data.seq_len
     try:

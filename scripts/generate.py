@@ -1,6 +1,6 @@
 """Sample text from a trained byte-level `text` run.
 
-    python scripts/generate.py RUN_DIR --prompt "def main(" --max-new-tokens 200 --temperature 0.8
+python scripts/generate.py RUN_DIR --prompt "def main(" --max-new-tokens 200 --temperature 0.8
 """
 
 from __future__ import annotations
@@ -33,8 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     if not prompt:
         parser.error("--prompt must not be empty")
     ids = torch.tensor([list(prompt)], device=args.device)
-    out = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, generator=torch.Generator(args.device).manual_seed(args.seed))
+    out = model.generate(
+        ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=torch.Generator(args.device).manual_seed(args.seed),
+    )
     print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
     return 0
 

@@ -45,14 +45,39 @@ DT_LIMIT = (0.05, 0.6)
 
 SPECS = {
     "mamba": dict(
-        kind="mamba", hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=8, expand=2,
-        conv_kernel=4, time_step_rank=4, use_bias=True, use_conv_bias=True, layer_norm_epsilon=EPS,
-        residual_in_fp32=True, tie_word_embeddings=True, seed=1,
+        kind="mamba",
+        hidden_size=32,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        state_size=8,
+        expand=2,
+        conv_kernel=4,
+        time_step_rank=4,
+        use_bias=True,
+        use_conv_bias=True,
+        layer_norm_epsilon=EPS,
+        residual_in_fp32=True,
+        tie_word_embeddings=True,
+        seed=1,
     ),
     "mamba2": dict(
-        kind="mamba2", hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=8, expand=2,
-        head_dim=8, num_heads=8, n_groups=2, chunk_size=8, conv_kernel=3, use_bias=False, use_conv_bias=True,
-        layer_norm_epsilon=EPS, residual_in_fp32=True, tie_word_embeddings=False, seed=3,
+        kind="mamba2",
+        hidden_size=32,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        state_size=8,
+        expand=2,
+        head_dim=8,
+        num_heads=8,
+        n_groups=2,
+        chunk_size=8,
+        conv_kernel=3,
+        use_bias=False,
+        use_conv_bias=True,
+        layer_norm_epsilon=EPS,
+        residual_in_fp32=True,
+        tie_word_embeddings=False,
+        seed=3,
     ),
 }
 
@@ -117,12 +142,16 @@ def code_path(model) -> str:
     if model.config.model_type == "mamba":
         if model.config.use_mambapy:
             raise SystemExit("use_mambapy must be False: the golden files come from the sequential scan")
-        return ("pure PyTorch on CPU: transformers.models.mamba.modeling_mamba fallbacks causal_conv1d_fn, "
-                "mamba_selective_scan (sequential loop; use_mambapy=False, associative scan only under "
-                "torch.compile), causal_conv1d_update and mamba_selective_state_update in generate")
-    return ("pure PyTorch on CPU: transformers.models.mamba2.modeling_mamba2 fallbacks causal_conv1d_fn, "
-            "mamba2_chunk_scan (chunked SSD), causal_conv1d_update and mamba2_selective_state_update in "
-            "generate; MambaRMSNormGated")
+        return (
+            "pure PyTorch on CPU: transformers.models.mamba.modeling_mamba fallbacks causal_conv1d_fn, "
+            "mamba_selective_scan (sequential loop; use_mambapy=False, associative scan only under "
+            "torch.compile), causal_conv1d_update and mamba_selective_state_update in generate"
+        )
+    return (
+        "pure PyTorch on CPU: transformers.models.mamba2.modeling_mamba2 fallbacks causal_conv1d_fn, "
+        "mamba2_chunk_scan (chunked SSD), causal_conv1d_update and mamba2_selective_state_update in "
+        "generate; MambaRMSNormGated"
+    )
 
 
 def run(name: str, spec: dict, out: Path) -> None:
@@ -137,8 +166,12 @@ def run(name: str, spec: dict, out: Path) -> None:
     with torch.no_grad():
         logits = model(input_ids).logits
         gen = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True,
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
     step_logits = torch.stack(gen.logits, dim=1)  # (B, new, V)
     assert gen.sequences.shape == (BATCH, PROMPT + NEW_TOKENS), gen.sequences.shape
@@ -149,8 +182,11 @@ def run(name: str, spec: dict, out: Path) -> None:
         raise SystemExit(f"{name}: a greedy step has its top two logits {margin:.2g} apart; change the seed")
 
     tensors = {
-        "input_ids": input_ids, "logits": logits.float().contiguous(),
-        "prompt": prompt, "greedy": gen.sequences.contiguous(), "greedy_logits": step_logits.float().contiguous(),
+        "input_ids": input_ids,
+        "logits": logits.float().contiguous(),
+        "prompt": prompt,
+        "greedy": gen.sequences.contiguous(),
+        "greedy_logits": step_logits.float().contiguous(),
     }
     if spec["kind"] == "mamba2":
         # The same weights with Δ clamped: transformers' forward clamps (its one-token step does not,
@@ -166,7 +202,9 @@ def run(name: str, spec: dict, out: Path) -> None:
     directory = out / name
     model.save_pretrained(directory)  # config.json, generation_config.json, model.safetensors
     metadata = {
-        "transformers": transformers.__version__, "torch": torch.__version__, "path": path,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "path": path,
         "min_greedy_margin": f"{margin:.4g}",
     }
     save_file(tensors, out / f"{name}.outputs.safetensors", metadata=metadata)

@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"carry (B, D) = ({args.batch}, {args.width}) float32 = {args.batch * args.width * 4 / 1024:.0f} KiB; "
           f"device {device}, {torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'L':>6} {'checkpoint':>10} {'saved MiB':>10} {'peak MiB':>9} {'carries':>8} {'fwd+bwd s':>9}  (median of {args.repeats})")
+    print(
+        f"{'L':>6} {'checkpoint':>10} {'saved MiB':>10} {'peak MiB':>9} {'carries':>8} {'fwd+bwd s':>9}"
+        f"  (median of {args.repeats})"
+    )
     for length in args.length:
         for text in args.checkpoint.split(","):
             row = measure(length, args.batch, args.width, parse_checkpoint(text), device, args.repeats)

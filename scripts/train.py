@@ -24,7 +24,9 @@ DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG.relative_to(ROOT)})")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.max_steps=100")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.max_steps=100"
+    )
     args = parser.parse_args(argv)
 
     from ssm.training import CheckpointError, ConfigError, load_config, train

@@ -205,7 +205,13 @@ def selective_inputs(
         delta = rand(batch, dim, length, lo=-1.0, hi=0.5)
     else:
         delta = rand(batch, dim, length, lo=0.01, hi=0.8)
-    x = dict(u=rand(batch, dim, length), delta=delta, A=-rand(dim, N, lo=0.1, hi=3.0, dt=fp32), B=bc(B_form), C=bc(C_form or B_form))
+    x = dict(
+        u=rand(batch, dim, length),
+        delta=delta,
+        A=-rand(dim, N, lo=0.1, hi=3.0, dt=fp32),
+        B=bc(B_form),
+        C=bc(C_form or B_form),
+    )
     if D:
         x["D"] = rand(dim, dt=fp32)
     if z:
@@ -221,7 +227,9 @@ def selective_inputs(
 
 def selective_call(inputs: dict, backend: str, **kw):
     """(out, last_state) of selective_scan on ``inputs``, with softplus when there is a bias."""
-    return selective_scan(**inputs, delta_softplus="delta_bias" in inputs, return_last_state=True, backend=backend, **kw)
+    return selective_scan(
+        **inputs, delta_softplus="delta_bias" in inputs, return_last_state=True, backend=backend, **kw
+    )
 
 
 def check_selective(inputs: dict, backend: str, dtype: torch.dtype | None = None):
@@ -267,8 +275,21 @@ def check_linear(inputs: dict, backend: str, dim: int, reverse: bool, dtype: tor
 # ----------------------------------------------------------------------------- ssd
 
 
-def ssd_inputs(length, *, batch=2, heads=4, head_dim=3, groups=2, N=5, D="heads", z=True, bias=True,
-               initial_state=True, dtype=torch.float32, seed=0) -> dict:
+def ssd_inputs(
+    length,
+    *,
+    batch=2,
+    heads=4,
+    head_dim=3,
+    groups=2,
+    N=5,
+    D="heads",
+    z=True,
+    bias=True,
+    initial_state=True,
+    dtype=torch.float32,
+    seed=0,
+) -> dict:
     """Inputs for ssd, as leaf tensors; ``D`` is "none", "heads" (H,) or "channels" (H, P)."""
     g = torch.Generator().manual_seed(seed)
     rand = _uniform(g, dtype)
@@ -297,13 +318,21 @@ def ssd_inputs(length, *, batch=2, heads=4, head_dim=3, groups=2, N=5, D="heads"
 
 def ssd_call(chunk_size: int = 8, dt_limit=(0.0, math.inf)):
     def call(inputs, backend):
-        return ssd(**inputs, dt_softplus=True, dt_limit=dt_limit, return_last_state=True,
-                   chunk_size=chunk_size, backend=backend)
+        return ssd(
+            **inputs,
+            dt_softplus=True,
+            dt_limit=dt_limit,
+            return_last_state=True,
+            chunk_size=chunk_size,
+            backend=backend,
+        )
 
     return call
 
 
-def check_ssd(inputs: dict, backend: str, dtype: torch.dtype | None = None, chunk_size: int = 8, dt_limit=(0.0, math.inf)):
+def check_ssd(
+    inputs: dict, backend: str, dtype: torch.dtype | None = None, chunk_size: int = 8, dt_limit=(0.0, math.inf)
+):
     (out, last), grads = check_against_reference(
         ssd_call(chunk_size, dt_limit), inputs, backend, dtype, ["out", "last_state"]
     )
@@ -315,8 +344,25 @@ def check_ssd(inputs: dict, backend: str, dtype: torch.dtype | None = None, chun
 # ----------------------------------------------------------------------------- trapezoidal_scan
 
 
-def trapezoidal_inputs(length, *, batch=2, heads=4, head_dim=3, groups=2, N=8, M=2, ranks=None, D=True, z=True,
-                       bias=True, mimo=True, initial_state=True, packed=None, dtype=torch.float32, seed=0) -> dict:
+def trapezoidal_inputs(
+    length,
+    *,
+    batch=2,
+    heads=4,
+    head_dim=3,
+    groups=2,
+    N=8,
+    M=2,
+    ranks=None,
+    D=True,
+    z=True,
+    bias=True,
+    mimo=True,
+    initial_state=True,
+    packed=None,
+    dtype=torch.float32,
+    seed=0,
+) -> dict:
     """Inputs for trapezoidal_scan (Mamba-3) in the ranges its layer gives them, as leaf tensors.
     ``ranks=None``: B, C (batch, L, G, N) without a rank axis (SISO); an int R: (batch, L, R, G, N),
     with mimo_x, mimo_z (when z), mimo_o when ``mimo``. ``packed``: a list of sequence lengths
@@ -355,8 +401,10 @@ def trapezoidal_inputs(length, *, batch=2, heads=4, head_dim=3, groups=2, N=8, M
         t.requires_grad_(True)
     if initial_state:
         state = TrapezoidalState(
-            rand(rows, heads, M, lo=-4.0, hi=4.0, dt=fp32), rand(rows, heads, head_dim, N, dt=fp32),
-            rand(rows, *rank_shape, heads, N, dt=fp32), rand(rows, heads, head_dim, dt=fp32),
+            rand(rows, heads, M, lo=-4.0, hi=4.0, dt=fp32),
+            rand(rows, heads, head_dim, N, dt=fp32),
+            rand(rows, *rank_shape, heads, N, dt=fp32),
+            rand(rows, heads, head_dim, dt=fp32),
         )
         for t in state:
             t.requires_grad_(True)
@@ -373,8 +421,9 @@ def trapezoidal_call(rotary="interleaved", chunk_size=8):
         kw = {k: v for k, v in inputs.items() if not k.startswith("initial_")}
         parts = [inputs.get(f"initial_{name}") for name in TrapezoidalState._fields]
         state = TrapezoidalState(*parts) if parts[0] is not None else None
-        out, last = trapezoidal_scan(**kw, rotary=rotary, initial_state=state, return_last_state=True,
-                                     chunk_size=chunk_size, backend=backend)
+        out, last = trapezoidal_scan(
+            **kw, rotary=rotary, initial_state=state, return_last_state=True, chunk_size=chunk_size, backend=backend
+        )
         return (out, *last)
 
     return call
@@ -416,6 +465,7 @@ def _bounds(cu_seqlens):
 
 def selective_packed_call(cu_seqlens):
     """(out, per-sequence last states) of selective_scan on packed ``inputs`` (batch 1)."""
+
     def call(inputs, backend):
         return selective_call(inputs, backend, cu_seqlens=cu_seqlens)
 
@@ -425,11 +475,14 @@ def selective_packed_call(cu_seqlens):
 def selective_solo_call(cu_seqlens):
     """The same as :func:`selective_packed_call`, with each sequence run alone (no cu_seqlens)
     and the results put together: the oracle packing must match."""
+
     def call(inputs, backend):
         outs, lasts = [], []
         for s, (start, end) in enumerate(_bounds(cu_seqlens)):
-            part = {k: v[..., start:end] if k in ("u", "delta", "z") or (k in ("B", "C") and v.ndim >= 3) else v
-                    for k, v in inputs.items()}
+            part = {
+                k: v[..., start:end] if k in ("u", "delta", "z") or (k in ("B", "C") and v.ndim >= 3) else v
+                for k, v in inputs.items()
+            }
             if "initial_state" in inputs:
                 part["initial_state"] = inputs["initial_state"][s : s + 1]
             out, last = selective_call(part, backend)
@@ -466,8 +519,14 @@ def linear_solo_call(cu_seqlens, dim: int, reverse: bool):
 
 def ssd_packed_call(cu_seqlens, chunk_size: int = 8):
     def call(inputs, backend):
-        return ssd(**inputs, dt_softplus=True, return_last_state=True, chunk_size=chunk_size,
-                   cu_seqlens=cu_seqlens, backend=backend)
+        return ssd(
+            **inputs,
+            dt_softplus=True,
+            return_last_state=True,
+            chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens,
+            backend=backend,
+        )
 
     return call
 

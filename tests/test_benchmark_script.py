@@ -32,8 +32,28 @@ def test_benchmark_script_writes_a_row_per_backend(tmp_path):
 def test_generation_mode_checks_cached_against_recomputed_tokens(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
     path = tmp_path / "g.json"
-    args = ["--op", "generate", "--d-model", "16", "--layers", "1", "--positions", "2,40", "--new-tokens", "5",
-            "--prompt-length", "3", "--repeats", "2", "--warmup", "0", "--device", "cpu", "--json", str(path)]
+    args = [
+        "--op",
+        "generate",
+        "--d-model",
+        "16",
+        "--layers",
+        "1",
+        "--positions",
+        "2,40",
+        "--new-tokens",
+        "5",
+        "--prompt-length",
+        "3",
+        "--repeats",
+        "2",
+        "--warmup",
+        "0",
+        "--device",
+        "cpu",
+        "--json",
+        str(path),
+    ]
     assert main(args) == 0
     report = json.loads(path.read_text())
     assert report["same_tokens"] is True
@@ -72,8 +92,30 @@ def test_packed_mode_compares_packed_with_padded_and_looped(tmp_path):
     loss, the packed scan the loop's gradients, and every throughput is positive."""
     main = runpy.run_path(str(SCRIPT))["main"]
     path = tmp_path / "p.json"
-    args = ["--op", "packed", "--docs", "3", "--max-doc-len", "40", "--batches", "1", "--warmup", "0", "--repeats", "1",
-            "--d-model", "8", "--layers", "1", "--backends", "pscan", "--device", "cpu", "--json", str(path)]
+    args = [
+        "--op",
+        "packed",
+        "--docs",
+        "3",
+        "--max-doc-len",
+        "40",
+        "--batches",
+        "1",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--d-model",
+        "8",
+        "--layers",
+        "1",
+        "--backends",
+        "pscan",
+        "--device",
+        "cpu",
+        "--json",
+        str(path),
+    ]
     assert main(args) == 0
     report = json.loads(path.read_text())
     assert set(report["training_bytes_per_s"]) == {"pscan/padded", "pscan/packed"}
@@ -88,8 +130,30 @@ def test_layer_mode_times_every_mixer(tmp_path):
     and both forms of Mamba3, and the parameter counts of the layers built."""
     main = runpy.run_path(str(SCRIPT))["main"]
     path = tmp_path / "l.json"
-    args = ["--op", "layer", "--batch", "1", "--length", "9", "--d-model", "8", "--state", "4", "--headdim", "4",
-            "--mimo-rank", "2", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--json", str(path)]
+    args = [
+        "--op",
+        "layer",
+        "--batch",
+        "1",
+        "--length",
+        "9",
+        "--d-model",
+        "8",
+        "--state",
+        "4",
+        "--headdim",
+        "4",
+        "--mimo-rank",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--device",
+        "cpu",
+        "--json",
+        str(path),
+    ]
     assert main(args) == 0
     report = json.loads(path.read_text())
     names = {"Mamba", "Mamba2", "Mamba3", "Mamba3 MIMO R=2"}

@@ -12,7 +12,20 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "scan_memory.py"
 def test_scan_memory_script_writes_a_row_per_setting(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
     path = tmp_path / "m.json"
-    argv = ["--length", "36", "--batch", "4", "--width", "8", "--checkpoint", "none,sqrt,4", "--json", str(path), "--repeats", "1"]
+    argv = [
+        "--length",
+        "36",
+        "--batch",
+        "4",
+        "--width",
+        "8",
+        "--checkpoint",
+        "none,sqrt,4",
+        "--json",
+        str(path),
+        "--repeats",
+        "1",
+    ]
     assert main(argv) == 0
     rows = {row["checkpoint"]: row for row in json.loads(path.read_text())}
     assert set(rows) == {"None", "sqrt", "4"}

@@ -34,8 +34,14 @@ class Block(nn.Module):
     ``residual_in_fp32``. Submodules: norm, mixer, and optionally norm2, mlp.
     """
 
-    def __init__(self, mixer: nn.Module, norm: nn.Module, mlp: nn.Module | None = None,
-                 norm2: nn.Module | None = None, residual_in_fp32: bool = True):
+    def __init__(
+        self,
+        mixer: nn.Module,
+        norm: nn.Module,
+        mlp: nn.Module | None = None,
+        norm2: nn.Module | None = None,
+        residual_in_fp32: bool = True,
+    ):
         super().__init__()
         self.norm, self.mixer = norm, mixer
         if mlp is not None:
@@ -48,8 +54,14 @@ class Block(nn.Module):
         residual = hidden if residual is None else hidden + residual
         return upcast(residual) if self.residual_in_fp32 else residual
 
-    def forward(self, hidden, residual=None, cache: LayerCache | None = None, step: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+    def forward(
+        self,
+        hidden,
+        residual=None,
+        cache: LayerCache | None = None,
+        step: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+    ):
         """``cu_seqlens``: packed sequences (batch 1), passed to the mixer (the norms and the MLP
         act on each position alone)."""
         residual = self._add(hidden, residual)

@@ -17,7 +17,7 @@ class LayerCache:
     ssm_state: torch.Tensor
 
     @classmethod
-    def zeros(cls, batch: int, conv1d: torch.nn.Conv1d, state_shape: tuple, dtype=None, device=None) -> "LayerCache":
+    def zeros(cls, batch: int, conv1d: torch.nn.Conv1d, state_shape: tuple, dtype=None, device=None) -> LayerCache:
         """An empty history for a mixer whose causal convolution is ``conv1d`` and whose SSM
         state is (batch, *state_shape); the conv state takes ``dtype`` (default: conv1d's)."""
         device = device or conv1d.weight.device
@@ -61,7 +61,9 @@ def check_token(name: str, x: torch.Tensor, d_model: int) -> torch.Tensor:
         x = x[:, 0]
     if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.shape[-1] != d_model:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must have shape (batch, d_model) or (batch, 1, d_model) with d_model = {d_model}, got {got}")
+        raise ValueError(
+            f"{name} must have shape (batch, d_model) or (batch, 1, d_model) with d_model = {d_model}, got {got}"
+        )
     return x
 
 

@@ -115,9 +115,19 @@ class Mamba(nn.Module):
         dt = rearrange(F.linear(dt, self.dt_proj.weight), "b l d -> b d l")
         B, C = (rearrange(t, "b l n -> b n l") for t in (B, C))
         y, last_state = selective_scan(
-            x, dt, -torch.exp(upcast(self.A_log)), B, C,
-            upcast(self.D), z, upcast(self.dt_proj.bias), delta_softplus=True, return_last_state=True,
-            initial_state=None if cache is None else cache.ssm_state, cu_seqlens=cu_seqlens, backend=self.backend,
+            x,
+            dt,
+            -torch.exp(upcast(self.A_log)),
+            B,
+            C,
+            upcast(self.D),
+            z,
+            upcast(self.dt_proj.bias),
+            delta_softplus=True,
+            return_last_state=True,
+            initial_state=None if cache is None else cache.ssm_state,
+            cu_seqlens=cu_seqlens,
+            backend=self.backend,
         )
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
@@ -133,8 +143,16 @@ class Mamba(nn.Module):
         x = F.silu(x)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         y, cache.ssm_state = selective_scan_step(
-            cache.ssm_state, x, F.linear(dt, self.dt_proj.weight), -torch.exp(upcast(self.A_log)), B, C,
-            upcast(self.D), z, upcast(self.dt_proj.bias), delta_softplus=True,
+            cache.ssm_state,
+            x,
+            F.linear(dt, self.dt_proj.weight),
+            -torch.exp(upcast(self.A_log)),
+            B,
+            C,
+            upcast(self.D),
+            z,
+            upcast(self.dt_proj.bias),
+            delta_softplus=True,
         )
         out = self.out_proj(y)
         return out if hidden_states.ndim == 2 else out[:, None]

@@ -128,7 +128,10 @@ class Mamba2(nn.Module):
             cache.check_batch(batch if cu_seqlens is None else cu_seqlens.numel() - 1)
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
         xBC, conv_state = causal_conv1d(
-            rearrange(xBC, "b l d -> b d l"), self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state,
+            rearrange(xBC, "b l d -> b d l"),
+            self.conv1d.weight,
+            self.conv1d.bias,
+            None if cache is None else cache.conv_state,
             cu_seqlens,
         )
         x, B, C = rearrange(F.silu(xBC), "b d l -> b l d").split(
@@ -137,11 +140,21 @@ class Mamba2(nn.Module):
         x = rearrange(x, "b l (h p) -> b l h p", p=self.headdim)
         B, C = (rearrange(t, "b l (g n) -> b l g n", g=self.ngroups) for t in (B, C))
         y, last_state = ssd(
-            x, dt, -torch.exp(upcast(self.A_log)), B, C,
-            self._D(), None if self.rmsnorm else rearrange(z, "b l (h p) -> b l h p", p=self.headdim),
-            dt_bias=upcast(self.dt_bias), dt_softplus=True, dt_limit=self.dt_limit,
-            initial_state=None if cache is None else cache.ssm_state, return_last_state=True,
-            chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, backend=self.backend,
+            x,
+            dt,
+            -torch.exp(upcast(self.A_log)),
+            B,
+            C,
+            self._D(),
+            None if self.rmsnorm else rearrange(z, "b l (h p) -> b l h p", p=self.headdim),
+            dt_bias=upcast(self.dt_bias),
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
+            initial_state=None if cache is None else cache.ssm_state,
+            return_last_state=True,
+            chunk_size=self.chunk_size,
+            cu_seqlens=cu_seqlens,
+            backend=self.backend,
         )
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
@@ -160,9 +173,17 @@ class Mamba2(nn.Module):
         # einops' per-call overhead (microseconds) is not negligible against the work.
         heads, groups = (batch, self.nheads, self.headdim), (batch, self.ngroups, self.d_state)
         y, cache.ssm_state = ssd_step(
-            cache.ssm_state, x.reshape(heads), dt, -torch.exp(upcast(self.A_log)), B.reshape(groups),
-            C.reshape(groups), self._D(), None if self.rmsnorm else z.reshape(heads),
-            dt_bias=upcast(self.dt_bias), dt_softplus=True, dt_limit=self.dt_limit,
+            cache.ssm_state,
+            x.reshape(heads),
+            dt,
+            -torch.exp(upcast(self.A_log)),
+            B.reshape(groups),
+            C.reshape(groups),
+            self._D(),
+            None if self.rmsnorm else z.reshape(heads),
+            dt_bias=upcast(self.dt_bias),
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
         )
         out = self._finish(y.reshape(batch, self.d_ssm), z, z0, x0)
         return out if hidden_states.ndim == 2 else out[:, None]

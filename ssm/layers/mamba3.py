@@ -79,7 +79,12 @@ class Mamba3(nn.Module):
             raise ValueError(f"ngroups = {ngroups} must divide the number of heads {self.nheads}")
         if rope_fraction not in (0.5, 1.0):
             raise ValueError(f"rope_fraction must be 0.5 or 1.0 (as in mamba-ssm), got {rope_fraction!r}")
-        self.rope_fraction, self.A_floor, self.is_outproj_norm, self.is_mimo = rope_fraction, A_floor, is_outproj_norm, is_mimo
+        self.rope_fraction, self.A_floor, self.is_outproj_norm, self.is_mimo = (
+            rope_fraction,
+            A_floor,
+            is_outproj_norm,
+            is_mimo,
+        )
         self.mimo_rank = mimo_rank if is_mimo else 1
         if is_mimo and (isinstance(mimo_rank, bool) or not isinstance(mimo_rank, int) or mimo_rank < 1):
             raise ValueError(f"mimo_rank must be a positive int, got {mimo_rank!r}")
@@ -165,11 +170,15 @@ class Mamba3(nn.Module):
         state_dtype = torch.float64 if (dtype or self.in_proj.weight.dtype) == torch.float64 else torch.float32
         H, P, N, M = self.nheads, self.headdim, self.d_state, self.num_rope_angles
         key = (batch, self.mimo_rank, H, N) if self.is_mimo else (batch, H, N)
-        zeros = [torch.zeros(shape, device=device, dtype=state_dtype) for shape in ((batch, H, M), (batch, H, P, N), key, (batch, H, P))]
+        zeros = [
+            torch.zeros(shape, device=device, dtype=state_dtype)
+            for shape in ((batch, H, M), (batch, H, P, N), key, (batch, H, P))
+        ]
         return Mamba3Cache(TrapezoidalState(*zeros))
 
-    def forward(self, hidden_states: torch.Tensor, cache: Mamba3Cache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, cache: Mamba3Cache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
         leave the state after the last token in it (prefill). With ``cu_seqlens`` (S + 1,), the
         batch of one holds S sequences end to end (and a cache, if any, is for S sequences)."""
@@ -180,9 +189,21 @@ class Mamba3(nn.Module):
         z, x, B, C, dt, A, trap, theta = self._inputs(hidden_states)
         options, z_scan = self._scan_options(z)
         y, last = trapezoidal_scan(
-            x, dt, A, self._BC(B), self._BC(C), trap, theta, self.D, z_scan, **options,
-            initial_state=None if cache is None else cache.state, return_last_state=True,
-            chunk_size=self.chunk_size, cu_seqlens=cu_seqlens, backend=self.backend,
+            x,
+            dt,
+            A,
+            self._BC(B),
+            self._BC(C),
+            trap,
+            theta,
+            self.D,
+            z_scan,
+            **options,
+            initial_state=None if cache is None else cache.state,
+            return_last_state=True,
+            chunk_size=self.chunk_size,
+            cu_seqlens=cu_seqlens,
+            backend=self.backend,
         )
         if cache is not None:
             cache.state = _wrapped(last)

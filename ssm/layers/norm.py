@@ -34,8 +34,13 @@ class RMSNormGated(nn.Module):
     """
 
     def __init__(
-        self, d: int, eps: float = 1e-5, norm_before_gate: bool = False, group_size: int | None = None,
-        device=None, dtype=None,
+        self,
+        d: int,
+        eps: float = 1e-5,
+        norm_before_gate: bool = False,
+        group_size: int | None = None,
+        device=None,
+        dtype=None,
     ):
         super().__init__()
         group_size = d if group_size is None else group_size

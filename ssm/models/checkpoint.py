@@ -55,7 +55,7 @@ def from_pretrained(cls, directory, *, device=None, dtype=None, backend="auto"):
 
     state = read_weights(directory)
     for old, new in rename.items():
-        state = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in state.items()}
+        state = {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
 
     model = cls(config, backend=backend, device="meta")
     load_state_dict_strict(model, state)
@@ -123,7 +123,8 @@ def load_state_dict_strict(model, state: dict) -> None:
     unexpected = [k for k in state if k not in expected]
     mismatched = [
         f"{k}: checkpoint {tuple(state[k].shape)}, model {tuple(expected[k].shape)}"
-        for k in expected if k in state and state[k].shape != expected[k].shape
+        for k in expected
+        if k in state and state[k].shape != expected[k].shape
     ]
     problems = []
     if missing:
@@ -156,40 +157,126 @@ def load_state_dict_strict(model, state: dict) -> None:
 # change them are read by config_from_transformers (with their checks); these cannot:
 _IGNORED = {
     # the initialisation of fresh weights only
-    "initializer_range", "rescale_prenorm_residual", "time_step_scale", "time_step_min", "time_step_max",
-    "time_step_init_scheme", "time_step_floor",
+    "initializer_range",
+    "rescale_prenorm_residual",
+    "time_step_scale",
+    "time_step_min",
+    "time_step_max",
+    "time_step_init_scheme",
+    "time_step_floor",
     # how transformers computes, not what: a kernel or scan choice, caching
-    "use_mambapy", "use_associative_scan", "use_cache", "fused_add_norm",
+    "use_mambapy",
+    "use_associative_scan",
+    "use_cache",
+    "fused_add_norm",
     # transformers' vocab_size is already the padded embedding size (converted checkpoints keep this)
     "pad_vocab_size_multiple",
     # special tokens and default generation settings: read by generate, not by the forward
-    "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
-    "temperature", "top_k", "top_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
-    "encoder_repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens", "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
-    "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "repetition_penalty",
+    "encoder_repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "output_scores",
+    "return_dict_in_generate",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "assistant_confidence_threshold",
+    "assistant_lookbehind",
+    "target_lookbehind",
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
     # PreTrainedConfig's bookkeeping: names, versions, the stored dtype, outputs and heads of other tasks
-    "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "name_or_path", "_commit_hash",
-    "output_hidden_states", "output_attentions", "return_dict", "use_return_dict", "torchscript",
-    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
-    "cross_attention_hidden_size", "tie_encoder_decoder", "id2label", "label2id", "num_labels", "problem_type",
-    "finetuning_task", "task_specific_params", "tokenizer_class", "prefix", "pruned_heads", "use_bfloat16",
-    "tf_legacy_loss", "_attn_implementation", "attn_implementation",
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_name_or_path",
+    "name_or_path",
+    "_commit_hash",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "use_return_dict",
+    "torchscript",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "is_decoder",
+    "add_cross_attention",
+    "cross_attention_hidden_size",
+    "tie_encoder_decoder",
+    "id2label",
+    "label2id",
+    "num_labels",
+    "problem_type",
+    "finetuning_task",
+    "task_specific_params",
+    "tokenizer_class",
+    "prefix",
+    "pruned_heads",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "_attn_implementation",
+    "attn_implementation",
 }
 # transformers 5.x's defaults of the fields that change the logits (a field left out takes them).
 _DEFAULTS = {
     "mamba": dict(
-        vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=32, layer_norm_epsilon=1e-5, expand=2,
-        conv_kernel=4, use_bias=False, use_conv_bias=True, hidden_act="silu", residual_in_fp32=True,
-        time_step_rank="auto", tie_word_embeddings=True,
+        vocab_size=50280,
+        hidden_size=768,
+        state_size=16,
+        num_hidden_layers=32,
+        layer_norm_epsilon=1e-5,
+        expand=2,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        hidden_act="silu",
+        residual_in_fp32=True,
+        time_step_rank="auto",
+        tie_word_embeddings=True,
     ),
     "mamba2": dict(
-        num_heads=128, head_dim=64, vocab_size=32768, hidden_size=4096, state_size=128, num_hidden_layers=64,
-        layer_norm_epsilon=1e-5, expand=2, conv_kernel=4, n_groups=8, use_bias=False, use_conv_bias=True,
-        hidden_act="silu", residual_in_fp32=True, time_step_limit=(0.0, math.inf), chunk_size=256,
+        num_heads=128,
+        head_dim=64,
+        vocab_size=32768,
+        hidden_size=4096,
+        state_size=128,
+        num_hidden_layers=64,
+        layer_norm_epsilon=1e-5,
+        expand=2,
+        conv_kernel=4,
+        n_groups=8,
+        use_bias=False,
+        use_conv_bias=True,
+        hidden_act="silu",
+        residual_in_fp32=True,
+        time_step_limit=(0.0, math.inf),
+        chunk_size=256,
         tie_word_embeddings=False,
     ),
 }
@@ -252,9 +339,13 @@ def config_from_transformers(raw: dict) -> MambaConfig:
         if rank != "auto":
             rank = positive_int("time_step_rank")
         ssm_cfg = dict(
-            layer="Mamba1", d_state=d_state, d_conv=d_conv, expand=expand,
+            layer="Mamba1",
+            d_state=d_state,
+            d_conv=d_conv,
+            expand=expand,
             dt_rank=math.ceil(d_model / 16) if rank == "auto" else rank,
-            conv_bias=boolean("use_conv_bias"), bias=boolean("use_bias"),
+            conv_bias=boolean("use_conv_bias"),
+            bias=boolean("use_bias"),
         )
     else:
         heads, headdim, groups = positive_int("num_heads"), positive_int("head_dim"), positive_int("n_groups")
@@ -266,15 +357,25 @@ def config_from_transformers(raw: dict) -> MambaConfig:
             raise bad("norm_before_gate", "false (transformers ignores it and gates before the norm)")
         limit = raw.get("time_step_limit", defaults["time_step_limit"])
         if (
-            not isinstance(limit, (list, tuple)) or len(limit) != 2
+            not isinstance(limit, (list, tuple))
+            or len(limit) != 2
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) for v in limit)
             or limit[0] > limit[1]
         ):
             raise bad("time_step_limit", "two numbers [low, high] with low <= high")
         ssm_cfg = dict(
-            layer="Mamba2", d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim, ngroups=groups,
-            chunk_size=positive_int("chunk_size"), conv_bias=boolean("use_conv_bias"), bias=boolean("use_bias"),
-            rmsnorm=True, norm_before_gate=False, dt_limit=(float(limit[0]), float(limit[1])),
+            layer="Mamba2",
+            d_state=d_state,
+            d_conv=d_conv,
+            expand=expand,
+            headdim=headdim,
+            ngroups=groups,
+            chunk_size=positive_int("chunk_size"),
+            conv_bias=boolean("use_conv_bias"),
+            bias=boolean("use_bias"),
+            rmsnorm=True,
+            norm_before_gate=False,
+            dt_limit=(float(limit[0]), float(limit[1])),
         )
     return MambaConfig(
         d_model=d_model,

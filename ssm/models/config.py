@@ -26,8 +26,12 @@ class MambaConfig:
     d_intermediate: int = 0  # hidden width of the gated MLP after each mixer; 0 = no MLP
     n_layer: int = 64  # number of residual blocks
     vocab_size: int = 50277  # tokens; the embedding is padded up to pad_vocab_size_multiple
-    ssm_cfg: dict = field(default_factory=dict)  # "layer": "Mamba1" (default), "Mamba2" or "Mamba3", plus the mixer's arguments (d_state = N, d_conv, expand, headdim = P, ...)
-    attn_layer_idx: list = field(default_factory=list)  # mamba-ssm's hybrid attention layers: not supported, must be empty
+    ssm_cfg: dict = field(
+        default_factory=dict
+    )  # "layer": "Mamba1" (default), "Mamba2" or "Mamba3", plus the mixer's arguments (d_state, headdim, ...)
+    attn_layer_idx: list = field(
+        default_factory=list
+    )  # mamba-ssm's hybrid attention layers: not supported, must be empty
     attn_cfg: dict = field(default_factory=dict)
     rms_norm: bool = True  # RMSNorm (True) or LayerNorm (False)
     residual_in_fp32: bool = True  # keep the residual stream in float32
@@ -72,7 +76,7 @@ class MambaConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MambaConfig":
+    def from_dict(cls, d: dict) -> MambaConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(names))
         if unknown:

@@ -35,7 +35,9 @@ class InferenceCache:
 def _make_mixer(config: MambaConfig, layer_idx: int, backend: str, **kw) -> nn.Module:
     cfg = dict(config.ssm_cfg)
     cls = _MIXERS[cfg.pop("layer", "Mamba1")]
-    valid = [p for p in inspect.signature(cls).parameters if p not in ("self", "d_model", "layer_idx", "device", "dtype")]
+    valid = [
+        p for p in inspect.signature(cls).parameters if p not in ("self", "d_model", "layer_idx", "device", "dtype")
+    ]
     unknown = sorted(set(cfg) - set(valid))
     if unknown:
         raise ValueError(f"unknown ssm_cfg key(s) {unknown} for {cls.__name__}; valid keys: {['layer', *valid]}")
@@ -109,7 +111,11 @@ class MambaLM(nn.Module):
         bias), and the output projections of each residual branch scaled by 1/√(branches·layers)."""
         branches = 2 if self.config.d_intermediate > 0 else 1
         for module in self.modules():
-            if isinstance(module, nn.Linear) and module.bias is not None and not getattr(module.bias, "_no_reinit", False):
+            if (
+                isinstance(module, nn.Linear)
+                and module.bias is not None
+                and not getattr(module.bias, "_no_reinit", False)
+            ):
                 nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=0.02)
@@ -121,8 +127,17 @@ class MambaLM(nn.Module):
     def _check_ids(self, input_ids, ndim: int, what: str, attention_mask=None) -> None:
         """``input_ids`` is an integer tensor of ``ndim`` dimensions whose ids (those that are
         not padding, with an ``attention_mask``) lie in the vocabulary."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != ndim or input_ids.is_floating_point() or input_ids.is_complex():
-            got = f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        if (
+            not isinstance(input_ids, torch.Tensor)
+            or input_ids.ndim != ndim
+            or input_ids.is_floating_point()
+            or input_ids.is_complex()
+        ):
+            got = (
+                f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}"
+                if isinstance(input_ids, torch.Tensor)
+                else type(input_ids).__name__
+            )
             raise ValueError(f"input_ids must be an integer tensor of shape {what}, got a {got}")
         tokens = input_ids if attention_mask is None else input_ids[_check_left_padding(attention_mask, input_ids)]
         if tokens.numel():
@@ -134,7 +149,9 @@ class MambaLM(nn.Module):
 
     def _check_cache(self, cache, batch: int, what: str = "input_ids") -> None:
         if not isinstance(cache, InferenceCache):
-            raise ValueError(f"cache must be an InferenceCache from allocate_inference_cache, got {type(cache).__name__}")
+            raise ValueError(
+                f"cache must be an InferenceCache from allocate_inference_cache, got {type(cache).__name__}"
+            )
         if cache.batch_size != batch:
             raise ValueError(
                 f"cache was allocated for batch size {cache.batch_size}, but {what} has batch size {batch}"
@@ -143,7 +160,9 @@ class MambaLM(nn.Module):
     def allocate_inference_cache(self, batch_size: int, dtype=None, device=None) -> InferenceCache:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        return InferenceCache([layer.mixer.allocate_inference_cache(batch_size, dtype, device) for layer in self.backbone.layers])
+        return InferenceCache(
+            [layer.mixer.allocate_inference_cache(batch_size, dtype, device) for layer in self.backbone.layers]
+        )
 
     def forward(
         self,
@@ -167,8 +186,11 @@ class MambaLM(nn.Module):
 
             cu_seqlens = check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0], input_ids.device)
         if cache is not None:
-            self._check_cache(cache, input_ids.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1,
-                              "input_ids" if cu_seqlens is None else "cu_seqlens (sequences)")
+            self._check_cache(
+                cache,
+                input_ids.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1,
+                "input_ids" if cu_seqlens is None else "cu_seqlens (sequences)",
+            )
         hidden = self.backbone(input_ids, cache, cu_seqlens=cu_seqlens)
         if cache is not None:
             cache.seqlen_offset += input_ids.shape[1]
@@ -252,7 +274,7 @@ class MambaLM(nn.Module):
         save_pretrained(self, save_directory, safe_serialization)
 
     @classmethod
-    def from_pretrained(cls, directory, *, device=None, dtype=None, backend: str = "auto") -> "MambaLM":
+    def from_pretrained(cls, directory, *, device=None, dtype=None, backend: str = "auto") -> MambaLM:
         """Load a model from a local directory in mamba-ssm's format (config.json with
         MambaConfig fields) or transformers' (config.json with hidden_size, num_hidden_layers,
         ...; model_type "mamba" or "mamba2"), weights in model.safetensors or pytorch_model.bin.
@@ -274,7 +296,8 @@ def _check_left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor
         raise ValueError(f"attention_mask must have an integer or bool dtype, got {attention_mask.dtype}")
     if not ((attention_mask == 0) | (attention_mask == 1)).all():
         raise ValueError(
-            f"attention_mask must hold only 0 (padding) and 1 (token), got the values {attention_mask.unique().tolist()}"
+            "attention_mask must hold only 0 (padding) and 1 (token), "
+            f"got the values {attention_mask.unique().tolist()}"
         )
     mask = attention_mask.bool()
     empty = (~mask.any(1)).nonzero()[:, 0].tolist()
@@ -290,7 +313,12 @@ def _check_left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor
 
 
 def _check_sampling(temperature, top_k, top_p, eos_token_id, vocab_size) -> None:
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0 or not math.isfinite(temperature):
+    if (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or temperature < 0
+        or not math.isfinite(temperature)
+    ):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")

@@ -34,9 +34,7 @@ from .ssd import ssd
 from .step import selective_scan_step, ssd_step, trapezoidal_scan_step
 from .trapezoidal import trapezoidal_scan
 
-_TABLES = {
-    table.op: table for table in (_selective.BACKENDS, _linear.BACKENDS, _ssd.BACKENDS, _trapezoidal.BACKENDS)
-}
+_TABLES = {table.op: table for table in (_selective.BACKENDS, _linear.BACKENDS, _ssd.BACKENDS, _trapezoidal.BACKENDS)}
 
 
 def backends(op: str, device=None) -> list[str]:

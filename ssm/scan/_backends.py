@@ -22,8 +22,8 @@ module (selective.py, linear.py, ssd.py), and its name in that table's ``auto`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 

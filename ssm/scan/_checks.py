@@ -6,7 +6,7 @@ what was given. Backends only ever see inputs that passed these checks.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -28,9 +28,7 @@ def check_tensor(name: str, x, *, ndim: int | Sequence[int] | None = None) -> to
 def check_shape(name: str, x: torch.Tensor, expected: Sequence[int], symbols: str) -> None:
     """``x.shape == expected``; ``symbols`` names the dimensions, e.g. ``"(batch, dim, L)"``."""
     if tuple(x.shape) != tuple(expected):
-        raise ValueError(
-            f"{name} must have shape {symbols} = {tuple(expected)}, got {tuple(x.shape)}"
-        )
+        raise ValueError(f"{name} must have shape {symbols} = {tuple(expected)}, got {tuple(x.shape)}")
 
 
 def check_same_device(reference_name: str, reference: torch.Tensor, **others) -> None:
@@ -86,4 +84,8 @@ def check_cu_seqlens(cu_seqlens, length: int, batch: int, device: torch.device) 
 
 
 def _shorten(values: list) -> str:
-    return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:5]))}, ..., {', '.join(map(str, values[-5:]))}]"
+    return (
+        str(values)
+        if len(values) <= 12
+        else f"[{', '.join(map(str, values[:5]))}, ..., {', '.join(map(str, values[-5:]))}]"
+    )

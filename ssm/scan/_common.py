@@ -13,9 +13,7 @@ import torch.nn.functional as F
 from ._checks import compute_dtype
 
 
-def selective_delta(
-    delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool
-) -> torch.Tensor:
+def selective_delta(delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool) -> torch.Tensor:
     """Δ = softplus(delta + delta_bias), each part only when asked. delta: (B, D, L)."""
     if delta_bias is not None:
         delta = delta + delta_bias.to(delta.dtype)[:, None]
@@ -51,9 +49,7 @@ def ssd_delta(
     return dt
 
 
-def ssd_skip_and_gate(
-    y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None
-) -> torch.Tensor:
+def ssd_skip_and_gate(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
     """(y + D·x)·silu(z). y, x, z: (B, L, H, P) (or without L); D: (H,) or (H, P)."""
     if D is not None:
         D = D.to(y.dtype)
@@ -75,12 +71,11 @@ def selective_per_sequence(fn, u, delta, A, B, C, D, z, delta_bias, delta_softpl
         if end == start:
             lasts.append(u.new_zeros(1, u.shape[1], A.shape[1], dtype=dtype) if h0 is None else h0.to(dtype))
             continue
+
         def part(M):  # the time steps of sequence s of a time-varying input
             return M if M is None or M.ndim == 2 else M[..., start:end]
 
-        out, last = fn(
-            part(u), part(delta), A, part(B), part(C), D, part(z), delta_bias, delta_softplus, h0
-        )
+        out, last = fn(part(u), part(delta), A, part(B), part(C), D, part(z), delta_bias, delta_softplus, h0)
         outs.append(out)
         lasts.append(last)
     return torch.cat(outs, dim=-1), torch.cat(lasts, dim=0)
@@ -96,5 +91,7 @@ def linear_per_sequence(fn, gates, inputs, dim, initial_state, reverse, cu_seqle
     for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if end > start:
             h0 = None if initial_state is None else initial_state[s].reshape(state_shape)
-            parts.append(fn(gates.narrow(dim, start, end - start), inputs.narrow(dim, start, end - start), dim, h0, reverse))
+            parts.append(
+                fn(gates.narrow(dim, start, end - start), inputs.narrow(dim, start, end - start), dim, h0, reverse)
+            )
     return torch.cat(parts, dim=dim)

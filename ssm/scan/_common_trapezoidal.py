@@ -26,7 +26,8 @@ M rotary pairs, S packed sequences.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +65,10 @@ def rotate_backward(dw: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: t
     (dw through the inverse rotation, dcos, dsin), the last two (..., M)."""
     M = cos.shape[-1]
     if rotary == "interleaved":
-        (d0, d1), (w0, w1) = (dw[..., 0 : 2 * M : 2], dw[..., 1 : 2 * M : 2]), (w[..., 0 : 2 * M : 2], w[..., 1 : 2 * M : 2])
+        (d0, d1), (w0, w1) = (
+            (dw[..., 0 : 2 * M : 2], dw[..., 1 : 2 * M : 2]),
+            (w[..., 0 : 2 * M : 2], w[..., 1 : 2 * M : 2]),
+        )
     else:
         half = w.shape[-1] // 2
         (d0, d1), (w0, w1) = (dw[..., :M], dw[..., half : half + M]), (w[..., :M], w[..., half : half + M])
@@ -189,11 +193,50 @@ def epilogue(prepared: Prepared, H_last, x, B, B_bias, rotary, initial_state, cu
     return TrapezoidalState(pick(phase, empty[0]), H_last, pick(key, empty[1]), pick(value, empty[2]))
 
 
-def run(core: Callable, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
-        initial_state, chunk_size, cu_seqlens, dtype):
+def run(
+    core: Callable,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    trap,
+    angles,
+    D,
+    z,
+    B_bias,
+    C_bias,
+    mimo_x,
+    mimo_z,
+    mimo_o,
+    rotary,
+    initial_state,
+    chunk_size,
+    cu_seqlens,
+    dtype,
+):
     """A fast backend: prologue, ``core`` (which returns the output and H_{L-1}), epilogue.
     B, C are (B, L, R, G, N), the biases (H, R, N), the key state (·, R, H, N)."""
     p = prologue(x, dt, A, B, trap, angles, mimo_x, initial_state, cu_seqlens, dtype)
-    out, H_last = core(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, p.a, p.s, p.c, p.cos, p.sin,
-                       p.H_init, rotary, chunk_size, cu_seqlens)
+    out, H_last = core(
+        x,
+        B,
+        C,
+        B_bias,
+        C_bias,
+        mimo_x,
+        z,
+        mimo_z,
+        mimo_o,
+        D,
+        p.a,
+        p.s,
+        p.c,
+        p.cos,
+        p.sin,
+        p.H_init,
+        rotary,
+        chunk_size,
+        cu_seqlens,
+    )
     return out, epilogue(p, H_last, x, B, B_bias, rotary, initial_state, cu_seqlens, dtype)

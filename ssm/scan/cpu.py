@@ -52,7 +52,6 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -61,8 +60,17 @@ from ._checks import compute_dtype
 
 CHUNK = 64  # T: steps between the states the forward keeps for the backward
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno",
-         "-fno-trapping-math", "-ffp-contract=fast")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c11",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffp-contract=fast",
+)
 ABI = 1  # what ssm_kernels_abi() returns for this version of the structs below
 
 # ----------------------------------------------------------------------------- building
@@ -71,24 +79,76 @@ ABI = 1  # what ssm_kernels_abi() returns for this version of the structs below
 class _SelectiveArgs(ctypes.Structure):
     """SelectiveArgs of cpu_kernels.c, field for field."""
 
-    _fields_ = [(name, ctypes.c_int64) for name in (
-        "batch", "dim", "length", "N", "groups_B", "groups_C", "nseq", "nthreads", "chunk",
-        "B_fixed", "C_fixed", "softplus",
-    )] + [(name, ctypes.c_void_p) for name in (
-        "u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0", "cu_seqlens",
-    )] + [(name, ctypes.c_int64 * 3) for name in ("su", "sdelta", "sz", "sB", "sC")] + [
-        (name, ctypes.c_void_p) for name in ("out", "last", "ckpt", "grad_out", "grad_last")
-    ] + [("sgo", ctypes.c_int64 * 3)] + [(name, ctypes.c_void_p) for name in (
-        "d_u", "d_delta", "d_z", "d_A", "d_B", "d_C", "part_B", "part_C", "d_D", "d_delta_bias", "d_h0",
-    )]
+    _fields_ = (
+        [
+            (name, ctypes.c_int64)
+            for name in (
+                "batch",
+                "dim",
+                "length",
+                "N",
+                "groups_B",
+                "groups_C",
+                "nseq",
+                "nthreads",
+                "chunk",
+                "B_fixed",
+                "C_fixed",
+                "softplus",
+            )
+        ]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "u",
+                "delta",
+                "A",
+                "B",
+                "C",
+                "D",
+                "z",
+                "delta_bias",
+                "h0",
+                "cu_seqlens",
+            )
+        ]
+        + [(name, ctypes.c_int64 * 3) for name in ("su", "sdelta", "sz", "sB", "sC")]
+        + [(name, ctypes.c_void_p) for name in ("out", "last", "ckpt", "grad_out", "grad_last")]
+        + [("sgo", ctypes.c_int64 * 3)]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "d_u",
+                "d_delta",
+                "d_z",
+                "d_A",
+                "d_B",
+                "d_C",
+                "part_B",
+                "part_C",
+                "d_D",
+                "d_delta_bias",
+                "d_h0",
+            )
+        ]
+    )
 
 
 class _LinearArgs(ctypes.Structure):
     """LinearArgs of cpu_kernels.c, field for field."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("E", "length", "F", "nseq", "reverse", "nthreads")] + [
-        (name, ctypes.c_void_p) for name in (
-            "gates", "inputs", "h0", "cu_seqlens", "states", "grad", "d_gates", "d_inputs", "d_h0",
+        (name, ctypes.c_void_p)
+        for name in (
+            "gates",
+            "inputs",
+            "h0",
+            "cu_seqlens",
+            "states",
+            "grad",
+            "d_gates",
+            "d_inputs",
+            "d_h0",
         )
     ]
 
@@ -136,8 +196,16 @@ def _compile(compiler: str, flags: tuple[str, ...]) -> Path:
     except (OSError, subprocess.SubprocessError) as error:
         raise RuntimeError(f"cannot run the C compiler {compiler!r}: {error}") from error
     digest = hashlib.sha256(
-        b"\0".join([source, compiler.encode(), version.encode(), " ".join(flags).encode(),
-                    _cpu_identity().encode(), platform.machine().encode()])
+        b"\0".join(
+            [
+                source,
+                compiler.encode(),
+                version.encode(),
+                " ".join(flags).encode(),
+                _cpu_identity().encode(),
+                platform.machine().encode(),
+            ]
+        )
     ).hexdigest()[:20]
     directory = cache_dir()
     library = directory / f"cpu_kernels-{digest}{'.dll' if sys.platform == 'win32' else '.so'}"
@@ -266,8 +334,17 @@ def _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlen
 
 @torch.library.custom_op("ssm::cpu_selective_scan_fwd", mutates_args=(), device_types="cpu")
 def _selective_fwd(
-    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-    delta_bias: Optional[Tensor], softplus: bool, h0: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    softplus: bool,
+    h0: Tensor | None,
+    cu_seqlens: Tensor | None,
     keep_states: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """u, delta, z (B, D, L), any strides; A (D, N), D and delta_bias (D,), h0 (S, D, N)
@@ -294,9 +371,20 @@ def _(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, keep_states
 
 @torch.library.custom_op("ssm::cpu_selective_scan_bwd", mutates_args=(), device_types="cpu")
 def _selective_bwd(
-    grad_out: Tensor, grad_last: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
-    D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], softplus: bool,
-    h0: Optional[Tensor], cu_seqlens: Optional[Tensor], ckpt: Tensor,
+    grad_out: Tensor,
+    grad_last: Tensor | None,
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    softplus: bool,
+    h0: Tensor | None,
+    cu_seqlens: Tensor | None,
+    ckpt: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of u, delta, A, B, C, D, z, delta_bias, h0 (an empty tensor for each absent
     one) from those of out (any strides) and of the last states (contiguous, or None)."""
@@ -321,9 +409,15 @@ def _selective_bwd(
 @_selective_bwd.register_fake
 def _(grad_out, grad_last, u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, ckpt):
     return (
-        u.new_empty(u.shape), u.new_empty(u.shape), u.new_empty(A.shape), u.new_empty(B.shape), u.new_empty(C.shape),
-        u.new_empty(u.shape[1] if D is not None else 0), u.new_empty(u.shape if z is not None else 0),
-        u.new_empty(u.shape[1] if delta_bias is not None else 0), u.new_empty(h0.shape if h0 is not None else 0),
+        u.new_empty(u.shape),
+        u.new_empty(u.shape),
+        u.new_empty(A.shape),
+        u.new_empty(B.shape),
+        u.new_empty(C.shape),
+        u.new_empty(u.shape[1] if D is not None else 0),
+        u.new_empty(u.shape if z is not None else 0),
+        u.new_empty(u.shape[1] if delta_bias is not None else 0),
+        u.new_empty(h0.shape if h0 is not None else 0),
     )
 
 
@@ -338,12 +432,36 @@ def _selective_backward(ctx, grad_out, grad_last, _grad_ckpt):
     if grad_out is None:
         grad_out = torch.zeros_like(u)
     grads = _selective_bwd(
-        grad_out, None if grad_last is None else grad_last.contiguous(), u, delta, A, B, C, D, z,
-        delta_bias, ctx.softplus, h0, cu_seqlens, ckpt,
+        grad_out,
+        None if grad_last is None else grad_last.contiguous(),
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D,
+        z,
+        delta_bias,
+        ctx.softplus,
+        h0,
+        cu_seqlens,
+        ckpt,
     )
     d_u, d_delta, d_A, d_B, d_C, d_D, d_z, d_bias, d_h0 = grads
-    return (d_u, d_delta, d_A, d_B, d_C, d_D if D is not None else None, d_z if z is not None else None,
-            d_bias if delta_bias is not None else None, None, d_h0 if h0 is not None else None, None, None)
+    return (
+        d_u,
+        d_delta,
+        d_A,
+        d_B,
+        d_C,
+        d_D if D is not None else None,
+        d_z if z is not None else None,
+        d_bias if delta_bias is not None else None,
+        None,
+        d_h0 if h0 is not None else None,
+        None,
+        None,
+    )
 
 
 _selective_fwd.register_autograd(_selective_backward, setup_context=_selective_setup)
@@ -382,7 +500,11 @@ def selective_scan_cpu(
         return _pscan_selective(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     args = (
-        u.to(dtype), delta.to(dtype), A.to(dtype).contiguous(), _kernel_layout(B, dtype), _kernel_layout(C, dtype),
+        u.to(dtype),
+        delta.to(dtype),
+        A.to(dtype).contiguous(),
+        _kernel_layout(B, dtype),
+        _kernel_layout(C, dtype),
         None if D is None else D.to(dtype).contiguous(),
         None if z is None else z.to(dtype),
         None if delta_bias is None else delta_bias.to(dtype).contiguous(),
@@ -406,7 +528,7 @@ def _linear_args(gates, inputs, h0, cu_seqlens, reverse) -> _LinearArgs:
 
 
 @torch.library.custom_op("ssm::cpu_linear_scan_fwd", mutates_args=(), device_types="cpu")
-def _linear_fwd(gates: Tensor, inputs: Tensor, h0: Optional[Tensor], cu_seqlens: Optional[Tensor], reverse: bool) -> Tensor:
+def _linear_fwd(gates: Tensor, inputs: Tensor, h0: Tensor | None, cu_seqlens: Tensor | None, reverse: bool) -> Tensor:
     """gates, inputs (E, L, F) contiguous, one dtype; h0 (E, F), or (S, F) with cu_seqlens
     (E = 1). Returns every state, (E, L, F)."""
     p = _linear_args(gates, inputs, h0, cu_seqlens, reverse)
@@ -423,14 +545,19 @@ def _(gates, inputs, h0, cu_seqlens, reverse):
 
 @torch.library.custom_op("ssm::cpu_linear_scan_bwd", mutates_args=(), device_types="cpu")
 def _linear_bwd(
-    grad: Tensor, gates: Tensor, states: Tensor, h0: Optional[Tensor], cu_seqlens: Optional[Tensor], reverse: bool
+    grad: Tensor, gates: Tensor, states: Tensor, h0: Tensor | None, cu_seqlens: Tensor | None, reverse: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of gates, inputs and h0 (empty when h0 is None) from grad (E, L, F)."""
     p = _linear_args(gates, states, h0, cu_seqlens, reverse)
     grad = grad.contiguous()
     d_gates, d_inputs = torch.empty_like(gates), torch.empty_like(gates)
     d_h0 = torch.empty_like(h0) if h0 is not None else gates.new_empty(0)
-    p.states, p.grad, p.d_gates, p.d_inputs = states.data_ptr(), grad.data_ptr(), d_gates.data_ptr(), d_inputs.data_ptr()
+    p.states, p.grad, p.d_gates, p.d_inputs = (
+        states.data_ptr(),
+        grad.data_ptr(),
+        d_gates.data_ptr(),
+        d_inputs.data_ptr(),
+    )
     p.d_h0 = d_h0.data_ptr() if h0 is not None else None
     getattr(kernels(), "linear_bwd" + _suffix(gates))(ctypes.byref(p))
     return d_gates, d_inputs, d_h0
@@ -438,7 +565,11 @@ def _linear_bwd(
 
 @_linear_bwd.register_fake
 def _(grad, gates, states, h0, cu_seqlens, reverse):
-    return torch.empty_like(gates), torch.empty_like(gates), torch.empty_like(h0) if h0 is not None else gates.new_empty(0)
+    return (
+        torch.empty_like(gates),
+        torch.empty_like(gates),
+        torch.empty_like(h0) if h0 is not None else gates.new_empty(0),
+    )
 
 
 def _linear_setup(ctx, inputs, output):

@@ -19,7 +19,8 @@ of ``selective.py`` and ``linear.py``; there are no backends to dispatch to.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -348,9 +349,7 @@ def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, *, dim: int = 0,
             )
 
     def combine(a: list, b: list) -> list:
-        out_leaves, out_spec, out_paths = _flatten(
-            "fn(a, b)", fn(_unflatten(a, spec), _unflatten(b, spec))
-        )
+        out_leaves, out_spec, out_paths = _flatten("fn(a, b)", fn(_unflatten(a, spec), _unflatten(b, spec)))
         if out_spec != spec:
             raise ValueError(f"fn must return the structure of elems, {spec}; got {out_spec}")
         for path, out, x in zip(out_paths, out_leaves, a):
@@ -366,12 +365,15 @@ def associative_scan(fn: Callable[[Any, Any], Any], elems: Any, *, dim: int = 0,
         if n < 2:
             return xs
         # combine neighbours (0,1), (2,3), ...; their prefix gives the results at odd positions
-        pairs = combine([_take(x, d, 0, n - 1, 2) for x, d in zip(xs, dims)], [_take(x, d, 1, None, 2) for x, d in zip(xs, dims)])
+        pairs = combine(
+            [_take(x, d, 0, n - 1, 2) for x, d in zip(xs, dims)], [_take(x, d, 1, None, 2) for x, d in zip(xs, dims)]
+        )
         odd = prefix(pairs)  # results at positions 1, 3, 5, ...
         # results at even positions 2, 4, ...: the odd result before each, combined with it
         n_even_rest = (n - 1) // 2
         even = combine(
-            [_take(o, d, 0, n_even_rest) for o, d in zip(odd, dims)], [_take(x, d, 2, None, 2) for x, d in zip(xs, dims)]
+            [_take(o, d, 0, n_even_rest) for o, d in zip(odd, dims)],
+            [_take(x, d, 2, None, 2) for x, d in zip(xs, dims)],
         )
         return [_interleave(_take(x, d, 0, 1), e, o, d) for x, e, o, d in zip(xs, even, odd, dims)]
 

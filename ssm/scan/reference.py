@@ -46,11 +46,20 @@ def selective_scan_ref(
         outs, lasts = [], []
         bounds = cu_seqlens.tolist()
         for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+
             def part(M):  # the time steps of sequence s of a time-varying input
                 return M if M is None or M.ndim == 2 else M[..., start:end]
 
             out, last = selective_scan_ref(
-                part(u), part(delta), A, part(B), part(C), D, part(z), delta_bias, delta_softplus,
+                part(u),
+                part(delta),
+                A,
+                part(B),
+                part(C),
+                D,
+                part(z),
+                delta_bias,
+                delta_softplus,
                 None if initial_state is None else initial_state[s : s + 1],
             )
             outs.append(out)
@@ -118,10 +127,16 @@ def linear_scan_ref(
         for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             if end == start:
                 continue
-            h0 = None if initial_state is None else initial_state[s].reshape(inputs.shape[:dim] + inputs.shape[dim + 1 :])
-            parts.append(linear_scan_ref(
-                gates.narrow(dim, start, end - start), inputs.narrow(dim, start, end - start), dim, h0, reverse
-            ))
+            h0 = (
+                None
+                if initial_state is None
+                else initial_state[s].reshape(inputs.shape[:dim] + inputs.shape[dim + 1 :])
+            )
+            parts.append(
+                linear_scan_ref(
+                    gates.narrow(dim, start, end - start), inputs.narrow(dim, start, end - start), dim, h0, reverse
+                )
+            )
         return torch.cat(parts, dim=dim)
     dtype = compute_dtype(gates, inputs, initial_state)
     out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
@@ -169,11 +184,21 @@ def ssd_ref(
         outs, lasts = [], []
         bounds = cu_seqlens.tolist()
         for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+
             def part(M):  # the time steps of sequence s
                 return None if M is None else M[:, start:end]
 
             out, last = ssd_ref(
-                part(x), part(dt), A, part(B), part(C), D, part(z), dt_bias, dt_softplus, dt_limit,
+                part(x),
+                part(dt),
+                A,
+                part(B),
+                part(C),
+                D,
+                part(z),
+                dt_bias,
+                dt_softplus,
+                dt_limit,
                 None if initial_state is None else initial_state[s : s + 1],
             )
             outs.append(out)
@@ -286,7 +311,11 @@ def trapezoidal_scan_ref(
     if C_bias is not None:
         q_all = q_all + C_bias.to(dtype).transpose(0, 1)
     x_all = x.to(dtype)
-    vx = torch.ones(ranks, heads, head_dim, dtype=dtype, device=x.device) if mimo_x is None else mimo_x.to(dtype).transpose(0, 1)
+    vx = (
+        torch.ones(ranks, heads, head_dim, dtype=dtype, device=x.device)
+        if mimo_x is None
+        else mimo_x.to(dtype).transpose(0, 1)
+    )
     vz = None if mimo_z is None else mimo_z.to(dtype).transpose(0, 1)
 
     def as_complex(w):  # (..., N) -> the pairs as complex numbers (..., M) and the real part
@@ -297,9 +326,11 @@ def trapezoidal_scan_ref(
         out[..., n0], out[..., n1], out[..., nr] = wc.real, wc.imag, wr
         return out
 
-    bounds = [(b, 0, length) for b in range(batch)] if cu_seqlens is None else [
-        (0, int(s), int(e)) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])
-    ]
+    bounds = (
+        [(b, 0, length) for b in range(batch)]
+        if cu_seqlens is None
+        else [(0, int(s), int(e)) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    )
     outs = [None] * len(bounds)
     last = []
     for i, (b, start, end) in enumerate(bounds):

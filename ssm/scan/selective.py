@@ -36,9 +36,7 @@ def _check_BC(name: str, M: torch.Tensor, batch: int, dim: int, N: int, length: 
     groups = M.shape[1]
     check_shape(name, M, (batch, groups, N, length), "(batch, G, N, L)")
     if groups == 0 or dim % groups != 0:
-        raise ValueError(
-            f"{name} has G = {groups} groups, but dim = {dim} (from u) is not divisible by G"
-        )
+        raise ValueError(f"{name} has G = {groups} groups, but dim = {dim} (from u) is not divisible by G")
     return M
 
 
@@ -116,11 +114,21 @@ def selective_scan(
     if initial_state is not None:
         check_tensor("initial_state", initial_state, ndim=3)
         check_shape(
-            "initial_state", initial_state, (state_batch, dim, N),
+            "initial_state",
+            initial_state,
+            (state_batch, dim, N),
             "(batch, dim, N)" if cu_seqlens is None else "(num_seqs, dim, N)",
         )
     check_same_device(
-        "u", u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
+        "u",
+        u,
+        delta=delta,
+        A=A,
+        B=B,
+        C=C,
+        D=D,
+        z=z,
+        delta_bias=delta_bias,
         initial_state=initial_state,
     )
     impl = BACKENDS.resolve(backend, u.device)
@@ -134,8 +142,6 @@ def selective_scan(
             return out, u.new_zeros(state_batch, dim, N, dtype=state_dtype)
         return out, initial_state.to(state_dtype, copy=True)
 
-    out, last_state = impl.fn(
-        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, cu_seqlens
-    )
+    out, last_state = impl.fn(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, cu_seqlens)
     out = out.contiguous()  # as mamba-ssm's are: callers may .view() it
     return (out, last_state) if return_last_state else out

@@ -109,16 +109,16 @@ def ssd(
     if initial_state is not None:
         check_tensor("initial_state", initial_state, ndim=4)
         check_shape(
-            "initial_state", initial_state, (state_batch, heads, head_dim, N),
+            "initial_state",
+            initial_state,
+            (state_batch, heads, head_dim, N),
             "(batch, H, P, N)" if cu_seqlens is None else "(num_seqs, H, P, N)",
         )
     if not (isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1]):
         raise ValueError(f"dt_limit must be a pair (low, high) with low <= high, got {dt_limit!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    check_same_device(
-        "x", x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_state=initial_state
-    )
+    check_same_device("x", x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_state=initial_state)
     impl = BACKENDS.resolve(backend, x.device)
 
     if length == 0:
@@ -132,7 +132,9 @@ def ssd(
 
     options = (bool(dt_softplus), tuple(dt_limit))
     if seq_idx is not None:
-        out, last_state = _ssd_seq_idx(impl.fn, x, dt, A, B, C, D, z, dt_bias, options, initial_state, chunk_size, seq_idx)
+        out, last_state = _ssd_seq_idx(
+            impl.fn, x, dt, A, B, C, D, z, dt_bias, options, initial_state, chunk_size, seq_idx
+        )
     else:
         out, last_state = impl.fn(x, dt, A, B, C, D, z, dt_bias, *options, initial_state, chunk_size, cu_seqlens)
     out = out.contiguous()  # as mamba-ssm's are: callers may .view() it
@@ -170,6 +172,18 @@ def _ssd_seq_idx(fn, x, dt, A, B, C, D, z, dt_bias, options, initial_state, chun
     def packed(t):
         return None if t is None else t.reshape(1, batch * length, *t.shape[2:])
 
-    out, last = fn(packed(x), packed(dt), A, packed(B), packed(C), D, packed(z), dt_bias, *options,
-                   initial_state, chunk_size, cu_seqlens)
+    out, last = fn(
+        packed(x),
+        packed(dt),
+        A,
+        packed(B),
+        packed(C),
+        D,
+        packed(z),
+        dt_bias,
+        *options,
+        initial_state,
+        chunk_size,
+        cu_seqlens,
+    )
     return out.reshape(x.shape), last[last_seq]

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from ._checks import check_shape, check_tensor, compute_dtype
 from . import _common_trapezoidal as trapezoidal
+from ._checks import check_shape, check_tensor, compute_dtype
 from ._common import selective_delta, selective_skip_and_gate, ssd_delta, ssd_skip_and_gate
 
 
@@ -132,7 +132,7 @@ def trapezoidal_scan_step(
     mimo_z: torch.Tensor | None = None,
     mimo_o: torch.Tensor | None = None,
     rotary: str = "interleaved",
-) -> tuple[torch.Tensor, "trapezoidal.TrapezoidalState"]:
+) -> tuple[torch.Tensor, trapezoidal.TrapezoidalState]:
     """One step of ``trapezoidal_scan`` (Mamba-3), in the direct form of its recurrence.
 
     Shapes: state a TrapezoidalState (phase (batch, H, M), ssm (batch, H, P, N), key
@@ -155,7 +155,12 @@ def trapezoidal_scan_step(
     check_tensor("B", B, ndim=(3, 4))
     rank_axis = B.ndim == 4
     ranks, groups = (B.shape[1], B.shape[2]) if rank_axis else (1, B.shape[1])
-    check_shape("B", B, (batch, *((ranks,) if rank_axis else ()), groups, N), "(batch, R, G, N)" if rank_axis else "(batch, G, N)")
+    check_shape(
+        "B",
+        B,
+        (batch, *((ranks,) if rank_axis else ()), groups, N),
+        "(batch, R, G, N)" if rank_axis else "(batch, G, N)",
+    )
     check_shape("C", C, B.shape, "like B")
     if groups == 0 or heads % groups:
         raise ValueError(f"B has G = {groups} groups, but H = {heads} is not divisible by G")
@@ -189,8 +194,9 @@ def trapezoidal_scan_step(
         + gamma * torch.einsum("brhp,brhn->bhpn", v, k)
     )
     y = torch.einsum("bhpn,brhn->brhp", new_h, q)  # (batch, R, H, P)
-    out = trapezoidal.gate_and_contract(y[:, None], v[:, None], D, None if z is None else z[:, None], mimo_z, mimo_o,
-                                        dtype)[:, 0]
+    out = trapezoidal.gate_and_contract(
+        y[:, None], v[:, None], D, None if z is None else z[:, None], mimo_z, mimo_o, dtype
+    )[:, 0]
     if mimo_o is None and not rank_axis:
         out = out[:, 0]
     new_key = k if rank_axis else k[:, 0]

@@ -146,19 +146,34 @@ def trapezoidal_scan(
         cu_seqlens = check_cu_seqlens(cu_seqlens, length, batch, x.device)
         state_batch = cu_seqlens.numel() - 1
     if initial_state is not None:
-        initial_state = _check_state(initial_state, state_batch, heads, head_dim, N, M, ranks, rank_axis,
-                                     cu_seqlens is not None)
+        initial_state = _check_state(
+            initial_state, state_batch, heads, head_dim, N, M, ranks, rank_axis, cu_seqlens is not None
+        )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     check_same_device(
-        "x", x, dt=dt, A=A, B=B, C=C, trap=trap, angles=angles, D=D, z=z, B_bias=B_bias, C_bias=C_bias,
-        mimo_x=mimo_x, mimo_z=mimo_z, mimo_o=mimo_o,
+        "x",
+        x,
+        dt=dt,
+        A=A,
+        B=B,
+        C=C,
+        trap=trap,
+        angles=angles,
+        D=D,
+        z=z,
+        B_bias=B_bias,
+        C_bias=C_bias,
+        mimo_x=mimo_x,
+        mimo_z=mimo_z,
+        mimo_o=mimo_o,
         **{f"initial_state.{n}": t for n, t in zip(TrapezoidalState._fields, initial_state or ())},
     )
     impl = BACKENDS.resolve(backend, x.device)
 
-    dtype = compute_dtype(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
-                          *(initial_state or ()))
+    dtype = compute_dtype(
+        x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, *(initial_state or ())
+    )
     if not rank_axis:  # one canonical form for the backends: a rank axis of 1
         B, C = B.unsqueeze(2), C.unsqueeze(2)
         B_bias = None if B_bias is None else B_bias.unsqueeze(1)
@@ -172,14 +187,34 @@ def trapezoidal_scan(
             return out
         if initial_state is None:
             last = TrapezoidalState(
-                x.new_zeros(state_batch, heads, M, dtype=dtype), x.new_zeros(state_batch, heads, head_dim, N, dtype=dtype),
-                x.new_zeros(state_batch, ranks, heads, N, dtype=dtype), x.new_zeros(state_batch, heads, head_dim, dtype=dtype),
+                x.new_zeros(state_batch, heads, M, dtype=dtype),
+                x.new_zeros(state_batch, heads, head_dim, N, dtype=dtype),
+                x.new_zeros(state_batch, ranks, heads, N, dtype=dtype),
+                x.new_zeros(state_batch, heads, head_dim, dtype=dtype),
             )
         else:
             last = TrapezoidalState(*(t.to(dtype, copy=True) for t in initial_state))
     else:
-        out, last = impl.fn(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
-                            initial_state, chunk_size, cu_seqlens)
+        out, last = impl.fn(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            trap,
+            angles,
+            D,
+            z,
+            B_bias,
+            C_bias,
+            mimo_x,
+            mimo_z,
+            mimo_o,
+            rotary,
+            initial_state,
+            chunk_size,
+            cu_seqlens,
+        )
         if not rank_axis:
             out = out.squeeze(2)  # (batch, L, 1, H, P): the backends' one output per rank
         out = out.contiguous()

@@ -64,8 +64,9 @@ def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
     return y.reshape(batch, nc * T, ranks, heads, P)[:, :length], state
 
 
-def _core(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init, rotary,
-          chunk_size, cu_seqlens):
+def _core(
+    x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init, rotary, chunk_size, cu_seqlens
+):
     dtype = a.dtype
     heads, ranks = x.shape[2], B.shape[2]
     cos, sin = cos[:, :, None], sin[:, :, None]  # (B, L, 1, H, M): the same for every rank
@@ -82,8 +83,9 @@ def _core(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, co
                 lasts.append(H0 if H0 is not None else v.new_zeros(1, heads, v.shape[-1], k.shape[-1]))
                 continue
             part = slice(start, end)
-            y_i, last_i = _chunks(k[:, part], q[:, part], v[:, part], a[:, part], sigma[:, part], c[:, part], H0,
-                                  chunk_size)
+            y_i, last_i = _chunks(
+                k[:, part], q[:, part], v[:, part], a[:, part], sigma[:, part], c[:, part], H0, chunk_size
+            )
             ys.append(y_i)
             lasts.append(last_i)
         y, H_last = torch.cat(ys, dim=1), torch.cat(lasts)
@@ -91,11 +93,50 @@ def _core(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, co
     return out.to(x.dtype), H_last
 
 
-def trapezoidal_scan_chunked(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
-                             initial_state, chunk_size, cu_seqlens):
+def trapezoidal_scan_chunked(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    trap,
+    angles,
+    D,
+    z,
+    B_bias,
+    C_bias,
+    mimo_x,
+    mimo_z,
+    mimo_o,
+    rotary,
+    initial_state,
+    chunk_size,
+    cu_seqlens,
+):
     """Backend "chunked" of :func:`ssm.scan.trapezoidal_scan` (inputs validated, B and C
     (B, L, R, G, N), biases (H, R, N), the key state (·, R, H, N))."""
-    dtype = compute_dtype(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
-                          *(initial_state or ()))
-    return common.run(_core, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
-                      initial_state, chunk_size, cu_seqlens, dtype)
+    dtype = compute_dtype(
+        x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, *(initial_state or ())
+    )
+    return common.run(
+        _core,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        trap,
+        angles,
+        D,
+        z,
+        B_bias,
+        C_bias,
+        mimo_x,
+        mimo_z,
+        mimo_o,
+        rotary,
+        initial_state,
+        chunk_size,
+        cu_seqlens,
+        dtype,
+    )

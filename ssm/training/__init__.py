@@ -16,5 +16,16 @@ from .data import TASKS, TaskDataModule  # noqa: E402
 from .module import LanguageModelTask, parameter_groups  # noqa: E402
 from .run import RunResult, train  # noqa: E402
 
-__all__ = ["TrainConfig", "ConfigError", "CheckpointError", "load_config", "load_checkpoint", "TaskDataModule", "TASKS",
-           "LanguageModelTask", "parameter_groups", "train", "RunResult"]
+__all__ = [
+    "TrainConfig",
+    "ConfigError",
+    "CheckpointError",
+    "load_config",
+    "load_checkpoint",
+    "TaskDataModule",
+    "TASKS",
+    "LanguageModelTask",
+    "parameter_groups",
+    "train",
+    "RunResult",
+]

@@ -18,7 +18,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from pytorch_lightning.plugins import TorchCheckpointIO
@@ -45,21 +45,25 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu", mmap: bool = Fa
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         first_line = (str(err).splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"{path} is damaged (truncated or half-written?) and cannot be read: {first_line}") from err
+        raise CheckpointError(
+            f"{path} is damaged (truncated or half-written?) and cannot be read: {first_line}"
+        ) from err
     if not isinstance(checkpoint, dict) or not {"global_step", "state_dict"} <= checkpoint.keys():
-        raise CheckpointError(f"{path} is not a training checkpoint (a mapping with global_step and state_dict expected)")
+        raise CheckpointError(
+            f"{path} is not a training checkpoint (a mapping with global_step and state_dict expected)"
+        )
     return checkpoint
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint I/O with atomic writes and ``weights_only=True`` reads."""
 
-    def save_checkpoint(self, checkpoint: dict, path, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict, path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options, got {storage_options!r}")
         save_atomically(checkpoint, Path(path))
 
-    def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict:
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         # weights_only is always True here, whatever the caller asks for
         return load_checkpoint(path, map_location=map_location or "cpu")
 

@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import yaml
 
@@ -38,7 +38,7 @@ def _model_section() -> type:
     for f in dataclasses.fields(MambaConfig):
         kind, default = hints[f.name], field(default=f.default, default_factory=f.default_factory)
         if f.name == "vocab_size":
-            kind, default = Optional[int], field(default=None)
+            kind, default = int | None, field(default=None)
         fields.append((f.name, kind, default))
     fields.append(("backend", str, field(default="auto")))  # scan backend of every mixer (ssm.scan.backends)
 
@@ -49,15 +49,19 @@ def _model_section() -> type:
         if values["vocab_size"] is None:
             values["vocab_size"] = vocab_size
         elif values["vocab_size"] < vocab_size:
-            raise ConfigError(f"model.vocab_size = {values['vocab_size']} is smaller than the task's vocabulary ({vocab_size})")
+            raise ConfigError(
+                f"model.vocab_size = {values['vocab_size']} is smaller than the task's vocabulary ({vocab_size})"
+            )
         try:
             return MambaConfig(**copy.deepcopy(values))
         except ValueError as err:
             raise ConfigError(f"model: {err}") from err
 
     return dataclasses.make_dataclass(
-        "ModelSection", fields, namespace={"mamba_config": mamba_config, "__doc__": _model_section.__doc__,
-                                           "__module__": __name__})
+        "ModelSection",
+        fields,
+        namespace={"mamba_config": mamba_config, "__doc__": _model_section.__doc__, "__module__": __name__},
+    )
 
 
 ModelSection = _model_section()
@@ -100,15 +104,15 @@ class TrainerSection:
 
     max_steps: int = 2000
     accelerator: str = "auto"  # auto | cpu | gpu | ...
-    devices: Union[int, str, list] = "auto"  # e.g. 2 with strategy=ddp
+    devices: int | str | list = "auto"  # e.g. 2 with strategy=ddp
     strategy: str = "auto"  # auto | ddp | fsdp | ...
     num_nodes: int = 1
-    precision: Optional[str] = None  # None: bf16-mixed on CUDA, 32-true elsewhere
+    precision: str | None = None  # None: bf16-mixed on CUDA, 32-true elsewhere
     gradient_clip_val: float = 1.0
     val_check_interval: int = 200  # training steps between validations
     log_every_n_steps: int = 10
     accumulate_grad_batches: int = 1
-    limit_val_batches: Optional[Union[int, float]] = None
+    limit_val_batches: int | float | None = None
     deterministic: bool = False
 
 
@@ -119,11 +123,11 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     seed: int = 0
-    run_dir: Optional[str] = None  # None: a new timestamped folder under runs/
-    resume: Optional[str] = None  # a checkpoint, or a run dir (its checkpoints/last.ckpt)
+    run_dir: str | None = None  # None: a new timestamped folder under runs/
+    resume: str | None = None  # a checkpoint, or a run dir (its checkpoints/last.ckpt)
     checkpoint_every: int = 200  # training steps between checkpoints/last.ckpt
     log_every: int = 50  # steps between log lines when not on a terminal
-    progress_bar: Optional[bool] = None  # None: a bar on a terminal, log lines otherwise
+    progress_bar: bool | None = None  # None: a bar on a terminal, log lines otherwise
 
 
 # ----------------------------------------------------------------------------- loading
@@ -203,7 +207,10 @@ def set_key(config, key: str, text: str) -> None:
         kind = _hints(type(obj))[part]
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(kind):
-                raise ConfigError(f"{path + part!r} is a section; set one of its keys, e.g. {path + part}.{dataclasses.fields(kind)[0].name}=...")
+                raise ConfigError(
+                    f"{path + part!r} is a section; set one of its keys, "
+                    f"e.g. {path + part}.{dataclasses.fields(kind)[0].name}=..."
+                )
             setattr(obj, part, coerce(text, kind, path + part, from_text=True))
             return
         obj, path = getattr(obj, part), path + part + "."

@@ -102,8 +102,16 @@ class ByteText(Dataset):
     around at its end (where a document starts); segment k is the window at k·L. So the rows of
     consecutive steps continue one another, as long as each step takes R examples in order."""
 
-    def __init__(self, data: torch.Tensor, seq_len: int, seed: int, split: str, size: int,
-                 doc_starts: torch.Tensor | None = None, streams: int | None = None):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        seq_len: int,
+        seed: int,
+        split: str,
+        size: int,
+        doc_starts: torch.Tensor | None = None,
+        streams: int | None = None,
+    ):
         if data.numel() < seq_len + 1:
             raise ValueError(f"the {split} text has {data.numel()} bytes, fewer than data.seq_len + 1 = {seq_len + 1}")
         self.data, self.L, self.seed, self.split, self.size = data, seq_len, seed, split, size
@@ -114,8 +122,10 @@ class ByteText(Dataset):
             self.starts[doc_starts] = True
         self.streams = streams
         if streams is not None:
-            self.offsets = [int(torch.randint(0, data.numel(), (), generator=_generator(seed, split, f"stream{r}")))
-                            for r in range(streams)]
+            self.offsets = [
+                int(torch.randint(0, data.numel(), (), generator=_generator(seed, split, f"stream{r}")))
+                for r in range(streams)
+            ]
 
     def __len__(self) -> int:
         return self.size
@@ -148,8 +158,10 @@ def split_files(paths: list[str], val_fraction: float) -> tuple[list[str], list[
     common folder (the same on every machine), the first ``val_fraction`` of them (at least
     one) held out."""
     if len(paths) < 2 or not 0 < val_fraction < 1:
-        raise ValueError(f"the text task needs >= 2 files and 0 < data.val_fraction < 1; got {len(paths)} file(s), "
-                         f"val_fraction = {val_fraction}")
+        raise ValueError(
+            f"the text task needs >= 2 files and 0 < data.val_fraction < 1; got {len(paths)} file(s), "
+            f"val_fraction = {val_fraction}"
+        )
     root = os.path.commonpath([os.path.abspath(p) for p in paths])
     ordered = sorted(paths, key=lambda p: (zlib.crc32(os.path.relpath(os.path.abspath(p), root).encode()), p))
     n_val = min(len(paths) - 1, max(1, round(val_fraction * len(paths))))
@@ -207,7 +219,11 @@ class TaskDataModule(pl.LightningDataModule):
         self.config, self.seed = config, seed
         self.text = None
         if config.task == "text":
-            paths = sorted({p for pattern in config.paths for p in glob.glob(pattern, recursive=True)}) if config.paths else default_text_files()
+            paths = (
+                sorted({p for pattern in config.paths for p in glob.glob(pattern, recursive=True)})
+                if config.paths
+                else default_text_files()
+            )
             if not paths:
                 raise ValueError(f"data.paths {config.paths} match no files")
             self.train_files, self.val_files = split_files(paths, config.val_fraction)
@@ -245,12 +261,16 @@ class TaskDataModule(pl.LightningDataModule):
             return (trainer.global_step if trainer is not None else 0) * per_step
 
         if self.config.stateful and world > 1:
-            raise ValueError("data.stateful runs on one device for now (each process would carry its own "
-                             f"rows' state, and a checkpoint keeps only rank 0's); got {world} processes")
+            raise ValueError(
+                "data.stateful runs on one device for now (each process would carry its own "
+                f"rows' state, and a checkpoint keeps only rank 0's); got {world} processes"
+            )
         streams = per_step if self.config.stateful else None  # each row of a step continues its stream
         return DataLoader(
-            self.dataset("train", stop, streams=streams), batch_size=self.config.batch_size,
-            sampler=StepSampler(start, stop, rank, world), num_workers=self.config.num_workers,
+            self.dataset("train", stop, streams=streams),
+            batch_size=self.config.batch_size,
+            sampler=StepSampler(start, stop, rank, world),
+            num_workers=self.config.num_workers,
             persistent_workers=self.config.num_workers > 0,
         )
 
@@ -258,6 +278,8 @@ class TaskDataModule(pl.LightningDataModule):
         rank, world = self._world()
         n = self.config.val_samples
         return DataLoader(
-            self.dataset("val", n, seq_len), batch_size=self.config.batch_size,
-            sampler=StepSampler(0, n, rank, world), num_workers=self.config.num_workers,
+            self.dataset("val", n, seq_len),
+            batch_size=self.config.batch_size,
+            sampler=StepSampler(0, n, rank, world),
+            num_workers=self.config.num_workers,
         )

@@ -39,8 +39,9 @@ def evaluate(model: MambaLM, data: TaskDataModule, seq_len: int | None = None) -
 
 
 @torch.no_grad()
-def evaluate_carried_state(model: MambaLM, data: TaskDataModule, segments: int, rows: int | None = None,
-                           seq_len: int | None = None) -> dict:
+def evaluate_carried_state(
+    model: MambaLM, data: TaskDataModule, segments: int, rows: int | None = None, seq_len: int | None = None
+) -> dict:
     """Bits per byte on long stretches of the validation text, with the state carried against
     without it: ``rows`` streams (default data.batch_size) of ``segments`` consecutive segments
     of ``seq_len`` bytes each, read once carrying every layer's state from one segment to the
@@ -65,5 +66,8 @@ def evaluate_carried_state(model: MambaLM, data: TaskDataModule, segments: int, 
             loss_sum, _, n = scored_token_metrics(logits, targets)
             nats[name] += float(loss_sum)
         count += n
-    return {"bpb_carried": nats["carried"] / max(count, 1) / math.log(2),
-            "bpb_fresh": nats["fresh"] / max(count, 1) / math.log(2), "bytes": count}
+    return {
+        "bpb_carried": nats["carried"] / max(count, 1) / math.log(2),
+        "bpb_fresh": nats["fresh"] / max(count, 1) / math.log(2),
+        "bytes": count,
+    }

@@ -93,14 +93,20 @@ class LogLines(pl.Callback):
         step = trainer.global_step
         if step % self.every and step != trainer.max_steps:
             return
-        self._print(trainer, f"step {step}/{trainer.max_steps}",
-                    (("train/loss", "loss {:.4f}"), ("train/acc", "acc {:.3f}"), ("train/tokens_per_s", "{:,.0f} tokens/s")))
+        self._print(
+            trainer,
+            f"step {step}/{trainer.max_steps}",
+            (("train/loss", "loss {:.4f}"), ("train/acc", "acc {:.3f}"), ("train/tokens_per_s", "{:,.0f} tokens/s")),
+        )
 
     @rank_zero_only
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking and trainer.state.fn == "fit":
-            self._print(trainer, f"validation at step {trainer.global_step}",
-                        (("val/loss", "val/loss {:.4f}"), ("val/acc", "val/acc {:.3f}"), ("val/bpb", "val/bpb {:.3f}")))
+            self._print(
+                trainer,
+                f"validation at step {trainer.global_step}",
+                (("val/loss", "val/loss {:.4f}"), ("val/acc", "val/acc {:.3f}"), ("val/bpb", "val/bpb {:.3f}")),
+            )
 
     def _print(self, trainer, head: str, fields) -> None:
         m = trainer.callback_metrics
@@ -130,8 +136,13 @@ def plot_curves(metrics_path: Path, out_path: Path) -> None:
         for name in names:
             if name in series:
                 xs, ys = series[name]
-                ax.plot(xs, ys, label=name, marker="o" if name.startswith("val") else None,
-                        alpha=0.6 if name.startswith("train") else 1.0)
+                ax.plot(
+                    xs,
+                    ys,
+                    label=name,
+                    marker="o" if name.startswith("val") else None,
+                    alpha=0.6 if name.startswith("train") else 1.0,
+                )
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)

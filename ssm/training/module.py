@@ -21,7 +21,7 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ``_no_weight_decay`` (A_log, D, the Δ bias), norms and biases (every parameter below 2-D)."""
     decay, no_decay = [], []
     seen = set()
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.requires_grad or id(p) in seen:  # tied weights appear once
             continue
         seen.add(id(p))
@@ -49,8 +49,9 @@ def sequence_boundaries(resets: torch.Tensor) -> torch.Tensor:
     return torch.cat([positions, positions.new_full((1,), starts.numel())])
 
 
-def forward_rows(model: MambaLM, inputs: torch.Tensor, resets: torch.Tensor | None = None,
-                 state: InferenceCache | None = None) -> tuple[torch.Tensor, InferenceCache | None]:
+def forward_rows(
+    model: MambaLM, inputs: torch.Tensor, resets: torch.Tensor | None = None, state: InferenceCache | None = None
+) -> tuple[torch.Tensor, InferenceCache | None]:
     """Logits (B, L, V) of the rows ``inputs`` (B, L), and with ``state`` the state after them.
 
     ``resets`` (B, L) bool: documents start there; the rows are packed end to end with a
@@ -79,8 +80,9 @@ def forward_rows(model: MambaLM, inputs: torch.Tensor, resets: torch.Tensor | No
         rows = rows * keep.view(-1, *[1] * (rows.ndim - 1)).to(rows.dtype)
         return rows.new_zeros(num_seqs, *rows.shape[1:]).index_copy(0, first, rows)
 
-    per_sequence = InferenceCache([LayerCache(per_sequence_state(c.conv_state), per_sequence_state(c.ssm_state))
-                                   for c in state.layers])
+    per_sequence = InferenceCache(
+        [LayerCache(per_sequence_state(c.conv_state), per_sequence_state(c.ssm_state)) for c in state.layers]
+    )
     logits = model(flat, cache=per_sequence, cu_seqlens=cu_seqlens).view(batch, length, -1)
     return logits, _detached(per_sequence.layers, last)
 
@@ -128,8 +130,9 @@ class LanguageModelTask(pl.LightningModule):
             if state is None:
                 state = self.model.allocate_inference_cache(inputs.shape[0], device=inputs.device)
             else:  # (from a checkpoint, it arrives on the CPU)
-                state = InferenceCache([LayerCache(c.conv_state.to(inputs.device), c.ssm_state.to(inputs.device))
-                                        for c in state.layers])
+                state = InferenceCache(
+                    [LayerCache(c.conv_state.to(inputs.device), c.ssm_state.to(inputs.device)) for c in state.layers]
+                )
         logits, state = forward_rows(self.model, inputs, resets, state)
         if slot is not None:
             self.carried[slot] = state

@@ -122,7 +122,9 @@ def _run_scope(resuming: bool):
         if resuming:
             # A mid-epoch resume is exact here: the data are a stream indexed by the step count
             # (data.StepSampler), not a stateful loader. And the run continues in its own folder.
-            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+            warnings.filterwarnings(
+                "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
+            )
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         for logger in loggers:
             logger.setLevel(logging.WARNING)
@@ -168,9 +170,18 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
         plugins=[SafeCheckpointIO()],
         callbacks=[
             shared_run_dir,
-            ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=config.checkpoint_every),
-            ModelCheckpoint(dirpath=ckpt_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1,
-                            enable_version_counter=False, save_on_train_epoch_end=False),
+            ModelCheckpoint(
+                dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=config.checkpoint_every
+            ),
+            ModelCheckpoint(
+                dirpath=ckpt_dir,
+                filename="best",
+                monitor="val/loss",
+                mode="min",
+                save_top_k=1,
+                enable_version_counter=False,
+                save_on_train_epoch_end=False,
+            ),
             TQDMProgressBar() if progress_bar else LogLines(config.log_every),
             *callbacks,
         ],
@@ -182,14 +193,18 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     )
     if trainer.is_global_zero:
         if resume_step is None and (run_dir / "config.yaml").exists():
-            raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run; continue it with resume={run_dir}, "
-                              "or give another run_dir")
+            raise ConfigError(
+                f"run_dir={str(run_dir)!r} already holds a run; continue it with resume={run_dir}, "
+                "or give another run_dir"
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.yaml")
         params = sum(p.numel() for p in model.parameters())
-        print(f"training {config.data.task} with a {params / 1e6:.2f} M-parameter MambaLM "
-              f"({model.config.ssm_cfg.get('layer', 'Mamba1')}, {config.trainer.max_steps} steps) in {run_dir}",
-              flush=True)
+        print(
+            f"training {config.data.task} with a {params / 1e6:.2f} M-parameter MambaLM "
+            f"({model.config.ssm_cfg.get('layer', 'Mamba1')}, {config.trainer.max_steps} steps) in {run_dir}",
+            flush=True,
+        )
         if resume_step is not None:
             logger.drop_rows_after(resume_step)
             print(f"resuming from {ckpt_path} at step {resume_step}", flush=True)

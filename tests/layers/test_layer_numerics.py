@@ -83,7 +83,10 @@ def naive_mamba2(m: Mamba2, u: torch.Tensor) -> torch.Tensor:
     for t in range(length):
         Bt = B[:, t].repeat_interleave(H // G, dim=1)  # (batch, H, N): head h reads group h // (H / G)
         Ct = C[:, t].repeat_interleave(H // G, dim=1)
-        h = torch.exp(delta[:, t, :, None, None] * A[:, None, None]) * h + (delta[:, t, :, None] * x[:, t])[..., None] * Bt[:, :, None, :]
+        h = (
+            torch.exp(delta[:, t, :, None, None] * A[:, None, None]) * h
+            + (delta[:, t, :, None] * x[:, t])[..., None] * Bt[:, :, None, :]
+        )
         ys.append((h * Ct[:, :, None, :]).sum(-1) + D * x[:, t])
     y = torch.stack(ys, 1).reshape(batch, length, m.d_ssm)
     if m.rmsnorm:

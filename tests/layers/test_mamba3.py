@@ -70,8 +70,11 @@ def naive_mamba3(m: Mamba3, u: torch.Tensor) -> torch.Tensor:
         alpha = torch.exp(delta[:, t] * A[:, t])[..., None, None]  # (batch, H, 1, 1)
         beta = ((1 - lam[:, t]) * delta[:, t])[..., None, None] * alpha
         gamma = (lam[:, t] * delta[:, t])[..., None, None]
-        h = (alpha * h + beta * torch.einsum("brhp,brhn->bhpn", v_prev, k_prev)
-             + gamma * torch.einsum("brhp,brhn->bhpn", v, k_rot))
+        h = (
+            alpha * h
+            + beta * torch.einsum("brhp,brhn->bhpn", v_prev, k_prev)
+            + gamma * torch.einsum("brhp,brhn->bhpn", v, k_rot)
+        )
         y = torch.einsum("bhpn,brhn->brhp", h, q_rot) + m.D[:, None] * v
         gate = silu(z[:, t, None] * mimo_z.transpose(0, 1))
         if m.is_outproj_norm:
@@ -98,7 +101,7 @@ def build(options, d_state=8, headdim=4, chunk_size=4):
     torch.manual_seed(0)
     m = Mamba3(D_MODEL, d_state=d_state, headdim=headdim, chunk_size=chunk_size, **options).double()
     with torch.no_grad():  # every parameter away from its initial value, so that none can hide
-        for name, p in m.named_parameters():
+        for p in m.parameters():
             p.add_(0.3 * torch.randn_like(p))
     return m
 
@@ -176,8 +179,17 @@ def test_two_steps_by_hand():
     assert (m.nheads, m.headdim, m.num_rope_angles) == (1, 1, 1)
     eps = 1e-5
     with torch.no_grad():
-        at_both = dict(z=3.0, B0=1.0, B1=0.0, C0=1.0, C1=0.0, dt=math.log(math.exp(0.5) - 1),
-                       A=2 * math.log(2.0) - 1, trap=0.0, angle=math.atanh(0.5))
+        at_both = dict(
+            z=3.0,
+            B0=1.0,
+            B1=0.0,
+            C0=1.0,
+            C1=0.0,
+            dt=math.log(math.exp(0.5) - 1),
+            A=2 * math.log(2.0) - 1,
+            trap=0.0,
+            angle=math.atanh(0.5),
+        )
         rows = ["z", "x", "B0", "B1", "C0", "C1", "dt", "A", "trap", "angle"]
         values = {**{k: (v, v) for k, v in at_both.items()}, "x": (1.0, 2.0)}
         m.in_proj.weight.copy_(torch.tensor([values[r] for r in rows], dtype=torch.float64))  # u_t = e_t
@@ -201,14 +213,16 @@ def test_two_steps_by_hand():
     for state in (cache.state, prefilled.state):  # after two steps, and after a prefill
         phase, ssm, key, value = state
         torch.testing.assert_close(phase.flatten(), torch.tensor([math.pi / 2], dtype=torch.float64))
-        torch.testing.assert_close(ssm.flatten(), torch.tensor([s / 4, s / 4 + 0.5], dtype=torch.float64), rtol=0,
-                                   atol=1e-12)
+        torch.testing.assert_close(
+            ssm.flatten(), torch.tensor([s / 4, s / 4 + 0.5], dtype=torch.float64), rtol=0, atol=1e-12
+        )
         torch.testing.assert_close(key.flatten(), torch.tensor([0.0, 1.0], dtype=torch.float64), rtol=0, atol=1e-12)
         torch.testing.assert_close(value.flatten(), torch.tensor([2.0], dtype=torch.float64))
 
 
-@pytest.mark.parametrize("options", [OPTIONS["siso, ngroups 2"], OPTIONS["mimo rank 3, ngroups 2, outproj norm"]],
-                         ids=["siso", "mimo"])
+@pytest.mark.parametrize(
+    "options", [OPTIONS["siso, ngroups 2"], OPTIONS["mimo rank 3, ngroups 2, outproj norm"]], ids=["siso", "mimo"]
+)
 def test_every_backend_same_outputs_and_gradients(options):
     x = torch.randn(2, 19, D_MODEL)
     results = {}
@@ -224,8 +238,9 @@ def test_every_backend_same_outputs_and_gradients(options):
         torch.testing.assert_close(y, y_ref, rtol=2e-4, atol=2e-4, msg=lambda s: f"{backend} output: {s}")
         for name in g_ref:
             scale = max(g_ref[name].abs().max().item(), 1.0)
-            torch.testing.assert_close(g[name], g_ref[name], rtol=2e-4, atol=2e-4 * scale,
-                                       msg=lambda s: f"{backend} d{name}: {s}")
+            torch.testing.assert_close(
+                g[name], g_ref[name], rtol=2e-4, atol=2e-4 * scale, msg=lambda s: f"{backend} d{name}: {s}"
+            )
 
 
 def test_parameters_match_mamba_ssm():
@@ -233,14 +248,32 @@ def test_parameters_match_mamba_ssm():
     rope_fraction 0.5: 32 angles), SISO, and MIMO rank 4 with the output norm."""
     siso = {k: tuple(v.shape) for k, v in Mamba3(768, device="meta").state_dict().items()}
     assert siso == {
-        "in_proj.weight": (3432, 768), "dt_bias": (24,), "B_bias": (24, 1, 128), "C_bias": (24, 1, 128),
-        "B_norm.weight": (128,), "C_norm.weight": (128,), "D": (24,), "out_proj.weight": (768, 1536),
+        "in_proj.weight": (3432, 768),
+        "dt_bias": (24,),
+        "B_bias": (24, 1, 128),
+        "C_bias": (24, 1, 128),
+        "B_norm.weight": (128,),
+        "C_norm.weight": (128,),
+        "D": (24,),
+        "out_proj.weight": (768, 1536),
     }
-    mimo = {k: tuple(v.shape) for k, v in Mamba3(768, is_mimo=True, is_outproj_norm=True, device="meta").state_dict().items()}
+    mimo = {
+        k: tuple(v.shape)
+        for k, v in Mamba3(768, is_mimo=True, is_outproj_norm=True, device="meta").state_dict().items()
+    }
     assert mimo == {
-        "in_proj.weight": (4200, 768), "dt_bias": (24,), "B_bias": (24, 4, 128), "C_bias": (24, 4, 128),
-        "B_norm.weight": (128,), "C_norm.weight": (128,), "mimo_x": (24, 4, 64), "mimo_z": (24, 4, 64),
-        "mimo_o": (24, 4, 64), "D": (24,), "norm.weight": (1536,), "out_proj.weight": (768, 1536),
+        "in_proj.weight": (4200, 768),
+        "dt_bias": (24,),
+        "B_bias": (24, 4, 128),
+        "C_bias": (24, 4, 128),
+        "B_norm.weight": (128,),
+        "C_norm.weight": (128,),
+        "mimo_x": (24, 4, 64),
+        "mimo_z": (24, 4, 64),
+        "mimo_o": (24, 4, 64),
+        "D": (24,),
+        "norm.weight": (1536,),
+        "out_proj.weight": (768, 1536),
     }
     # an odd rotated size drops to the even size below it: N 10, fraction 0.5 → 5 → 4 entries, 2 angles
     odd = Mamba3(32, d_state=10, headdim=16, ngroups=2, device="meta")

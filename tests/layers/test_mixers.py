@@ -13,8 +13,9 @@ from tests.helpers import assert_close, assert_compiled_matches_eager
 MIXERS = {
     "mamba": lambda **kw: Mamba(24, d_state=6, **kw),
     "mamba2": lambda **kw: Mamba2(24, d_state=6, headdim=8, ngroups=2, chunk_size=5, **kw),
-    "mamba2-mlp-branch": lambda **kw: Mamba2(24, d_state=6, headdim=8, d_ssm=32, rmsnorm=False, D_has_hdim=True,
-                                             chunk_size=4, **kw),
+    "mamba2-mlp-branch": lambda **kw: Mamba2(
+        24, d_state=6, headdim=8, d_ssm=32, rmsnorm=False, D_has_hdim=True, chunk_size=4, **kw
+    ),
 }
 OP = {"mamba": "selective_scan", "mamba2": "ssd", "mamba2-mlp-branch": "ssd"}
 
@@ -78,9 +79,15 @@ def test_mamba_parameters_match_mamba_ssm():
     """Names and shapes of mamba-ssm's Mamba at mamba-130m's width (d_model 768)."""
     m = Mamba(768, device="meta")
     expected = {
-        "A_log": (1536, 16), "D": (1536,), "in_proj.weight": (3072, 768), "conv1d.weight": (1536, 1, 4),
-        "conv1d.bias": (1536,), "x_proj.weight": (80, 1536), "dt_proj.weight": (1536, 48),
-        "dt_proj.bias": (1536,), "out_proj.weight": (768, 1536),
+        "A_log": (1536, 16),
+        "D": (1536,),
+        "in_proj.weight": (3072, 768),
+        "conv1d.weight": (1536, 1, 4),
+        "conv1d.bias": (1536,),
+        "x_proj.weight": (80, 1536),
+        "dt_proj.weight": (1536, 48),
+        "dt_proj.bias": (1536,),
+        "out_proj.weight": (768, 1536),
     }
     assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == expected
 
@@ -89,8 +96,14 @@ def test_mamba2_parameters_match_mamba_ssm():
     """Names and shapes of mamba-ssm's Mamba2 at mamba2-130m's width (d_model 768, N 128, P 64)."""
     m = Mamba2(768, device="meta")
     expected = {
-        "dt_bias": (24,), "A_log": (24,), "D": (24,), "in_proj.weight": (3352, 768),
-        "conv1d.weight": (1792, 1, 4), "conv1d.bias": (1792,), "norm.weight": (1536,), "out_proj.weight": (768, 1536),
+        "dt_bias": (24,),
+        "A_log": (24,),
+        "D": (24,),
+        "in_proj.weight": (3352, 768),
+        "conv1d.weight": (1792, 1, 4),
+        "conv1d.bias": (1792,),
+        "norm.weight": (1536,),
+        "out_proj.weight": (768, 1536),
     }
     assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == expected
 

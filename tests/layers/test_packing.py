@@ -16,8 +16,9 @@ from tests.helpers import REFERENCE_TOLERANCES, assert_relative, cu_seqlens_of, 
 MIXERS = {
     "mamba": lambda **kw: Mamba(24, d_state=6, **kw),
     "mamba2": lambda **kw: Mamba2(24, d_state=6, headdim=8, ngroups=2, chunk_size=5, **kw),
-    "mamba2-mlp-branch": lambda **kw: Mamba2(24, d_state=6, headdim=8, d_ssm=32, rmsnorm=False, D_has_hdim=True,
-                                             chunk_size=4, **kw),
+    "mamba2-mlp-branch": lambda **kw: Mamba2(
+        24, d_state=6, headdim=8, d_ssm=32, rmsnorm=False, D_has_hdim=True, chunk_size=4, **kw
+    ),
 }
 OP = {"mamba": "selective_scan", "mamba2": "ssd", "mamba2-mlp-branch": "ssd"}
 # The chunk length each backend sweeps in, so that the layout puts boundaries on its edges.

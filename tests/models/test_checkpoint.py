@@ -36,8 +36,16 @@ def test_round_trip_gives_identical_logits(tmp_path, kw, safe):
 def test_mamba_ssm_config_file_as_published(tmp_path):
     """config.json exactly as the state-spaces mamba checkpoints ship it (fields omitted take
     their defaults), with a state dict under mamba-ssm's key names."""
-    published = {"d_model": 32, "n_layer": 2, "vocab_size": 45, "ssm_cfg": {}, "rms_norm": True,
-                 "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 8}
+    published = {
+        "d_model": 32,
+        "n_layer": 2,
+        "vocab_size": 45,
+        "ssm_cfg": {},
+        "rms_norm": True,
+        "residual_in_fp32": True,
+        "fused_add_norm": True,
+        "pad_vocab_size_multiple": 8,
+    }
     source = tiny(ssm_cfg={})
     (tmp_path / "config.json").write_text(json.dumps(published))
     torch.save(source.state_dict(), tmp_path / "pytorch_model.bin")
@@ -59,10 +67,22 @@ def hf_state_dict(model: MambaLM) -> dict:
 def test_transformers_mamba_layout(tmp_path):
     source = tiny(ssm_cfg={}, pad_vocab_size_multiple=1, vocab_size=48)
     hf_config = {
-        "model_type": "mamba", "architectures": ["MambaForCausalLM"], "hidden_size": 32, "state_size": 16,
-        "num_hidden_layers": 2, "vocab_size": 48, "expand": 2, "conv_kernel": 4, "use_bias": False,
-        "use_conv_bias": True, "time_step_rank": "auto", "intermediate_size": 64, "layer_norm_epsilon": 1e-5,
-        "residual_in_fp32": True, "tie_word_embeddings": True, "pad_token_id": 0,
+        "model_type": "mamba",
+        "architectures": ["MambaForCausalLM"],
+        "hidden_size": 32,
+        "state_size": 16,
+        "num_hidden_layers": 2,
+        "vocab_size": 48,
+        "expand": 2,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": "auto",
+        "intermediate_size": 64,
+        "layer_norm_epsilon": 1e-5,
+        "residual_in_fp32": True,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
     }
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     save_file(hf_state_dict(source), tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -71,13 +91,29 @@ def test_transformers_mamba_layout(tmp_path):
 
 
 def test_transformers_mamba2_layout(tmp_path):
-    source = tiny(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2, "chunk_size": 8},
-                  pad_vocab_size_multiple=1, vocab_size=48)
+    source = tiny(
+        ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2, "chunk_size": 8},
+        pad_vocab_size_multiple=1,
+        vocab_size=48,
+    )
     hf_config = {
-        "model_type": "mamba2", "hidden_size": 32, "state_size": 8, "num_hidden_layers": 2, "vocab_size": 48,
-        "expand": 2, "conv_kernel": 4, "head_dim": 16, "num_heads": 4, "n_groups": 2, "chunk_size": 8,
-        "use_bias": False, "use_conv_bias": True, "rms_norm": True, "residual_in_fp32": True,
-        "tie_word_embeddings": True, "time_step_limit": [0.0, float("inf")],
+        "model_type": "mamba2",
+        "hidden_size": 32,
+        "state_size": 8,
+        "num_hidden_layers": 2,
+        "vocab_size": 48,
+        "expand": 2,
+        "conv_kernel": 4,
+        "head_dim": 16,
+        "num_heads": 4,
+        "n_groups": 2,
+        "chunk_size": 8,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "rms_norm": True,
+        "residual_in_fp32": True,
+        "tie_word_embeddings": True,
+        "time_step_limit": [0.0, float("inf")],
     }
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     torch.save(hf_state_dict(source), tmp_path / "pytorch_model.bin")

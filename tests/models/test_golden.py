@@ -111,8 +111,15 @@ def test_config_json_as_transformers_5_writes_it():
 # MambaConfig and Mamba2Config): a config.json without them describes the same model.
 DEFAULT_VALUED = {
     "mamba": ["expand", "conv_kernel", "use_conv_bias", "hidden_act", "residual_in_fp32", "tie_word_embeddings"],
-    "mamba2": ["expand", "use_bias", "use_conv_bias", "hidden_act", "residual_in_fp32", "tie_word_embeddings",
-               "time_step_limit"],
+    "mamba2": [
+        "expand",
+        "use_bias",
+        "use_conv_bias",
+        "hidden_act",
+        "residual_in_fp32",
+        "tie_word_embeddings",
+        "time_step_limit",
+    ],
 }
 
 

@@ -12,10 +12,20 @@ import torch
 from ssm import MambaConfig, MambaLM
 
 CONFIGS = {
-    "siso+mlp": dict(ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": 4},
-                     d_intermediate=40),
-    "mimo, outproj norm": dict(ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "is_mimo": True,
-                                        "mimo_rank": 2, "is_outproj_norm": True, "chunk_size": 4}),
+    "siso+mlp": dict(
+        ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": 4}, d_intermediate=40
+    ),
+    "mimo, outproj norm": dict(
+        ssm_cfg={
+            "layer": "Mamba3",
+            "d_state": 8,
+            "headdim": 8,
+            "is_mimo": True,
+            "mimo_rank": 2,
+            "is_outproj_norm": True,
+            "chunk_size": 4,
+        }
+    ),
 }
 
 
@@ -30,10 +40,23 @@ def tiny(kind, **kw) -> MambaLM:
 
 
 def test_state_dict_keys_are_mamba_ssm_s():
-    model = MambaLM(MambaConfig(d_model=768, n_layer=2, vocab_size=50277,
-                                ssm_cfg={"layer": "Mamba3", "is_mimo": True}), device="meta")
-    mixer = {"in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm.weight", "C_norm.weight", "mimo_x", "mimo_z",
-             "mimo_o", "D", "out_proj.weight"}
+    model = MambaLM(
+        MambaConfig(d_model=768, n_layer=2, vocab_size=50277, ssm_cfg={"layer": "Mamba3", "is_mimo": True}),
+        device="meta",
+    )
+    mixer = {
+        "in_proj.weight",
+        "dt_bias",
+        "B_bias",
+        "C_bias",
+        "B_norm.weight",
+        "C_norm.weight",
+        "mimo_x",
+        "mimo_z",
+        "mimo_o",
+        "D",
+        "out_proj.weight",
+    }
     expected = {"backbone.embedding.weight", "backbone.norm_f.weight", "lm_head.weight"}
     for i in range(2):
         expected |= {f"backbone.layers.{i}.norm.weight"} | {f"backbone.layers.{i}.mixer.{k}" for k in mixer}

@@ -12,11 +12,22 @@ from tests.helpers import cu_seqlens_of
 CONFIGS = {
     "mamba1": dict(ssm_cfg={"d_state": 8}),
     # slowly decaying heads, so that whatever the padding left in the state would still show
-    "mamba2": dict(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4, "A_init_range": (0.01, 0.1)},
-                   d_intermediate=40),
+    "mamba2": dict(
+        ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4, "A_init_range": (0.01, 0.1)},
+        d_intermediate=40,
+    ),
     "mamba3": dict(ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": 4}),
-    "mamba3-mimo": dict(ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "is_mimo": True, "mimo_rank": 2,
-                                 "is_outproj_norm": True, "chunk_size": 4}),
+    "mamba3-mimo": dict(
+        ssm_cfg={
+            "layer": "Mamba3",
+            "d_state": 8,
+            "headdim": 8,
+            "is_mimo": True,
+            "mimo_rank": 2,
+            "is_outproj_norm": True,
+            "chunk_size": 4,
+        }
+    ),
 }
 
 
@@ -61,15 +72,17 @@ def test_left_padded_prompts_generate_what_each_prompt_gets_alone(kind):
     assert out.shape == (3, 50) and torch.equal(out[:, :40], ids)
     for i, prompt in enumerate(prompts):
         alone = model.generate(prompt[None], 10, temperature=0)
-        assert torch.equal(out[i, 40:], alone[0, len(prompt):]), f"row {i} (prompt of {len(prompt)} tokens)"
+        assert torch.equal(out[i, 40:], alone[0, len(prompt) :]), f"row {i} (prompt of {len(prompt)} tokens)"
     assert len({tuple(row.tolist()) for row in out[:, 40:]}) > 1  # the rows do differ
 
 
 def test_all_ones_mask_equals_no_mask():
     model = tiny("mamba1")
     ids = torch.randint(0, 45, (2, 6), generator=torch.Generator().manual_seed(4))
-    assert torch.equal(model.generate(ids, 5, temperature=0, attention_mask=torch.ones_like(ids)),
-                       model.generate(ids, 5, temperature=0))
+    assert torch.equal(
+        model.generate(ids, 5, temperature=0, attention_mask=torch.ones_like(ids)),
+        model.generate(ids, 5, temperature=0),
+    )
 
 
 def test_eos_with_padding():
@@ -82,7 +95,7 @@ def test_eos_with_padding():
     eos = int(free[0, 7 + 2])  # row 0's third new token
     out = model.generate(ids, 6, temperature=0, attention_mask=mask, eos_token_id=eos)
     for i, prompt in enumerate(prompts):
-        alone = model.generate(prompt[None], 6, temperature=0, eos_token_id=eos)[0, len(prompt):]
+        alone = model.generate(prompt[None], 6, temperature=0, eos_token_id=eos)[0, len(prompt) :]
         assert torch.equal(out[i, 7 : 7 + len(alone)], alone)
 
 
@@ -91,12 +104,15 @@ def test_bad_attention_masks():
     ids = torch.randint(0, 45, (2, 4))
     cases = {
         "shape": (torch.ones(2, 3, dtype=torch.long), r"shaped like input_ids \(2, 4\), got \(2, 3\)"),
-        "values": (torch.tensor([[0, 2, 1, 1], [1, 1, 1, 1]]), r"only 0 \(padding\) and 1 \(token\), got the values \[0, 1, 2\]"),
+        "values": (
+            torch.tensor([[0, 2, 1, 1], [1, 1, 1, 1]]),
+            r"only 0 \(padding\) and 1 \(token\), got the values \[0, 1, 2\]",
+        ),
         "float": (torch.ones(2, 4), "integer or bool dtype, got torch.float32"),
         "right padding": (torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]), r"pad on the left .* rows \[0\]"),
         "empty row": (torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]]), r"at least one token per row; rows \[0\]"),
     }
-    for name, (mask, message) in cases.items():
+    for mask, message in cases.values():
         with pytest.raises(ValueError, match=message):
             model.generate(ids, 2, attention_mask=mask)
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size = 45\)"):
@@ -108,5 +124,7 @@ def test_bad_attention_masks():
 def test_packed_cache_batch_must_be_the_number_of_sequences():
     model = tiny("mamba1")
     cache = model.allocate_inference_cache(2, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"cache was allocated for batch size 2, but cu_seqlens \(sequences\) has batch size 3"):
+    with pytest.raises(
+        ValueError, match=r"cache was allocated for batch size 2, but cu_seqlens \(sequences\) has batch size 3"
+    ):
         model(torch.randint(0, 45, (1, 6)), cache=cache, cu_seqlens=torch.tensor([0, 1, 2, 6]))

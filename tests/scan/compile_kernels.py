@@ -32,9 +32,12 @@ def signature(fn, constexprs: dict, io_type: str) -> dict:
     """Pointers ending in _ptr (16-bit for the (B, D, L)-sized ones, int32 for the sequence of
     each packed step), int32 for the rest."""
     return {
-        name: "constexpr" if name in constexprs
-        else "*i32" if name == "seq_ptr"
-        else (f"*{io_type}" if name in IO else "*i64" if name in INT64 else "*fp32") if name.endswith("_ptr")
+        name: "constexpr"
+        if name in constexprs
+        else "*i32"
+        if name == "seq_ptr"
+        else (f"*{io_type}" if name in IO else "*i64" if name in INT64 else "*fp32")
+        if name.endswith("_ptr")
         else "i32"
         for name in fn.arg_names
     }
@@ -59,17 +62,42 @@ def variants():
     # trapezoidal_scan at a Mamba-3 layer of mamba-ssm's defaults (P 64, N 128), SISO and MIMO rank 4
     for ranks in (1, 4):
         cfg = trapezoidal_scan.config(64, 128, ranks)
-        blocks = dict(BLOCK_R=cfg.block_r, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, HALVED=ranks > 1,
-                      COMPUTE=tl.float32, HAS_B_BIAS=True, HAS_C_BIAS=True, HAS_MIMO_X=ranks > 1, HAS_Z=True,
-                      HAS_MIMO_Z=ranks > 1, HAS_MIMO_O=ranks > 1, HAS_D=True)
-        yield (trapezoidal_scan._trapezoidal_scan_fwd_kernel.fn,
-               {**blocks, "HAS_INITIAL_STATE": True, "SAVE_CHUNK_STATES": True}, cfg.num_warps)
-        yield (trapezoidal_scan._trapezoidal_scan_bwd_kernel.fn,
-               {**blocks, "HAS_DLAST": True, "INT": tl.int32, "LOG2_CHUNK": cfg.chunk.bit_length() - 1}, cfg.num_warps)
+        blocks = dict(
+            BLOCK_R=cfg.block_r,
+            BLOCK_P=cfg.block_p,
+            BLOCK_N=cfg.block_n,
+            CHUNK=cfg.chunk,
+            HALVED=ranks > 1,
+            COMPUTE=tl.float32,
+            HAS_B_BIAS=True,
+            HAS_C_BIAS=True,
+            HAS_MIMO_X=ranks > 1,
+            HAS_Z=True,
+            HAS_MIMO_Z=ranks > 1,
+            HAS_MIMO_O=ranks > 1,
+            HAS_D=True,
+        )
+        yield (
+            trapezoidal_scan._trapezoidal_scan_fwd_kernel.fn,
+            {**blocks, "HAS_INITIAL_STATE": True, "SAVE_CHUNK_STATES": True},
+            cfg.num_warps,
+        )
+        yield (
+            trapezoidal_scan._trapezoidal_scan_bwd_kernel.fn,
+            {**blocks, "HAS_DLAST": True, "INT": tl.int32, "LOG2_CHUNK": cfg.chunk.bit_length() - 1},
+            cfg.num_warps,
+        )
     lin = linear_scan.config(65536, 4)
     for backward, packed in ((False, False), (True, False), (False, True), (True, True)):
-        constexprs = dict(COMPUTE=tl.float32, REVERSE=True, HAS_INITIAL_STATE=True, BACKWARD=backward,
-                          PACKED=packed, BLOCK_T=lin.block_t, BLOCK_F=lin.block_f)
+        constexprs = dict(
+            COMPUTE=tl.float32,
+            REVERSE=True,
+            HAS_INITIAL_STATE=True,
+            BACKWARD=backward,
+            PACKED=packed,
+            BLOCK_T=lin.block_t,
+            BLOCK_F=lin.block_f,
+        )
         yield linear_scan._linear_scan_kernel.fn, constexprs, lin.num_warps
 
 
@@ -81,8 +109,13 @@ def resource_usage(cubin: bytes) -> str:
         f.write(cubin)
         f.flush()
         out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return " ".join(word for line in out.splitlines() if "REG:" in line
-                    for word in line.split() if word.startswith(("REG:", "LOCAL:")))
+    return " ".join(
+        word
+        for line in out.splitlines()
+        if "REG:" in line
+        for word in line.split()
+        if word.startswith(("REG:", "LOCAL:"))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

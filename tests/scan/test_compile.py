@@ -31,9 +31,7 @@ def test_selective_scan_compiles_without_graph_breaks(backend):
     inputs = [x.requires_grad_() for x in inputs]
 
     def f(u, delta, A, B, C, D, z, delta_bias, h0):
-        out, last = selective_scan(
-            u, delta, A, B, C, D, z, delta_bias, True, True, initial_state=h0, backend=backend
-        )
+        out, last = selective_scan(u, delta, A, B, C, D, z, delta_bias, True, True, initial_state=h0, backend=backend)
         return (out * out).sum() + last.sum()
 
     assert_compiled_matches_eager(f, inputs, **({"rtol": 1e-4, "atol": 1e-4} if backend == "cpu" else {}))

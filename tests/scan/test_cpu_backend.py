@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from ssm.scan import cpu, linear_scan, selective_scan
+from ssm.scan import cpu, linear_scan
 from ssm.scan.linear import BACKENDS as LINEAR_BACKENDS
 from ssm.scan.reference import linear_scan_ref, selective_scan_ref
 from ssm.scan.selective import BACKENDS as SELECTIVE_BACKENDS
@@ -70,8 +70,10 @@ def test_linear_wide_rows_span_several_column_blocks():
 @needs_kernels
 def test_linear_strided_inputs():
     x = linear_inputs((4, 23, 6), 1)
-    x = {k: (v.detach().transpose(0, -1).contiguous().transpose(0, -1).requires_grad_() if v.ndim == 3 else v)
-         for k, v in x.items()}
+    x = {
+        k: (v.detach().transpose(0, -1).contiguous().transpose(0, -1).requires_grad_() if v.ndim == 3 else v)
+        for k, v in x.items()
+    }
     assert not x["gates"].is_contiguous()
     check_linear(x, "cpu", 1, True)
 
@@ -84,8 +86,9 @@ PACKINGS = [[0, 0, 5, 5, T, T + 9, 3 * T + 1], [0, 3 * T + 1], [0, 1, 2, 3 * T, 
 
 
 def _packed_selective(form: str, cu: list[int], dtype=torch.float64, seed=0):
-    x = selective_inputs(cu[-1], batch=1, B_form=form, C_form="varying", wide_delta=True, initial_state=False,
-                         dtype=dtype, seed=seed)
+    x = selective_inputs(
+        cu[-1], batch=1, B_form=form, C_form="varying", wide_delta=True, initial_state=False, dtype=dtype, seed=seed
+    )
     g = torch.Generator().manual_seed(seed + 1)
     x["initial_state"] = torch.randn(len(cu) - 1, 6, 4, generator=g, dtype=x["A"].dtype).requires_grad_()
     return x
@@ -104,8 +107,16 @@ def _selective_per_sequence(x: dict, cu: list[int]):
         part = {k: (v[..., lo:hi] if v.ndim >= 3 and k != "initial_state" else v) for k, v in x.items()}
         part["initial_state"] = h0
         out, last = selective_scan_ref(
-            part["u"], part["delta"], part["A"], part["B"] if part["B"].ndim == 2 else part["B"].unsqueeze(1),
-            part["C"].unsqueeze(1), part["D"], part["z"], part["delta_bias"], True, part["initial_state"],
+            part["u"],
+            part["delta"],
+            part["A"],
+            part["B"] if part["B"].ndim == 2 else part["B"].unsqueeze(1),
+            part["C"].unsqueeze(1),
+            part["D"],
+            part["z"],
+            part["delta_bias"],
+            True,
+            part["initial_state"],
         )
         outs.append(out)
         lasts.append(last)
@@ -114,8 +125,19 @@ def _selective_per_sequence(x: dict, cu: list[int]):
 
 def _packed_call(x: dict, cu: list[int]):
     B = x["B"] if x["B"].ndim == 2 else x["B"].unsqueeze(1)
-    return cpu.selective_scan_cpu(x["u"], x["delta"], x["A"], B, x["C"].unsqueeze(1), x["D"], x["z"],
-                                  x["delta_bias"], True, x["initial_state"], torch.tensor(cu))
+    return cpu.selective_scan_cpu(
+        x["u"],
+        x["delta"],
+        x["A"],
+        B,
+        x["C"].unsqueeze(1),
+        x["D"],
+        x["z"],
+        x["delta_bias"],
+        True,
+        x["initial_state"],
+        torch.tensor(cu),
+    )
 
 
 @needs_kernels
@@ -129,7 +151,10 @@ def test_selective_packed_sequences_match_each_sequence_alone(cu, form, dtype):
     x = _packed_selective(form, cu, dtype)
     out, last = _packed_call(x, cu)
     g = torch.Generator().manual_seed(7)
-    upstream = [torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(last.shape, generator=g, dtype=torch.float64)]
+    upstream = [
+        torch.randn(out.shape, generator=g, dtype=torch.float64),
+        torch.randn(last.shape, generator=g, dtype=torch.float64),
+    ]
     grads = torch.autograd.grad((out, last), list(x.values()), [u.to(o.dtype) for u, o in zip(upstream, (out, last))])
     x64 = {k: v.detach().double().requires_grad_() for k, v in x.items()}
     ref_out, ref_last = _selective_per_sequence(x64, cu)
@@ -179,9 +204,17 @@ def test_every_input_variant_runs_the_compiled_kernels(monkeypatch):
     monkeypatch.setattr(cpu, "_pscan_selective", no_fallback)
     monkeypatch.setattr(cpu, "_pscan_linear", no_fallback)
     variants = [
-        dict(B_form="fixed"), dict(B_form="varying"), dict(B_form="grouped"), dict(B_form="fixed", C_form="grouped"),
-        dict(z=False), dict(D=False), dict(bias=False), dict(initial_state=False),
-        dict(dtype=torch.float64), dict(dtype=torch.bfloat16), dict(B_form="grouped", z=False, D=False, dtype=torch.float64),
+        dict(B_form="fixed"),
+        dict(B_form="varying"),
+        dict(B_form="grouped"),
+        dict(B_form="fixed", C_form="grouped"),
+        dict(z=False),
+        dict(D=False),
+        dict(bias=False),
+        dict(initial_state=False),
+        dict(dtype=torch.float64),
+        dict(dtype=torch.bfloat16),
+        dict(B_form="grouped", z=False, D=False, dtype=torch.float64),
         dict(batch=3, dim=9, N=7, groups=3, B_form="grouped"),
     ]
     for i, variant in enumerate(variants):
@@ -293,9 +326,11 @@ def test_kernel_switch_off_runs_pscan_silently(monkeypatch):
 def test_build_is_cached_on_disk_and_reused(tmp_path):
     """A fresh process with an empty cache directory builds the library there (one file, no
     temporaries left); a second process loads it without building it again."""
-    code = ("import torch; from ssm.scan import cpu, selective_scan; "
-            "u = torch.randn(1, 4, 9); selective_scan(u, u, -torch.ones(4, 2), torch.randn(4, 2), torch.randn(4, 2)); "
-            "assert cpu.kernels() is not None")
+    code = (
+        "import torch; from ssm.scan import cpu, selective_scan; "
+        "u = torch.randn(1, 4, 9); selective_scan(u, u, -torch.ones(4, 2), torch.randn(4, 2), torch.randn(4, 2)); "
+        "assert cpu.kernels() is not None"
+    )
     env = {**os.environ, "SSM_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "error::RuntimeWarning"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     built = sorted(tmp_path.iterdir())

@@ -42,8 +42,14 @@ SELECTIVE_CASES = {
     "D shape": (dict(D=torch.randn(DIM + 1)), ["D", "(dim,)", "(6,)", "(7,)"]),
     "delta_bias shape": (dict(delta_bias=torch.randn(1, DIM)), ["delta_bias", "1-D"]),
     "z shape": (dict(z=torch.randn(BATCH, DIM, L + 2)), ["z", "(batch, dim, L)"]),
-    "initial_state shape": (dict(initial_state=torch.randn(BATCH, DIM, N + 1)), ["initial_state", "(batch, dim, N)", "(2, 6, 4)"]),
-    "initial_state integer": (dict(initial_state=torch.zeros(BATCH, DIM, N, dtype=torch.int32)), ["initial_state", "floating"]),
+    "initial_state shape": (
+        dict(initial_state=torch.randn(BATCH, DIM, N + 1)),
+        ["initial_state", "(batch, dim, N)", "(2, 6, 4)"],
+    ),
+    "initial_state integer": (
+        dict(initial_state=torch.zeros(BATCH, DIM, N, dtype=torch.int32)),
+        ["initial_state", "floating"],
+    ),
 }
 
 
@@ -68,7 +74,10 @@ def test_device_mismatch_names_the_argument():
 
 LINEAR_CASES = {
     "gates shape": (dict(gates=torch.rand(3, 8)), ["gates", "(3, 7)", "(3, 8)"]),
-    "integer inputs": (dict(inputs=torch.ones(3, 7, dtype=torch.long), gates=torch.ones(3, 7, dtype=torch.long)), ["floating"]),
+    "integer inputs": (
+        dict(inputs=torch.ones(3, 7, dtype=torch.long), gates=torch.ones(3, 7, dtype=torch.long)),
+        ["floating"],
+    ),
     "dim out of range": (dict(dim=2), ["dim", "[-2, 1]", "2"]),
     "dim not int": (dict(dim=1.0), ["dim", "int"]),
     "initial_state shape": (dict(initial_state=torch.zeros(7)), ["initial_state", "(3,)", "(7,)"]),

@@ -7,8 +7,8 @@ import operator
 import pytest
 import torch
 
-from ssm.scan import associative_scan, linear_scan, scan
 from ssm.memory import saved_bytes
+from ssm.scan import associative_scan, linear_scan, scan
 from tests.helpers import assert_close, poisoned
 
 CHECKPOINTS = [None, 1, 3, "sqrt"]
@@ -60,7 +60,10 @@ def tree_step(carry, x):
 
 
 def tree_inputs(L, g):
-    init = {"h": torch.randn(2, 3, generator=g), "aux": (torch.zeros((), dtype=torch.int64), torch.rand(3, generator=g))}
+    init = {
+        "h": torch.randn(2, 3, generator=g),
+        "aux": (torch.zeros((), dtype=torch.int64), torch.rand(3, generator=g)),
+    }
     xs = (torch.randn(L, 2, 3, generator=g), None, torch.randn(L, 4, generator=g))
     return init, xs
 
@@ -145,9 +148,14 @@ def test_carry_that_changes_is_named(checkpoint):
     def grows(c, x):
         return {"h": torch.cat([c["h"], x]), "n": c["n"]}, None
 
-    with pytest.raises(ValueError, match=r"fn changed carry\['h'\] at step 0: init has shape \(2,\) float32, fn returned shape \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"fn changed carry\['h'\] at step 0: init has shape \(2,\) float32, fn returned shape \(3,\)"
+    ):
         scan(grows, {"h": torch.zeros(2), "n": torch.zeros(())}, torch.zeros(4, 1), checkpoint=checkpoint)
-    with pytest.raises(ValueError, match=r"fn changed carry\[1\] at step 0: init has shape \(\) float32, fn returned shape \(\) float64"):
+    with pytest.raises(
+        ValueError,
+        match=r"fn changed carry\[1\] at step 0: init has shape \(\) float32, fn returned shape \(\) float64",
+    ):
         scan(lambda c, x: ((c[0], c[1].double()), None), (torch.zeros(2), torch.zeros(())), length=3)
     with pytest.raises(ValueError, match="structure of the carry|carry of structure"):
         scan(lambda c, x: ((c, c), None), torch.zeros(2), length=3, checkpoint=checkpoint)
@@ -181,8 +189,14 @@ def test_other_bad_arguments():
 
 def rnn_inputs(L, g, dtype=torch.float32):
     W = (torch.randn(5, 5, generator=g, dtype=dtype) / 5**0.5).requires_grad_()
-    init = {"h": torch.randn(2, 5, generator=g, dtype=dtype).requires_grad_(), "c": torch.randn(5, generator=g, dtype=dtype).requires_grad_()}
-    xs = (torch.randn(L, 2, 5, generator=g, dtype=dtype).requires_grad_(), torch.rand(L, generator=g, dtype=dtype).requires_grad_())
+    init = {
+        "h": torch.randn(2, 5, generator=g, dtype=dtype).requires_grad_(),
+        "c": torch.randn(5, generator=g, dtype=dtype).requires_grad_(),
+    }
+    xs = (
+        torch.randn(L, 2, 5, generator=g, dtype=dtype).requires_grad_(),
+        torch.rand(L, generator=g, dtype=dtype).requires_grad_(),
+    )
     return W, init, xs
 
 
@@ -212,7 +226,9 @@ def test_gradients_agree_across_checkpoints_and_with_a_loop(reverse):
         assert none is None
         loss = (ys * dys).sum() + (final["h"] * dh).sum()
         assert_close(loss, ref_loss, torch.float32, f"loss, checkpoint={checkpoint}")
-        for name, got, exp in zip(["W", "init.h", "init.c", "xs.u", "xs.gate"], torch.autograd.grad(loss, wrt), expected):
+        for name, got, exp in zip(
+            ["W", "init.h", "init.c", "xs.u", "xs.gate"], torch.autograd.grad(loss, wrt), expected
+        ):
             assert_close(got, exp, torch.float32, f"d/d{name}, checkpoint={checkpoint}, reverse={reverse}")
 
 

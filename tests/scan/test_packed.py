@@ -48,10 +48,17 @@ def packed_selective(T: int, *, initial_state: bool, dtype=torch.float32, **kw):
 @pytest.mark.parametrize("form", SELECTIVE_FORMS)
 @pytest.mark.parametrize("backend", list(SELECTIVE_CHUNKS))
 def test_selective_scan_packed_equals_each_sequence_alone(backend, form, initial_state):
-    inputs, cu = packed_selective(SELECTIVE_CHUNKS[backend], initial_state=initial_state,
-                                  B_form=form, C_form="grouped" if form == "varying" else form)
+    inputs, cu = packed_selective(
+        SELECTIVE_CHUNKS[backend],
+        initial_state=initial_state,
+        B_form=form,
+        C_form="grouped" if form == "varying" else form,
+    )
     (out, last), _ = check_against_reference(
-        selective_packed_call(cu), inputs, backend, names=["out", "last_state"],
+        selective_packed_call(cu),
+        inputs,
+        backend,
+        names=["out", "last_state"],
         reference_call=selective_solo_call(cu),
     )
     assert last.shape == (cu.numel() - 1, 6, 4) and last.dtype == torch.float32
@@ -80,8 +87,9 @@ def test_all_sequences_empty():
     inputs = selective_inputs(0, batch=1)
     inputs = with_sequence_states(inputs, 3)
     for backend in SELECTIVE_CHUNKS:
-        out, last = selective_scan(**inputs, return_last_state=True, cu_seqlens=torch.zeros(4, dtype=torch.long),
-                                   backend=backend)
+        out, last = selective_scan(
+            **inputs, return_last_state=True, cu_seqlens=torch.zeros(4, dtype=torch.long), backend=backend
+        )
         assert out.shape == (1, 6, 0)
         torch.testing.assert_close(last, inputs["initial_state"].detach())
 
@@ -89,7 +97,9 @@ def test_all_sequences_empty():
 def test_one_sequence_equals_no_packing():
     x = selective_inputs(37, batch=1)
     for backend in SELECTIVE_CHUNKS:
-        packed = selective_scan(**x, delta_softplus=True, return_last_state=True, cu_seqlens=torch.tensor([0, 37]), backend=backend)
+        packed = selective_scan(
+            **x, delta_softplus=True, return_last_state=True, cu_seqlens=torch.tensor([0, 37]), backend=backend
+        )
         plain = selective_scan(**x, delta_softplus=True, return_last_state=True, backend=backend)
         for p, q in zip(packed, plain):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
@@ -111,7 +121,9 @@ def test_linear_scan_packed_equals_each_sequence_alone(backend, layout, reverse,
     inputs = linear_inputs(shape, dim, initial_state=True)
     if initial_state:
         inputs = with_sequence_states(inputs, len(lengths))
-        inputs["initial_state"] = inputs["initial_state"].detach().reshape(len(lengths), *shape[dim + 1 :]).requires_grad_()
+        inputs["initial_state"] = (
+            inputs["initial_state"].detach().reshape(len(lengths), *shape[dim + 1 :]).requires_grad_()
+        )
     else:
         del inputs["initial_state"]
     cu = cu_seqlens_of(lengths)
@@ -135,7 +147,10 @@ def test_ssd_packed_equals_each_sequence_alone(backend, chunk_size, initial_stat
         del inputs["initial_state"]
     cu = cu_seqlens_of(lengths)
     (out, last), _ = check_against_reference(
-        ssd_packed_call(cu, chunk_size), inputs, backend, names=["out", "last_state"],
+        ssd_packed_call(cu, chunk_size),
+        inputs,
+        backend,
+        names=["out", "last_state"],
         reference_call=ssd_solo_call(cu, chunk_size),
     )
     assert last.shape == (len(lengths), 4, 3, 5)
@@ -159,6 +174,7 @@ def ssd_seq_idx_call(seq_idx):
 def ssd_rows_solo_call(seq_idx):
     """Each row's runs of equal seq_idx alone; the row's initial state starts its first run and
     the row's last run gives its last state (mamba-ssm's meaning of seq_idx)."""
+
     def call(inputs, backend):
         rows, lasts = [], []
         for b, row in enumerate(seq_idx.tolist()):
@@ -178,8 +194,9 @@ def ssd_rows_solo_call(seq_idx):
 
 @pytest.mark.parametrize("backend", ["ref", "chunked"])
 def test_ssd_seq_idx_as_in_mamba_ssm(backend):
-    seq_idx = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]],
-                           dtype=torch.int32)
+    seq_idx = torch.tensor(
+        [[0, 0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]], dtype=torch.int32
+    )
     inputs = ssd_inputs(13, batch=2)
     check_against_reference(ssd_seq_idx_call(seq_idx), inputs, backend, reference_call=ssd_rows_solo_call(seq_idx))
 
@@ -187,8 +204,9 @@ def test_ssd_seq_idx_as_in_mamba_ssm(backend):
 def test_ssd_seq_idx_all_zero_is_no_packing():
     x = ssd_inputs(19, batch=2)
     plain = ssd(**x, dt_softplus=True, return_last_state=True, chunk_size=4)
-    packed = ssd(**x, dt_softplus=True, return_last_state=True, chunk_size=4,
-                 seq_idx=torch.zeros(2, 19, dtype=torch.int32))
+    packed = ssd(
+        **x, dt_softplus=True, return_last_state=True, chunk_size=4, seq_idx=torch.zeros(2, 19, dtype=torch.int32)
+    )
     for p, q in zip(packed, plain):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
 
@@ -199,7 +217,9 @@ def test_ssd_seq_idx_all_zero_is_no_packing():
 def test_errors_name_the_argument():
     x = selective_inputs(10, batch=1)
     cu = torch.tensor([0, 4, 10])
-    with pytest.raises(ValueError, match=r"initial_state must have shape \(num_seqs, dim, N\) = \(2, 6, 4\), got \(1, 6, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"initial_state must have shape \(num_seqs, dim, N\) = \(2, 6, 4\), got \(1, 6, 4\)"
+    ):
         selective_scan(**x, cu_seqlens=cu, backend="ref")
     with pytest.raises(ValueError, match="cu_seqlens must end at the packed length L = 10, got 9"):
         selective_scan(**{**x, "initial_state": None}, cu_seqlens=torch.tensor([0, 9]), backend="ref")
@@ -208,7 +228,9 @@ def test_errors_name_the_argument():
         selective_scan(**two, cu_seqlens=cu, backend="pscan")
     with pytest.raises(ValueError, match=r"every dimension before it must have size 1; got inputs of shape \(2, 10\)"):
         linear_scan(torch.rand(2, 10), torch.rand(2, 10), dim=1, cu_seqlens=cu)
-    with pytest.raises(ValueError, match=r"initial_state must have shape \(num_seqs, \*inputs.shape after dim 1\) = \(2, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"initial_state must have shape \(num_seqs, \*inputs.shape after dim 1\) = \(2, 3\)"
+    ):
         linear_scan(torch.rand(1, 10, 3), torch.rand(1, 10, 3), dim=1, initial_state=torch.zeros(1, 3), cu_seqlens=cu)
     s = ssd_inputs(10, batch=1, initial_state=False)
     with pytest.raises(ValueError, match="not both"):

@@ -25,9 +25,7 @@ def test_lengths(backend, length):
     check_selective(selective_inputs(length, B_form="varying", C_form="grouped"), backend)
 
 
-@pytest.mark.parametrize(
-    "D,z,bias,initial_state", list(itertools.product([False, True], repeat=4))
-)
+@pytest.mark.parametrize("D,z,bias,initial_state", list(itertools.product([False, True], repeat=4)))
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_options(backend, form, D, z, bias, initial_state):
@@ -66,9 +64,7 @@ def test_gradcheck(backend, form):
     names = list(inputs)
 
     def f(*tensors):
-        return selective_scan(
-            **dict(zip(names, tensors)), delta_softplus=True, return_last_state=True, backend=backend
-        )
+        return selective_scan(**dict(zip(names, tensors)), delta_softplus=True, return_last_state=True, backend=backend)
 
     assert torch.autograd.gradcheck(f, tuple(inputs.values()))
 
@@ -124,15 +120,26 @@ def test_reference_on_a_hand_computed_example():
     """One channel, one state: Δ = 1, A = -ln 2, B = C = u = 1 gives h_t = h_{t-1}/2 + 1."""
     ones = torch.ones(1, 1, 4)
     out, last = selective_scan(
-        ones, ones, torch.tensor([[-math.log(2.0)]]), torch.ones(1, 1), torch.ones(1, 1),
-        D=torch.tensor([10.0]), return_last_state=True, initial_state=torch.full((1, 1, 1), 2.0),
+        ones,
+        ones,
+        torch.tensor([[-math.log(2.0)]]),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        D=torch.tensor([10.0]),
+        return_last_state=True,
+        initial_state=torch.full((1, 1, 1), 2.0),
         backend="ref",
     )
     # h: 2 -> 2, 2, 2, 2 (a fixed point); then from 0: 1, 1.5, 1.75, 1.875
     torch.testing.assert_close(out, torch.full((1, 1, 4), 12.0))
     out, last = selective_scan(
-        ones, ones, torch.tensor([[-math.log(2.0)]]), torch.ones(1, 1), torch.ones(1, 1),
-        return_last_state=True, backend="ref",
+        ones,
+        ones,
+        torch.tensor([[-math.log(2.0)]]),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        return_last_state=True,
+        backend="ref",
     )
     torch.testing.assert_close(out, torch.tensor([[[1.0, 1.5, 1.75, 1.875]]]))
     torch.testing.assert_close(last, torch.tensor([[[1.875]]]))

@@ -21,7 +21,9 @@ def test_lengths_around_chunk_boundaries(backend, length):
     check_ssd(ssd_inputs(length), backend, chunk_size=8)
 
 
-@pytest.mark.parametrize("D,z,bias,initial_state", list(itertools.product(["none", "heads", "channels"], *[[False, True]] * 3)))
+@pytest.mark.parametrize(
+    "D,z,bias,initial_state", list(itertools.product(["none", "heads", "channels"], *[[False, True]] * 3))
+)
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_options(backend, D, z, bias, initial_state):
     check_ssd(ssd_inputs(19, D=D, z=z, bias=bias, initial_state=initial_state), backend)
@@ -77,8 +79,18 @@ def test_step_equals_scan():
     out, _ = ssd(**x, dt_softplus=True, return_last_state=True, backend="ref")
     h = x["initial_state"]
     for t in range(9):
-        y, h = ssd_step(h, x["x"][:, t], x["dt"][:, t], x["A"], x["B"][:, t], x["C"][:, t], x["D"], x["z"][:, t],
-                        dt_bias=x["dt_bias"], dt_softplus=True)
+        y, h = ssd_step(
+            h,
+            x["x"][:, t],
+            x["dt"][:, t],
+            x["A"],
+            x["B"][:, t],
+            x["C"][:, t],
+            x["D"],
+            x["z"][:, t],
+            dt_bias=x["dt_bias"],
+            dt_softplus=True,
+        )
         assert_close(y, out[:, t], torch.float32, f"step {t}")
 
 
@@ -121,8 +133,17 @@ def test_reference_on_hand_computed_examples():
     fixed point h = 2 every output is 2 + D·x = 12."""
     ones = torch.ones(1, 4, 1, 1)
     dt, A, BC = torch.ones(1, 4, 1), torch.tensor([-math.log(2.0)]), torch.ones(1, 4, 1, 1)
-    out, last = ssd(ones, dt, A, BC, BC, D=torch.tensor([10.0]), initial_state=torch.full((1, 1, 1, 1), 2.0),
-                    return_last_state=True, backend="ref")
+    out, last = ssd(
+        ones,
+        dt,
+        A,
+        BC,
+        BC,
+        D=torch.tensor([10.0]),
+        initial_state=torch.full((1, 1, 1, 1), 2.0),
+        return_last_state=True,
+        backend="ref",
+    )
     torch.testing.assert_close(out, torch.full((1, 4, 1, 1), 12.0))
     out, last = ssd(ones, dt, A, BC, BC, return_last_state=True, backend="ref")
     torch.testing.assert_close(out.flatten(), torch.tensor([1.0, 1.5, 1.75, 1.875]))

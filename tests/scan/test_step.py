@@ -23,16 +23,28 @@ def step_forms(M: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("form", ["varying", "grouped"])
 @pytest.mark.parametrize("D,z,bias,softplus", list(itertools.product([False, True], repeat=4)))
 def test_selective_scan_step_equals_the_scan(form, D, z, bias, softplus):
-    x = {k: v.detach() for k, v in selective_inputs(L, B_form=form, D=D, z=z, bias=bias, wide_delta=bias and softplus,
-                                                      dtype=torch.float64).items()}
+    x = {
+        k: v.detach()
+        for k, v in selective_inputs(
+            L, B_form=form, D=D, z=z, bias=bias, wide_delta=bias and softplus, dtype=torch.float64
+        ).items()
+    }
     if not softplus:  # Δ must stay positive without softplus
         x["delta"] = x["delta"].abs() + 0.01 - (x["delta_bias"][:, None] if bias else 0)
     out, last = selective_scan(**x, delta_softplus=softplus, return_last_state=True, backend="ref")
     h = x["initial_state"]
     for t, (B_t, C_t) in enumerate(zip(step_forms(x["B"]), step_forms(x["C"]))):
         y, h = selective_scan_step(
-            h, x["u"][..., t], x["delta"][..., t], x["A"], B_t, C_t, x.get("D"),
-            None if not z else x["z"][..., t], x.get("delta_bias"), delta_softplus=softplus,
+            h,
+            x["u"][..., t],
+            x["delta"][..., t],
+            x["A"],
+            B_t,
+            C_t,
+            x.get("D"),
+            None if not z else x["z"][..., t],
+            x.get("delta_bias"),
+            delta_softplus=softplus,
         )
         torch.testing.assert_close(y, out[..., t], rtol=1e-12, atol=1e-12, msg=lambda m: f"step {t}: {m}")
     torch.testing.assert_close(h, last, rtol=1e-12, atol=1e-12)
@@ -41,8 +53,18 @@ def test_selective_scan_step_equals_the_scan(form, D, z, bias, softplus):
 def test_selective_scan_step_keeps_dtypes():
     """Half inputs: the state stays float32, the output comes back in the input dtype."""
     x = {k: v.detach() for k, v in selective_inputs(1, dtype=torch.bfloat16).items()}
-    y, h = selective_scan_step(x["initial_state"], x["u"][..., 0], x["delta"][..., 0], x["A"], x["B"][..., 0],
-                               x["C"][..., 0], x["D"], x["z"][..., 0], x["delta_bias"], True)
+    y, h = selective_scan_step(
+        x["initial_state"],
+        x["u"][..., 0],
+        x["delta"][..., 0],
+        x["A"],
+        x["B"][..., 0],
+        x["C"][..., 0],
+        x["D"],
+        x["z"][..., 0],
+        x["delta_bias"],
+        True,
+    )
     assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
 
 
@@ -57,8 +79,17 @@ def test_ssd_step_equals_the_scan(groups, z, bias, D, dt_limit):
     h = x["initial_state"]
     for t in range(L):
         y, h = ssd_step(
-            h, x["x"][:, t], x["dt"][:, t], x["A"], x["B"][:, t], x["C"][:, t], x.get("D"),
-            None if not z else x["z"][:, t], dt_bias=x.get("dt_bias"), dt_softplus=True, dt_limit=dt_limit,
+            h,
+            x["x"][:, t],
+            x["dt"][:, t],
+            x["A"],
+            x["B"][:, t],
+            x["C"][:, t],
+            x.get("D"),
+            None if not z else x["z"][:, t],
+            dt_bias=x.get("dt_bias"),
+            dt_softplus=True,
+            dt_limit=dt_limit,
         )
         torch.testing.assert_close(y, out[:, t], rtol=1e-12, atol=1e-12, msg=lambda m: f"step {t}: {m}")
     torch.testing.assert_close(h, last, rtol=1e-12, atol=1e-12)

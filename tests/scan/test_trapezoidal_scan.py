@@ -31,8 +31,9 @@ def two_steps(delta: float, theta: float, rotary="interleaved", N=2, backend="re
     A = torch.full((1, steps, 1), -math.log(2.0) / delta, dtype=torch.float64)
     trap = torch.full((1, steps, 1), 0.5, dtype=torch.float64)
     angles = torch.full((1, steps, 1, 1), theta, dtype=torch.float64)
-    return trapezoidal_scan(x, dt, A, BC, BC, trap, angles, rotary=rotary, return_last_state=True, backend=backend,
-                            **kw)
+    return trapezoidal_scan(
+        x, dt, A, BC, BC, trap, angles, rotary=rotary, return_last_state=True, backend=backend, **kw
+    )
 
 
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
@@ -72,10 +73,12 @@ def test_initial_state_by_hand(backend):
     still 1/4."""
     cases = {0.0: ([0.0, 1.0], [0.25, 0.5]), math.pi / 2: ([-1.0, 0.0], [-0.5, 0.25])}
     for phase, (key, h0) in cases.items():
-        state = TrapezoidalState(torch.full((1, 1, 1), phase, dtype=torch.float64),
-                                 torch.zeros(1, 1, 1, 2, dtype=torch.float64),
-                                 torch.tensor(key, dtype=torch.float64).reshape(1, 1, 2),
-                                 torch.full((1, 1, 1), 4.0, dtype=torch.float64))
+        state = TrapezoidalState(
+            torch.full((1, 1, 1), phase, dtype=torch.float64),
+            torch.zeros(1, 1, 1, 2, dtype=torch.float64),
+            torch.tensor(key, dtype=torch.float64).reshape(1, 1, 2),
+            torch.full((1, 1, 1), 4.0, dtype=torch.float64),
+        )
         out, last = two_steps(0.5, 0.0, backend=backend, steps=1, initial_state=state)
         torch.testing.assert_close(out.flatten(), torch.tensor([0.25], dtype=torch.float64), rtol=0, atol=1e-12)
         torch.testing.assert_close(last.ssm.flatten(), torch.tensor(h0, dtype=torch.float64), rtol=0, atol=1e-12)
@@ -147,11 +150,14 @@ def test_packed_equals_one_call_per_sequence(backend):
     out, *last = call(x, backend)
     starts = [0, 6, 6, 17]
     for s in range(3):
-        part = {k: (v[:, starts[s]:starts[s + 1]] if v.ndim >= 3 and v.shape[1] == 17 else v)
-                for k, v in x.items() if k != "cu_seqlens"}
+        part = {
+            k: (v[:, starts[s] : starts[s + 1]] if v.ndim >= 3 and v.shape[1] == 17 else v)
+            for k, v in x.items()
+            if k != "cu_seqlens"
+        }
         part.update({k: v[s : s + 1] for k, v in x.items() if k.startswith("initial_")})
         alone, *alone_last = call(part, backend)
-        torch.testing.assert_close(out[:, starts[s]:starts[s + 1]], alone, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out[:, starts[s] : starts[s + 1]], alone, rtol=1e-12, atol=1e-12)
         for a, b in zip(last, alone_last):
             torch.testing.assert_close(a[s : s + 1], b, rtol=1e-12, atol=1e-12)
     assert torch.equal(last[1][1], x["initial_ssm"][1])  # the empty sequence
@@ -175,7 +181,9 @@ def test_split_sequence_continues_from_last_state(backend, ranks):
     call = trapezoidal_call("interleaved", 8)
     full, *full_last = call(x, backend)
     first = {k: (v[:, :11] if v.ndim >= 3 and v.shape[1] == 30 else v) for k, v in x.items()}
-    rest = {k: (v[:, 11:] if v.ndim >= 3 and v.shape[1] == 30 else v) for k, v in x.items() if not k.startswith("initial_")}
+    rest = {
+        k: (v[:, 11:] if v.ndim >= 3 and v.shape[1] == 30 else v) for k, v in x.items() if not k.startswith("initial_")
+    }
     y1, *state = call(first, backend)
     y2, *last = call({**rest, **{f"initial_{n}": s for n, s in zip(TrapezoidalState._fields, state)}}, backend)
     torch.testing.assert_close(torch.cat([y1, y2], 1), full, rtol=1e-10, atol=1e-10)
@@ -255,7 +263,9 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"C must have shape \(batch, L, R, G, N\) like B"):
         trapezoidal_scan(**dict(x, C=x["C"][..., :7]))
     with pytest.raises(ValueError, match="not divisible by G"):
-        trapezoidal_scan(**dict(x, B=x["B"].repeat(1, 1, 1, 3, 1)[:, :, :, :3], C=x["C"].repeat(1, 1, 1, 3, 1)[:, :, :, :3]))
+        trapezoidal_scan(
+            **dict(x, B=x["B"].repeat(1, 1, 1, 3, 1)[:, :, :, :3], C=x["C"].repeat(1, 1, 1, 3, 1)[:, :, :, :3])
+        )
     with pytest.raises(ValueError, match=r"angles has M = 5 rotary pairs, but the state has only N = 8"):
         trapezoidal_scan(**dict(x, angles=torch.zeros(2, 5, 4, 5)))
     with pytest.raises(ValueError, match="rotary must be one of"):
@@ -271,7 +281,9 @@ def test_errors_name_the_argument():
         trapezoidal_scan(**dict(x, z=None))
     with pytest.raises(ValueError, match="initial_state must be a TrapezoidalState"):
         trapezoidal_scan(**x, initial_state=torch.zeros(2, 4, 3, 8))
-    bad_state = TrapezoidalState(torch.zeros(2, 4, 2), torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, 3))
+    bad_state = TrapezoidalState(
+        torch.zeros(2, 4, 2), torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, 3)
+    )
     with pytest.raises(ValueError, match=r"initial_state.key must be 4-D"):
         trapezoidal_scan(**x, initial_state=bad_state)
     with pytest.raises(ValueError, match=r"initial_state.ssm must have shape \(batch, H, P, N\)"):

@@ -91,7 +91,9 @@ def test_selective_options(D, z, bias, initial_state):
     check_selective(inputs, "triton")
 
 
-@pytest.mark.parametrize("B_form,C_form", [("fixed", "varying"), ("grouped", "fixed"), ("varying", "grouped"), ("fixed", "fixed")])
+@pytest.mark.parametrize(
+    "B_form,C_form", [("fixed", "varying"), ("grouped", "fixed"), ("varying", "grouped"), ("fixed", "fixed")]
+)
 def test_selective_B_C_forms(B_form, C_form):
     check_selective(small(23, B_form=B_form, C_form=C_form), "triton")
 
@@ -101,7 +103,9 @@ def test_selective_groups_and_channel_blocks(dim, groups):
     """Groups of 3 channels (a block of 4 covers one group), several blocks per group, and B
     and C with different numbers of groups (the programs split on the finer of the two)."""
     x = small(21, dim=dim, groups=groups, B_form="grouped")
-    x["C"] = to_device(selective_inputs(21, batch=2, dim=dim, N=4, groups=dim // 3 if dim % 3 == 0 else 1, B_form="grouped", seed=5))["B"]
+    x["C"] = to_device(
+        selective_inputs(21, batch=2, dim=dim, N=4, groups=dim // 3 if dim % 3 == 0 else 1, B_form="grouped", seed=5)
+    )["B"]
     check_selective(x, "triton")
 
 
@@ -142,7 +146,9 @@ def test_selective_gradcheck(form):
     names = list(x)
 
     def f(*tensors):
-        return selective_scan(**dict(zip(names, tensors)), delta_softplus=True, return_last_state=True, backend="triton")
+        return selective_scan(
+            **dict(zip(names, tensors)), delta_softplus=True, return_last_state=True, backend="triton"
+        )
 
     assert torch.autograd.gradcheck(f, tuple(x.values()), fast_mode=True)
 
@@ -254,7 +260,9 @@ def test_linear_deterministic_and_mixed_dtypes():
     gates = torch.rand(4, 10, dtype=torch.bfloat16, device=DEVICE)
     assert linear_scan(gates, torch.randn(4, 10, device=DEVICE), backend="triton").dtype == torch.float32
     for shape in [(0, 5, 3), (2, 5, 0)]:
-        assert linear_scan(*linear_small(shape, 1, initial_state=False).values(), dim=1, backend="triton").shape == shape
+        assert (
+            linear_scan(*linear_small(shape, 1, initial_state=False).values(), dim=1, backend="triton").shape == shape
+        )
 
 
 # ----------------------------------------------------------------------------- packed sequences
@@ -273,7 +281,9 @@ def test_selective_packed_equals_each_sequence_alone(B_form, C_form, initial_sta
     else:
         del inputs["initial_state"]
     cu = cu_seqlens_of(lengths, device=DEVICE)
-    check_against_reference(selective_packed_call(cu), to_device(inputs), "triton", reference_call=selective_solo_call(cu))
+    check_against_reference(
+        selective_packed_call(cu), to_device(inputs), "triton", reference_call=selective_solo_call(cu)
+    )
 
 
 @pytest.mark.parametrize("initial_state", [False, True])
@@ -305,7 +315,9 @@ def test_compile_without_graph_breaks():
     names = list(x)
 
     def f(*tensors):
-        out, last = selective_scan(**dict(zip(names, tensors)), delta_softplus=True, return_last_state=True, backend="triton")
+        out, last = selective_scan(
+            **dict(zip(names, tensors)), delta_softplus=True, return_last_state=True, backend="triton"
+        )
         return (out * out).sum() + last.sum()
 
     assert_compiled_matches_eager(f, list(x.values()))
@@ -321,6 +333,7 @@ def test_compile_without_graph_breaks():
 def test_compile_with_dynamic_lengths():
     """With dynamic shapes the fake implementation sees a symbolic L (the number of saved
     chunk states is computed from it): one compiled graph serves two lengths."""
+
     def f(*tensors):
         out, last = selective_scan(*tensors[:8], True, True, initial_state=tensors[8], backend="triton")
         return (out * out).sum() + last.sum()
@@ -367,7 +380,11 @@ def test_kernels_compile_for_a_gpu():
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-m", "tests.scan.compile_kernels", "bf16"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if "REG:" in line or ": ?" in line]
@@ -389,8 +406,12 @@ def test_on_device_against_ref(dtype):
 def test_without_triton_the_backend_is_refused_saying_what_to_install(monkeypatch):
     """Importing ssm never imports triton (checked in a fresh process); without triton the
     backend runs nowhere, and asking for it says what to install."""
-    done = subprocess.run([sys.executable, "-c", "import sys, ssm, ssm.scan; print('triton' in sys.modules)"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, ssm, ssm.scan; print('triton' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.stdout.strip() == "False", done.stderr[-2000:]
     monkeypatch.setitem(sys.modules, "triton", None)  # as if it were not installed
     assert not ssm.scan.triton.available() and ssm.scan.triton.devices() == ()

@@ -34,8 +34,10 @@ def main(argv: list[str]) -> int:
     record = Record()
     result = train(load_config(None, overrides), callbacks=(record,))
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"inputs": record.inputs, "params": record.params, "run_dir": str(result.run_dir.resolve())},
-               out / f"rank{record.rank}.pt")
+    torch.save(
+        {"inputs": record.inputs, "params": record.params, "run_dir": str(result.run_dir.resolve())},
+        out / f"rank{record.rank}.pt",
+    )
     return 0
 
 

@@ -41,24 +41,38 @@ def test_base_files_hold_only_changes():
 
 
 def test_overrides_are_parsed_by_field_type():
-    c = load_config(None, ["trainer.max_steps=7", "optim.lr=1e-3", "model.rms_norm=false", "run_dir=null",
-                           "trainer.devices=2", "trainer.precision=bf16-mixed", "model.ssm_cfg.d_state=4",
-                           "optim.betas=[0.8, 0.9]", "trainer.limit_val_batches=0.5"])
+    c = load_config(
+        None,
+        [
+            "trainer.max_steps=7",
+            "optim.lr=1e-3",
+            "model.rms_norm=false",
+            "run_dir=null",
+            "trainer.devices=2",
+            "trainer.precision=bf16-mixed",
+            "model.ssm_cfg.d_state=4",
+            "optim.betas=[0.8, 0.9]",
+            "trainer.limit_val_batches=0.5",
+        ],
+    )
     assert c.trainer.max_steps == 7 and c.optim.lr == 1e-3 and c.model.rms_norm is False
     assert c.run_dir is None and c.trainer.devices == 2 and c.trainer.precision == "bf16-mixed"
     assert c.model.ssm_cfg == {"d_state": 4} and c.optim.betas == [0.8, 0.9]
     assert c.trainer.limit_val_batches == 0.5
 
 
-@pytest.mark.parametrize("override,message", [
-    ("trainer.max_stpes=3", r"unknown key 'trainer.max_stpes' in trainer; valid keys: \['max_steps'"),
-    ("modle.d_model=3", r"unknown key 'modle' in the top level; valid keys: \['model', 'data'"),
-    ("trainer.max_steps=ten", r"trainer.max_steps must be int, got 'ten'"),
-    ("optim.lr=fast", r"optim.lr must be float, got 'fast'"),
-    ("model.rms_norm=maybe", r"model.rms_norm must be bool"),
-    ("trainer=3", r"'trainer' is a section"),
-    ("max_steps", r"must look like key=value"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.max_stpes=3", r"unknown key 'trainer.max_stpes' in trainer; valid keys: \['max_steps'"),
+        ("modle.d_model=3", r"unknown key 'modle' in the top level; valid keys: \['model', 'data'"),
+        ("trainer.max_steps=ten", r"trainer.max_steps must be int, got 'ten'"),
+        ("optim.lr=fast", r"optim.lr must be float, got 'fast'"),
+        ("model.rms_norm=maybe", r"model.rms_norm must be bool"),
+        ("trainer=3", r"'trainer' is a section"),
+        ("max_steps", r"must look like key=value"),
+    ],
+)
 def test_mistakes_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
@@ -92,11 +106,29 @@ def test_model_section_is_mamba_config_plus_the_backend():
 
 
 def test_model_section_builds_the_config_it_names():
-    config = load_config(DEFAULT, ["model.d_model=24", "model.n_layer=3", "model.d_intermediate=8", "model.rms_norm=false",
-                                   "model.tie_embeddings=false", "model.pad_vocab_size_multiple=4", "model.backend=pscan"])
+    config = load_config(
+        DEFAULT,
+        [
+            "model.d_model=24",
+            "model.n_layer=3",
+            "model.d_intermediate=8",
+            "model.rms_norm=false",
+            "model.tie_embeddings=false",
+            "model.pad_vocab_size_multiple=4",
+            "model.backend=pscan",
+        ],
+    )
     model = build_model(config, vocab_size=10)
-    assert model.config == MambaConfig(d_model=24, n_layer=3, d_intermediate=8, rms_norm=False, tie_embeddings=False,
-                                       pad_vocab_size_multiple=4, vocab_size=10, ssm_cfg={"layer": "Mamba1", "d_state": 16})
+    assert model.config == MambaConfig(
+        d_model=24,
+        n_layer=3,
+        d_intermediate=8,
+        rms_norm=False,
+        tie_embeddings=False,
+        pad_vocab_size_multiple=4,
+        vocab_size=10,
+        ssm_cfg={"layer": "Mamba1", "d_state": 16},
+    )
     assert {m.backend for m in model.modules() if hasattr(m, "backend")} == {"pscan"}
     with pytest.raises(ConfigError, match=r"model.vocab_size = 6 is smaller than the task's vocabulary \(10\)"):
         build_model(load_config(DEFAULT, ["model.vocab_size=6"]), vocab_size=10)
@@ -105,7 +137,9 @@ def test_model_section_builds_the_config_it_names():
 def test_unknown_model_key_lists_mamba_config_fields(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  d_modle: 8\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'model.d_modle' in model; valid keys: \['d_model', .*'backend'\]"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'model.d_modle' in model; valid keys: \['d_model', .*'backend'\]"
+    ):
         load_config(path)
     with pytest.raises(ConfigError, match=r"model.n_layer must be int, got 'two'"):
         load_config(None, ["model.n_layer=two"])

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from ssm.training.config import DataSection
-from ssm.training.data import IGNORE, ByteText, InductionHeads, SelectiveCopying, StepSampler, TaskDataModule, split_files
+from ssm.training.data import (
+    IGNORE,
+    ByteText,
+    InductionHeads,
+    SelectiveCopying,
+    StepSampler,
+    TaskDataModule,
+    split_files,
+)
 
 SEEDS = range(12)
 PER_SEED = 60

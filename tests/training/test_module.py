@@ -20,14 +20,27 @@ LOG2 = math.log(2)
 
 def test_weight_decay_skips_ssm_parameters_norms_and_biases():
     for layer in ("Mamba1", "Mamba2"):
-        model = MambaLM(MambaConfig(d_model=16, n_layer=2, vocab_size=10, ssm_cfg={"layer": layer, "headdim": 8, "d_state": 4} if layer == "Mamba2" else {"d_state": 4}, d_intermediate=32))
+        model = MambaLM(
+            MambaConfig(
+                d_model=16,
+                n_layer=2,
+                vocab_size=10,
+                ssm_cfg={"layer": layer, "headdim": 8, "d_state": 4} if layer == "Mamba2" else {"d_state": 4},
+                d_intermediate=32,
+            )
+        )
         decay, no_decay = parameter_groups(model, 0.1)
         names = {id(p): n for n, p in model.named_parameters()}
         decayed = {names[id(p)].split("layers.0.")[-1] for p in decay["params"]}
         skipped = {names[id(p)].split("layers.0.")[-1] for p in no_decay["params"]}
         assert {"mixer.A_log", "mixer.D", "norm.weight", "mixer.conv1d.bias", "backbone.norm_f.weight"} <= skipped
         assert ("mixer.dt_bias" if layer == "Mamba2" else "mixer.dt_proj.bias") in skipped
-        assert {"mixer.in_proj.weight", "mixer.out_proj.weight", "backbone.embedding.weight", "mlp.fc1.weight"} <= decayed
+        assert {
+            "mixer.in_proj.weight",
+            "mixer.out_proj.weight",
+            "backbone.embedding.weight",
+            "mlp.fc1.weight",
+        } <= decayed
         assert not decayed & skipped
         assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))  # tied head once
         assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -101,8 +114,15 @@ def test_logged_validation_metrics_pool_scored_positions_across_batches(tmp_path
     data = TaskDataModule(DataSection(task="induction_heads", seq_len=10, num_tokens=5, batch_size=4, val_samples=7))
     model = Bigram(data.vocab_size)
     task = LanguageModelTask(model, OptimSection(), max_steps=1)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     logged = trainer.validate(task, datamodule=data, verbose=False)[0]
 
     examples = [data.dataset("val", 7)[i] for i in range(7)]

@@ -10,8 +10,15 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAINING_ONLY = ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities", "torchmetrics",
-                 "matplotlib", "yaml")
+TRAINING_ONLY = (
+    "pytorch_lightning",
+    "lightning",
+    "lightning_fabric",
+    "lightning_utilities",
+    "torchmetrics",
+    "matplotlib",
+    "yaml",
+)
 
 # Run in a fresh interpreter in which the training-only packages cannot be imported, as if they
 # were not installed.
@@ -32,8 +39,14 @@ BLOCK = textwrap.dedent(f"""
 
 def run(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", BLOCK + textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 def test_import_ssm_needs_no_training_extras():

@@ -32,7 +32,7 @@ def test_documents_are_marked_and_their_first_byte_is_not_scored(tmp_path):
             assert bool(resets[j]) == (start + j in (0, 3, 5)), (start, j)
     assert seen == set(range(6))
     # by hand: the window "cdef" starts inside "abc"; "de" and "fghij" start at inputs 1 and 3
-    x, y, resets = next((ds[i] for i in range(200) if int(ds[i][0][0]) == ord("c")))
+    x, y, resets = next(ds[i] for i in range(200) if int(ds[i][0][0]) == ord("c"))
     assert bytes(x.tolist()) == b"cdef" and y.tolist() == [IGNORE, ord("e"), IGNORE, ord("g")]
     assert resets.tolist() == [False, True, False, True]
 

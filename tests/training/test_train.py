@@ -24,13 +24,26 @@ from ssm.training.checkpoint import save_atomically
 from ssm.training.data import TaskDataModule
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model.d_model=16", "model.n_layer=1", "model.ssm_cfg={layer: Mamba1, d_state: 4}", "data.batch_size=4",
-        "data.val_samples=8", "trainer.val_check_interval=2", "checkpoint_every=2", "progress_bar=false", "log_every=1",
-        "trainer.log_every_n_steps=1"]
+TINY = [
+    "model.d_model=16",
+    "model.n_layer=1",
+    "model.ssm_cfg={layer: Mamba1, d_state: 4}",
+    "data.batch_size=4",
+    "data.val_samples=8",
+    "trainer.val_check_interval=2",
+    "checkpoint_every=2",
+    "progress_bar=false",
+    "log_every=1",
+    "trainer.log_every_n_steps=1",
+]
 TASKS = {
     "selective_copying": ["data.seq_len=12", "data.num_memorize=3"],
     "induction_heads": ["data.task=induction_heads", "data.seq_len=16"],
-    "text": ["data.task=text", "data.seq_len=16", "model.ssm_cfg={layer: Mamba2, d_state: 4, headdim: 8, chunk_size: 8}"],
+    "text": [
+        "data.task=text",
+        "data.seq_len=16",
+        "model.ssm_cfg={layer: Mamba2, d_state: 4, headdim: 8, chunk_size: 8}",
+    ],
 }
 LIGHTNING_NOTICES = ("GPU available", "TPU available", "litlogger", "Trainer.fit` stopped", "weights_only")
 RESUMABLE = TINY + TASKS["selective_copying"] + ["trainer.max_steps=6", "optim.warmup_steps=2"]
@@ -43,19 +56,32 @@ def script(name):
 def process_state():
     """What a run must leave as it found it. (Not the global random state: torch's DataLoader
     draws a seed for its workers from it whenever it starts an epoch.)"""
-    return (list(warnings.filters), dict(os.environ),
-            {name: logging.getLogger(name).level for name in ("pytorch_lightning", "lightning_fabric")})
+    return (
+        list(warnings.filters),
+        dict(os.environ),
+        {name: logging.getLogger(name).level for name in ("pytorch_lightning", "lightning_fabric")},
+    )
 
 
 @pytest.mark.parametrize("task", TASKS)
 def test_each_task_trains_and_leaves_its_results_and_nothing_else(task, tmp_path, capfd, caplog):
     run_dir = tmp_path / "run"
-    config = load_config(ROOT / "configs" / "default.yaml", TINY + TASKS[task] + ["trainer.max_steps=3", f"run_dir={run_dir}"])
+    config = load_config(
+        ROOT / "configs" / "default.yaml", TINY + TASKS[task] + ["trainer.max_steps=3", f"run_dir={run_dir}"]
+    )
     before = process_state()
     result = train(config)
     after = process_state()
     assert not result.interrupted
-    for name in ("config.yaml", "metrics.csv", "metrics.json", "curves.png", "checkpoints/last.ckpt", "checkpoints/best.ckpt", "model/config.json"):
+    for name in (
+        "config.yaml",
+        "metrics.csv",
+        "metrics.json",
+        "curves.png",
+        "checkpoints/last.ckpt",
+        "checkpoints/best.ckpt",
+        "model/config.json",
+    ):
         assert (run_dir / name).is_file(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["step"] == 3 and 0 <= metrics["val/acc"] <= 1 and metrics["val/loss"] > 0
@@ -113,8 +139,10 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     # them the parameters differ. The run resumes from step 4 although the interrupted run went
     # on to step 5, as when a run is killed between checkpoints.
     whole = train(load_config(None, RESUMABLE + [f"run_dir={tmp_path / 'whole'}"]))
-    cut = train(load_config(None, RESUMABLE + [f"run_dir={tmp_path / 'cut'}"]),
-                callbacks=(KeepCheckpoint(4, "step4.ckpt"), StopAt(5)))
+    cut = train(
+        load_config(None, RESUMABLE + [f"run_dir={tmp_path / 'cut'}"]),
+        callbacks=(KeepCheckpoint(4, "step4.ckpt"), StopAt(5)),
+    )
     step4 = tmp_path / "cut" / "checkpoints" / "step4.ckpt"
     assert cut.interrupted and load_checkpoint(step4)["global_step"] == 4
     resumed = train(load_config(None, RESUMABLE + [f"resume={step4}"]))
@@ -128,8 +156,11 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     # metrics.csv reads as one run: what the interrupted run logged after step 4 is gone, and
     # every row equals the uninterrupted run's (rows are numbered from 0, as Lightning counts).
     def rows(run):
-        return [line.split(",") for line in (tmp_path / run / "metrics.csv").read_text().splitlines()[1:]
-                if ",lr," not in line and "tokens_per_s" not in line]
+        return [
+            line.split(",")
+            for line in (tmp_path / run / "metrics.csv").read_text().splitlines()[1:]
+            if ",lr," not in line and "tokens_per_s" not in line
+        ]
 
     assert [int(step) for step, name, _ in rows("cut") if name == "train/loss"] == [0, 1, 2, 3, 4, 5]
     assert rows("cut") == rows("whole")
@@ -141,7 +172,10 @@ def test_stateful_text_resumes_exactly(tmp_path):
     parameters of the uninterrupted run (without the state it would not)."""
     stateful = TINY + TASKS["text"] + ["data.stateful=true", "trainer.max_steps=6", "optim.warmup_steps=2"]
     whole = train(load_config(None, stateful + [f"run_dir={tmp_path / 'whole'}"]))
-    train(load_config(None, stateful + [f"run_dir={tmp_path / 'cut'}"]), callbacks=(KeepCheckpoint(4, "step4.ckpt"), StopAt(5)))
+    train(
+        load_config(None, stateful + [f"run_dir={tmp_path / 'cut'}"]),
+        callbacks=(KeepCheckpoint(4, "step4.ckpt"), StopAt(5)),
+    )
     step4 = tmp_path / "cut" / "checkpoints" / "step4.ckpt"
     carried = load_checkpoint(step4)["carried_state"]
     assert list(carried) == [0] and carried[0][0][1].shape[0] == 4  # one slot; (rows, H, P, N) per layer
@@ -268,8 +302,15 @@ def test_two_process_ddp_on_cpu_splits_examples_and_keeps_parameters_equal(tmp_p
     """trainer.devices=2 trainer.strategy=ddp: Lightning launches a second process (gloo). No
     run_dir is given: both processes must use the one rank 0 chose."""
     steps, batch = 3, 4
-    overrides = [*TINY, *TASKS["selective_copying"], f"trainer.max_steps={steps}", f"data.batch_size={batch}",
-                 "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp"]
+    overrides = [
+        *TINY,
+        *TASKS["selective_copying"],
+        f"trainer.max_steps={steps}",
+        f"data.batch_size={batch}",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.strategy=ddp",
+    ]
     args = [sys.executable, str(ROOT / "tests" / "training" / "ddp_probe.py"), str(tmp_path / "out"), *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)

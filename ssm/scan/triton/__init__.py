@@ -69,4 +69,12 @@ def trapezoidal_scan_triton(*args):
     return trapezoidal_scan_triton(*args)
 
 
-__all__ = ["selective_scan_triton", "linear_scan_triton", "trapezoidal_scan_triton", "available", "devices", "hint", "interpreting"]
+__all__ = [
+    "selective_scan_triton",
+    "linear_scan_triton",
+    "trapezoidal_scan_triton",
+    "available",
+    "devices",
+    "hint",
+    "interpreting",
+]

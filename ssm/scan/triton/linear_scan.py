@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -53,21 +52,33 @@ def config(length: int, F: int) -> Config:
 # ----------------------------------------------------------------------------- kernel
 
 
-@triton.heuristics({
-    "COMPUTE": lambda a: tl_dtype(compute_dtype(a["gates_ptr"], a["inputs_ptr"], a["initial_state_ptr"])),
-    "HAS_INITIAL_STATE": lambda a: a["initial_state_ptr"] is not None,
-    "BACKWARD": lambda a: a["dgates_ptr"] is not None,
-    "PACKED": lambda a: a["seq_ptr"] is not None,
-})
+@triton.heuristics(
+    {
+        "COMPUTE": lambda a: tl_dtype(compute_dtype(a["gates_ptr"], a["inputs_ptr"], a["initial_state_ptr"])),
+        "HAS_INITIAL_STATE": lambda a: a["initial_state_ptr"] is not None,
+        "BACKWARD": lambda a: a["dgates_ptr"] is not None,
+        "PACKED": lambda a: a["seq_ptr"] is not None,
+    }
+)
 @triton.jit
 def _linear_scan_kernel(
-    gates_ptr, inputs_ptr, initial_state_ptr, out_ptr,
-    states_ptr, dgates_ptr,  # backward only: the forward's states (read) and the gates' gradient
+    gates_ptr,
+    inputs_ptr,
+    initial_state_ptr,
+    out_ptr,
+    states_ptr,
+    dgates_ptr,  # backward only: the forward's states (read) and the gates' gradient
     seq_ptr,  # packed: (L,) int32, the sequence of each step; else None
-    L, F, n_f_blocks,
+    L,
+    F,
+    n_f_blocks,
     REVERSE: tl.constexpr,
-    COMPUTE: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, BACKWARD: tl.constexpr, PACKED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_F: tl.constexpr,
 ):
     """States of h_t = a_t·h_prev + x_t along L of contiguous (E, L, F) tensors, h_prev being
     the step before in scan order (t-1, or t+1 when REVERSE), the initial state (E, F) or 0
@@ -176,10 +187,20 @@ def _launch(gates, inputs, initial_state, out, states, dgates, reverse: bool, cu
     n_f_blocks = -(-F // cfg.block_f)
     check_launchable(out)
     _linear_scan_kernel[(E * n_f_blocks,)](
-        gates_ptr=gates, inputs_ptr=inputs, initial_state_ptr=initial_state, out_ptr=out,
-        states_ptr=states, dgates_ptr=dgates, seq_ptr=_sequence_of_steps(cu_seqlens, L),
-        L=L, F=F, n_f_blocks=n_f_blocks, REVERSE=bool(reverse),
-        BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f, num_warps=cfg.num_warps,
+        gates_ptr=gates,
+        inputs_ptr=inputs,
+        initial_state_ptr=initial_state,
+        out_ptr=out,
+        states_ptr=states,
+        dgates_ptr=dgates,
+        seq_ptr=_sequence_of_steps(cu_seqlens, L),
+        L=L,
+        F=F,
+        n_f_blocks=n_f_blocks,
+        REVERSE=bool(reverse),
+        BLOCK_T=cfg.block_t,
+        BLOCK_F=cfg.block_f,
+        num_warps=cfg.num_warps,
     )
 
 
@@ -226,7 +247,7 @@ _NONE = (0,)  # shape of the placeholder a custom op returns for an absent optio
 
 @torch.library.custom_op("ssm::linear_scan_fwd", mutates_args=())
 def linear_scan_fwd(
-    gates: Tensor, inputs: Tensor, initial_state: Optional[Tensor], reverse: bool, cu_seqlens: Optional[Tensor] = None
+    gates: Tensor, inputs: Tensor, initial_state: Tensor | None, reverse: bool, cu_seqlens: Tensor | None = None
 ) -> Tensor:
     return _linear_scan_fwd(gates, inputs, initial_state, reverse, cu_seqlens)
 
@@ -238,8 +259,12 @@ def _(gates, inputs, initial_state, reverse, cu_seqlens=None):
 
 @torch.library.custom_op("ssm::linear_scan_bwd", mutates_args=())
 def linear_scan_bwd(
-    grad: Tensor, gates: Tensor, states: Tensor, initial_state: Optional[Tensor], reverse: bool,
-    cu_seqlens: Optional[Tensor] = None,
+    grad: Tensor,
+    gates: Tensor,
+    states: Tensor,
+    initial_state: Tensor | None,
+    reverse: bool,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     dgates, dinputs, dinitial_state = _linear_scan_bwd(grad, gates, states, initial_state, reverse, cu_seqlens)
     if dinitial_state is None:
@@ -281,7 +306,11 @@ linear_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_scan_triton(
-    gates: Tensor, inputs: Tensor, dim: int, initial_state: Tensor | None, reverse: bool,
+    gates: Tensor,
+    inputs: Tensor,
+    dim: int,
+    initial_state: Tensor | None,
+    reverse: bool,
     cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """Backend "triton" of :func:`ssm.scan.linear_scan` (``dim`` non-negative; packed

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -126,10 +125,26 @@ _BWD_FLAGS = {
 
 @triton.jit
 def _prologue(
-    A_ptr, D_ptr, delta_bias_ptr, B_ptr, C_ptr, N, SEGMENT,
-    stride_B0, stride_B1, stride_C0, stride_C1, B_PER_GROUP, C_PER_GROUP,
-    COMPUTE: tl.constexpr, B_VARYING: tl.constexpr, C_VARYING: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    A_ptr,
+    D_ptr,
+    delta_bias_ptr,
+    B_ptr,
+    C_ptr,
+    N,
+    SEGMENT,
+    stride_B0,
+    stride_B1,
+    stride_C0,
+    stride_C1,
+    B_PER_GROUP,
+    C_PER_GROUP,
+    COMPUTE: tl.constexpr,
+    B_VARYING: tl.constexpr,
+    C_VARYING: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_DELTA_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """What both kernels set up first: this program's batch row, channels and state indices,
     and its per-channel parameters. B and C are either a base pointer into this program's
@@ -172,8 +187,9 @@ def _BC_at(base, fixed, n, n_mask, t, t_mask, stride_2, stride_3, VARYING: tl.co
     """B or C at time steps t: a (1, BLOCK_N, CHUNK) tile (time-varying) or the fixed
     (BLOCK_D, BLOCK_N, 1) one."""
     if VARYING:
-        tile = tl.load(base + n[:, None] * stride_2 + t[None, :] * stride_3,
-                       mask=n_mask[:, None] & t_mask[None, :], other=0.0).to(COMPUTE)[None, :, :]
+        tile = tl.load(
+            base + n[:, None] * stride_2 + t[None, :] * stride_3, mask=n_mask[:, None] & t_mask[None, :], other=0.0
+        ).to(COMPUTE)[None, :, :]
     else:
         tile = fixed[:, :, None]
     return tile
@@ -232,18 +248,47 @@ def _per_sequence(ptr, seq, d, n, dn_mask, at, dim, N):
 @triton.heuristics(_FWD_FLAGS)
 @triton.jit
 def _selective_scan_fwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, initial_state_ptr,  # inputs
+    u_ptr,
+    delta_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    z_ptr,
+    delta_bias_ptr,
+    initial_state_ptr,  # inputs
     seq_ptr,  # packed: (L,) int32, the sequence of each step; else None
-    out_ptr, last_state_ptr, chunk_states_ptr,  # outputs
-    dim, L, N, n_chunks,
-    stride_B0, stride_B1, stride_B2, stride_B3,  # B: (B, G, N, L), or (D, N) using the first two
-    stride_C0, stride_C1, stride_C2, stride_C3,
-    B_PER_GROUP, C_PER_GROUP, SEGMENT,
+    out_ptr,
+    last_state_ptr,
+    chunk_states_ptr,  # outputs
+    dim,
+    L,
+    N,
+    n_chunks,
+    stride_B0,
+    stride_B1,
+    stride_B2,
+    stride_B3,  # B: (B, G, N, L), or (D, N) using the first two
+    stride_C0,
+    stride_C1,
+    stride_C2,
+    stride_C3,
+    B_PER_GROUP,
+    C_PER_GROUP,
+    SEGMENT,
     SOFTPLUS: tl.constexpr,
-    COMPUTE: tl.constexpr, B_VARYING: tl.constexpr, C_VARYING: tl.constexpr, HAS_D: tl.constexpr,
-    HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
-    SAVE_CHUNK_STATES: tl.constexpr, PACKED: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    B_VARYING: tl.constexpr,
+    C_VARYING: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_DELTA_BIAS: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    SAVE_CHUNK_STATES: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """out (B, D, L), the last state (B, D, N) and the state before each chunk (B, D, n_chunks, N).
 
@@ -251,9 +296,26 @@ def _selective_scan_fwd_kernel(
     initial and last state: contiguous (B, D, N), or (S, D, N) when PACKED (B = 1; the last
     states of empty sequences are left as the launcher wrote them); B, C: any strides."""
     pid_b, d, d_mask, n, n_mask, dn_mask, A, D_skip, delta_bias, B_base, B_fixed, C_base, C_fixed = _prologue(
-        A_ptr, D_ptr, delta_bias_ptr, B_ptr, C_ptr, N, SEGMENT,
-        stride_B0, stride_B1, stride_C0, stride_C1, B_PER_GROUP, C_PER_GROUP,
-        COMPUTE, B_VARYING, C_VARYING, HAS_D, HAS_DELTA_BIAS, BLOCK_D, BLOCK_N,
+        A_ptr,
+        D_ptr,
+        delta_bias_ptr,
+        B_ptr,
+        C_ptr,
+        N,
+        SEGMENT,
+        stride_B0,
+        stride_B1,
+        stride_C0,
+        stride_C1,
+        B_PER_GROUP,
+        C_PER_GROUP,
+        COMPUTE,
+        B_VARYING,
+        C_VARYING,
+        HAS_D,
+        HAS_DELTA_BIAS,
+        BLOCK_D,
+        BLOCK_N,
     )
     t_local = tl.arange(0, CHUNK)
     state_offsets = (pid_b * dim + d[:, None]) * N + n[None, :]  # into (B, D, N)
@@ -304,22 +366,59 @@ def _selective_scan_fwd_kernel(
 @triton.heuristics(_BWD_FLAGS)
 @triton.jit
 def _selective_scan_bwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, chunk_states_ptr,  # forward
-    initial_state_ptr, seq_ptr,  # packed only (else None): (S, D, N) and (L,) int32
-    dout_ptr, dlast_ptr,  # upstream gradients
-    du_ptr, ddelta_ptr, dz_ptr, dinitial_state_ptr,  # gradients written in full
-    dA_part_ptr, dD_part_ptr, ddelta_bias_part_ptr,  # per batch row: (B, D, N), (B, D), (B, D)
-    dB_part_ptr, dC_part_ptr,  # time-varying: (B, D/SEGMENT, n_blocks, N, L); fixed: (B, D, N)
-    dim, L, N, n_chunks, n_blocks,
-    stride_B0, stride_B1, stride_B2, stride_B3,
-    stride_C0, stride_C1, stride_C2, stride_C3,
-    B_PER_GROUP, C_PER_GROUP, SEGMENT,
+    u_ptr,
+    delta_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    z_ptr,
+    delta_bias_ptr,
+    chunk_states_ptr,  # forward
+    initial_state_ptr,
+    seq_ptr,  # packed only (else None): (S, D, N) and (L,) int32
+    dout_ptr,
+    dlast_ptr,  # upstream gradients
+    du_ptr,
+    ddelta_ptr,
+    dz_ptr,
+    dinitial_state_ptr,  # gradients written in full
+    dA_part_ptr,
+    dD_part_ptr,
+    ddelta_bias_part_ptr,  # per batch row: (B, D, N), (B, D), (B, D)
+    dB_part_ptr,
+    dC_part_ptr,  # time-varying: (B, D/SEGMENT, n_blocks, N, L); fixed: (B, D, N)
+    dim,
+    L,
+    N,
+    n_chunks,
+    n_blocks,
+    stride_B0,
+    stride_B1,
+    stride_B2,
+    stride_B3,
+    stride_C0,
+    stride_C1,
+    stride_C2,
+    stride_C3,
+    B_PER_GROUP,
+    C_PER_GROUP,
+    SEGMENT,
     SOFTPLUS: tl.constexpr,
-    COMPUTE: tl.constexpr, B_VARYING: tl.constexpr, C_VARYING: tl.constexpr, HAS_D: tl.constexpr,
-    HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr, HAS_DLAST: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr, PACKED: tl.constexpr,
-    LOG2_CHUNK: tl.constexpr, INT: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    B_VARYING: tl.constexpr,
+    C_VARYING: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_DELTA_BIAS: tl.constexpr,
+    HAS_DLAST: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    PACKED: tl.constexpr,
+    LOG2_CHUNK: tl.constexpr,
+    INT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Chunks from last to first: recompute the chunk's states from its saved start state, then
     run the adjoint recurrence λ_t = g_t + a_{t+1}·λ_{t+1} (g_t = dLoss/dy_t·C_t) backwards
@@ -329,9 +428,26 @@ def _selective_scan_bwd_kernel(
     PACKED: dlast and dinitial_state are (S, D, N), read at each sequence's last step and
     written at its first (those of empty sequences are left as the launcher wrote them)."""
     pid_b, d, d_mask, n, n_mask, dn_mask, A, D_skip, delta_bias, B_base, B_fixed, C_base, C_fixed = _prologue(
-        A_ptr, D_ptr, delta_bias_ptr, B_ptr, C_ptr, N, SEGMENT,
-        stride_B0, stride_B1, stride_C0, stride_C1, B_PER_GROUP, C_PER_GROUP,
-        COMPUTE, B_VARYING, C_VARYING, HAS_D, HAS_DELTA_BIAS, BLOCK_D, BLOCK_N,
+        A_ptr,
+        D_ptr,
+        delta_bias_ptr,
+        B_ptr,
+        C_ptr,
+        N,
+        SEGMENT,
+        stride_B0,
+        stride_B1,
+        stride_C0,
+        stride_C1,
+        B_PER_GROUP,
+        C_PER_GROUP,
+        COMPUTE,
+        B_VARYING,
+        C_VARYING,
+        HAS_D,
+        HAS_DELTA_BIAS,
+        BLOCK_D,
+        BLOCK_N,
     )
     t_local = tl.arange(0, CHUNK)
     state_offsets = (pid_b * dim + d[:, None]) * N + n[None, :]
@@ -494,7 +610,17 @@ def _per_sequence_or_zeros(state: Tensor | None, num_seqs: int, dim: int, N: int
 
 
 def _selective_scan_fwd(
-    u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, initial_state, save_chunk_states: bool,
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D,
+    z,
+    delta_bias,
+    delta_softplus: bool,
+    initial_state,
+    save_chunk_states: bool,
     cu_seqlens=None,
 ):
     """u, delta, z: (B, D, L); A: (D, N); B, C: (D, N) or (B, G, N, L); D, delta_bias: (D,);
@@ -520,19 +646,50 @@ def _selective_scan_fwd(
         return out, last_state, chunk_states.zero_()
     check_launchable(u)
     _selective_scan_fwd_kernel[cfg.grid(batch, dim)](
-        u_ptr=u, delta_ptr=delta, A_ptr=A, B_ptr=B, C_ptr=C, D_ptr=D, z_ptr=z,
-        delta_bias_ptr=delta_bias, initial_state_ptr=initial_state, seq_ptr=_sequence_of_steps(cu_seqlens, length),
-        out_ptr=out, last_state_ptr=last_state, chunk_states_ptr=chunk_states,
-        dim=dim, L=length, N=N, n_chunks=n_chunks, **_BC_args("B", B, dim), **_BC_args("C", C, dim),
-        SEGMENT=cfg.segment, SOFTPLUS=bool(delta_softplus),
-        BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, num_warps=cfg.num_warps,
+        u_ptr=u,
+        delta_ptr=delta,
+        A_ptr=A,
+        B_ptr=B,
+        C_ptr=C,
+        D_ptr=D,
+        z_ptr=z,
+        delta_bias_ptr=delta_bias,
+        initial_state_ptr=initial_state,
+        seq_ptr=_sequence_of_steps(cu_seqlens, length),
+        out_ptr=out,
+        last_state_ptr=last_state,
+        chunk_states_ptr=chunk_states,
+        dim=dim,
+        L=length,
+        N=N,
+        n_chunks=n_chunks,
+        **_BC_args("B", B, dim),
+        **_BC_args("C", C, dim),
+        SEGMENT=cfg.segment,
+        SOFTPLUS=bool(delta_softplus),
+        BLOCK_D=cfg.block_d,
+        BLOCK_N=cfg.block_n,
+        CHUNK=cfg.chunk,
+        num_warps=cfg.num_warps,
     )
     return out, last_state, chunk_states
 
 
 def _selective_scan_bwd(
-    dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, chunk_states,
-    initial_state=None, cu_seqlens=None,
+    dout,
+    dlast,
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D,
+    z,
+    delta_bias,
+    delta_softplus: bool,
+    chunk_states,
+    initial_state=None,
+    cu_seqlens=None,
 ):
     """Gradients of :func:`_selective_scan_fwd`'s out and last state, given its saved chunk
     states: (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state), each in its input's
@@ -559,23 +716,51 @@ def _selective_scan_bwd(
     ddelta_bias_part = None if delta_bias is None else torch.empty(batch, dim, **new)
 
     def part(M):  # time-varying: one (N, L) slice per program; fixed: one (D, N) per batch row
-        return torch.empty(batch, n_segments, n_blocks, N, length, **new) if M.ndim == 4 else torch.empty(batch, dim, N, **new)
+        return (
+            torch.empty(batch, n_segments, n_blocks, N, length, **new)
+            if M.ndim == 4
+            else torch.empty(batch, dim, N, **new)
+        )
 
     dB_part, dC_part = part(B), part(C)
     if u.numel():
         check_launchable(u)
         _selective_scan_bwd_kernel[cfg.grid(batch, dim)](
-            u_ptr=u, delta_ptr=delta, A_ptr=A, B_ptr=B, C_ptr=C, D_ptr=D, z_ptr=z,
-            delta_bias_ptr=delta_bias, chunk_states_ptr=chunk_states,
+            u_ptr=u,
+            delta_ptr=delta,
+            A_ptr=A,
+            B_ptr=B,
+            C_ptr=C,
+            D_ptr=D,
+            z_ptr=z,
+            delta_bias_ptr=delta_bias,
+            chunk_states_ptr=chunk_states,
             initial_state_ptr=initial_state if cu_seqlens is not None else None,
-            seq_ptr=_sequence_of_steps(cu_seqlens, length), dout_ptr=dout, dlast_ptr=dlast,
-            du_ptr=du, ddelta_ptr=ddelta, dz_ptr=dz, dinitial_state_ptr=dinitial_state,
-            dA_part_ptr=dA_part, dD_part_ptr=dD_part, ddelta_bias_part_ptr=ddelta_bias_part,
-            dB_part_ptr=dB_part, dC_part_ptr=dC_part,
-            dim=dim, L=length, N=N, n_chunks=chunk_states.shape[2], n_blocks=n_blocks,
-            **_BC_args("B", B, dim), **_BC_args("C", C, dim),
-            SEGMENT=cfg.segment, SOFTPLUS=bool(delta_softplus),
-            BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, num_warps=cfg.num_warps_bwd,
+            seq_ptr=_sequence_of_steps(cu_seqlens, length),
+            dout_ptr=dout,
+            dlast_ptr=dlast,
+            du_ptr=du,
+            ddelta_ptr=ddelta,
+            dz_ptr=dz,
+            dinitial_state_ptr=dinitial_state,
+            dA_part_ptr=dA_part,
+            dD_part_ptr=dD_part,
+            ddelta_bias_part_ptr=ddelta_bias_part,
+            dB_part_ptr=dB_part,
+            dC_part_ptr=dC_part,
+            dim=dim,
+            L=length,
+            N=N,
+            n_chunks=chunk_states.shape[2],
+            n_blocks=n_blocks,
+            **_BC_args("B", B, dim),
+            **_BC_args("C", C, dim),
+            SEGMENT=cfg.segment,
+            SOFTPLUS=bool(delta_softplus),
+            BLOCK_D=cfg.block_d,
+            BLOCK_N=cfg.block_n,
+            CHUNK=cfg.chunk,
+            num_warps=cfg.num_warps_bwd,
         )
     else:
         for t in (dA_part, dD_part, ddelta_bias_part, dB_part, dC_part):
@@ -615,13 +800,13 @@ def selective_scan_fwd(
     A: Tensor,
     B: Tensor,
     C: Tensor,
-    D: Optional[Tensor],
-    z: Optional[Tensor],
-    delta_bias: Optional[Tensor],
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
     delta_softplus: bool,
-    initial_state: Optional[Tensor],
+    initial_state: Tensor | None,
     save_chunk_states: bool = True,
-    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """out, last state, chunk-start states (what the backward needs)."""
     return _selective_scan_fwd(
@@ -636,25 +821,29 @@ def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_c
     n_chunks = config(u, B, C).n_chunks(length) if save_chunk_states else 0
     N = A.shape[1]
     states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return torch.empty_like(u), u.new_empty(states, dim, N, dtype=dtype), u.new_empty(batch, dim, n_chunks, N, dtype=dtype)
+    return (
+        torch.empty_like(u),
+        u.new_empty(states, dim, N, dtype=dtype),
+        u.new_empty(batch, dim, n_chunks, N, dtype=dtype),
+    )
 
 
 @torch.library.custom_op("ssm::selective_scan_bwd", mutates_args=())
 def selective_scan_bwd(
     dout: Tensor,
-    dlast: Optional[Tensor],
+    dlast: Tensor | None,
     u: Tensor,
     delta: Tensor,
     A: Tensor,
     B: Tensor,
     C: Tensor,
-    D: Optional[Tensor],
-    z: Optional[Tensor],
-    delta_bias: Optional[Tensor],
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
     delta_softplus: bool,
     chunk_states: Tensor,
-    initial_state: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state (empty for absent inputs).
     ``initial_state`` is read only when packed (``cu_seqlens``)."""
@@ -665,8 +854,9 @@ def selective_scan_bwd(
 
 
 @selective_scan_bwd.register_fake
-def _(dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, initial_state=None,
-      cu_seqlens=None):
+def _(
+    dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, initial_state=None, cu_seqlens=None
+):
     def like(x):
         return u.new_empty(_NONE) if x is None else torch.empty_like(x)
 
@@ -693,7 +883,11 @@ def _backward(ctx, dout, dlast, _dchunk_states):
     )
     initial_state_dtype = ctx.initial_state_dtype
     return (
-        du, ddelta, dA, dB, dC,
+        du,
+        ddelta,
+        dA,
+        dB,
+        dC,
         None if D is None else dD,
         None if z is None else dz,
         None if delta_bias is None else ddelta_bias,

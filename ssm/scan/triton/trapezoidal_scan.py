@@ -37,7 +37,6 @@ bounds[row] .. bounds[row + 1] of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -110,8 +109,20 @@ _BWD_FLAGS = {
 
 
 @triton.jit
-def _setup(bounds_ptr, chunk_first_ptr, H, P, N, M, R, G,
-           HALVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _setup(
+    bounds_ptr,
+    chunk_first_ptr,
+    H,
+    P,
+    N,
+    M,
+    R,
+    G,
+    HALVED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """What both kernels set up first: this program's sequence, head, group and channels, and
     the rotary pairing of the state entries: entry n turns with pair m(n) and partner entry
     n' (sign −1 for the first of a pair, +1 for the second), or not at all."""
@@ -139,8 +150,28 @@ def _setup(bounds_ptr, chunk_first_ptr, H, P, N, M, R, G,
 
 
 @triton.jit
-def _rotated(M_ptr, bias_ptr, pos, t_mask, h, g, r, r_mask, n, n_mask, partner, sign, rot, cos, sin, R, G, N,
-             HAS_BIAS: tl.constexpr, COMPUTE: tl.constexpr):
+def _rotated(
+    M_ptr,
+    bias_ptr,
+    pos,
+    t_mask,
+    h,
+    g,
+    r,
+    r_mask,
+    n,
+    n_mask,
+    partner,
+    sign,
+    rot,
+    cos,
+    sin,
+    R,
+    G,
+    N,
+    HAS_BIAS: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
     """Rot(φ)(B + B_bias) (or C's) at positions ``pos``: a (BLOCK_R, BLOCK_N, CHUNK) tile; cos,
     sin (BLOCK_N, CHUNK) are 1, 0 for entries that do not turn."""
     base = ((pos[None, None, :] * R + r[:, None, None]) * G + g) * N  # (BLOCK_R, 1, CHUNK)
@@ -151,16 +182,52 @@ def _rotated(M_ptr, bias_ptr, pos, t_mask, h, g, r, r_mask, n, n_mask, partner, 
         bias_base = (h * R + r[:, None]) * N  # bias (H, R, N)
         rn_mask = r_mask[:, None] & n_mask[None, :]
         bias = tl.load(bias_ptr + bias_base + n[None, :], mask=rn_mask, other=0.0).to(COMPUTE)
-        bias_partner = tl.load(bias_ptr + bias_base + partner[None, :], mask=rn_mask & rot[None, :], other=0.0).to(COMPUTE)
+        bias_partner = tl.load(bias_ptr + bias_base + partner[None, :], mask=rn_mask & rot[None, :], other=0.0).to(
+            COMPUTE
+        )
         w = tl.where(mask, w + bias[:, :, None], 0.0)
         w_partner = tl.where(mask & rot[None, :, None], w_partner + bias_partner[:, :, None], 0.0)
     return w * cos[None, :, :] + sign[None, :, None] * w_partner * sin[None, :, :]
 
 
 @triton.jit
-def _chunk(x_ptr, B_ptr, C_ptr, B_bias_ptr, C_bias_ptr, mimo_x_ptr, a_ptr, sigma_ptr, c_ptr, cos_ptr, sin_ptr,
-           pos, t_mask, h, g, p, p_mask, r, r_mask, n, n_mask, m, partner, sign, rot, H, P, M, R, G, N,
-           HAS_B_BIAS: tl.constexpr, HAS_C_BIAS: tl.constexpr, HAS_MIMO_X: tl.constexpr, COMPUTE: tl.constexpr):
+def _chunk(
+    x_ptr,
+    B_ptr,
+    C_ptr,
+    B_bias_ptr,
+    C_bias_ptr,
+    mimo_x_ptr,
+    a_ptr,
+    sigma_ptr,
+    c_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos,
+    t_mask,
+    h,
+    g,
+    p,
+    p_mask,
+    r,
+    r_mask,
+    n,
+    n_mask,
+    m,
+    partner,
+    sign,
+    rot,
+    H,
+    P,
+    M,
+    R,
+    G,
+    N,
+    HAS_B_BIAS: tl.constexpr,
+    HAS_C_BIAS: tl.constexpr,
+    HAS_MIMO_X: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
     """One chunk's inputs, as both kernels need them: a, σ, c (CHUNK,); k̃, q̃ (BLOCK_R, BLOCK_N,
     CHUNK); x (BLOCK_P, CHUNK); v = x ⊙ mimo_x (BLOCK_R, BLOCK_P, CHUNK); mimo_x (BLOCK_R, BLOCK_P)."""
     step = pos * H + h  # into (B·L, H)
@@ -171,10 +238,50 @@ def _chunk(x_ptr, B_ptr, C_ptr, B_bias_ptr, C_bias_ptr, mimo_x_ptr, a_ptr, sigma
     angle_mask = rot[:, None] & t_mask[None, :]
     cos = tl.load(cos_ptr + angle_offsets, mask=angle_mask, other=1.0).to(COMPUTE)
     sin = tl.load(sin_ptr + angle_offsets, mask=angle_mask, other=0.0).to(COMPUTE)
-    k = _rotated(B_ptr, B_bias_ptr, pos, t_mask, h, g, r, r_mask, n, n_mask, partner, sign, rot, cos, sin, R, G, N,
-                 HAS_B_BIAS, COMPUTE)
-    q = _rotated(C_ptr, C_bias_ptr, pos, t_mask, h, g, r, r_mask, n, n_mask, partner, sign, rot, cos, sin, R, G, N,
-                 HAS_C_BIAS, COMPUTE)
+    k = _rotated(
+        B_ptr,
+        B_bias_ptr,
+        pos,
+        t_mask,
+        h,
+        g,
+        r,
+        r_mask,
+        n,
+        n_mask,
+        partner,
+        sign,
+        rot,
+        cos,
+        sin,
+        R,
+        G,
+        N,
+        HAS_B_BIAS,
+        COMPUTE,
+    )
+    q = _rotated(
+        C_ptr,
+        C_bias_ptr,
+        pos,
+        t_mask,
+        h,
+        g,
+        r,
+        r_mask,
+        n,
+        n_mask,
+        partner,
+        sign,
+        rot,
+        cos,
+        sin,
+        R,
+        G,
+        N,
+        HAS_C_BIAS,
+        COMPUTE,
+    )
     pt_mask = p_mask[:, None] & t_mask[None, :]
     x = tl.load(x_ptr + step[None, :] * P + p[:, None], mask=pt_mask, other=0.0).to(COMPUTE)
     rp_mask = r_mask[:, None] & p_mask[None, :]
@@ -223,20 +330,54 @@ def _gate(z_ptr, mimo_z_ptr, step, h, p, r, rp_mask, pt_mask, P, R, HAS_MIMO_Z: 
 @triton.heuristics(_FWD_FLAGS)
 @triton.jit
 def _trapezoidal_scan_fwd_kernel(
-    x_ptr, B_ptr, C_ptr, B_bias_ptr, C_bias_ptr, mimo_x_ptr, z_ptr, mimo_z_ptr, mimo_o_ptr, D_ptr,  # inputs
-    a_ptr, sigma_ptr, c_ptr, cos_ptr, sin_ptr, H_init_ptr, bounds_ptr, chunk_first_ptr,
-    out_ptr, H_last_ptr, chunk_states_ptr,  # outputs
-    H, P, N, M, R, G,
+    x_ptr,
+    B_ptr,
+    C_ptr,
+    B_bias_ptr,
+    C_bias_ptr,
+    mimo_x_ptr,
+    z_ptr,
+    mimo_z_ptr,
+    mimo_o_ptr,
+    D_ptr,  # inputs
+    a_ptr,
+    sigma_ptr,
+    c_ptr,
+    cos_ptr,
+    sin_ptr,
+    H_init_ptr,
+    bounds_ptr,
+    chunk_first_ptr,
+    out_ptr,
+    H_last_ptr,
+    chunk_states_ptr,  # outputs
+    H,
+    P,
+    N,
+    M,
+    R,
+    G,
     HALVED: tl.constexpr,
-    HAS_B_BIAS: tl.constexpr, HAS_C_BIAS: tl.constexpr, HAS_MIMO_X: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_MIMO_Z: tl.constexpr, HAS_MIMO_O: tl.constexpr, HAS_D: tl.constexpr, COMPUTE: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr, SAVE_CHUNK_STATES: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_B_BIAS: tl.constexpr,
+    HAS_C_BIAS: tl.constexpr,
+    HAS_MIMO_X: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_MIMO_Z: tl.constexpr,
+    HAS_MIMO_O: tl.constexpr,
+    HAS_D: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    SAVE_CHUNK_STATES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """out ((B·L, H, P), or (B·L, R, H, P) per rank), the last state (rows, H, P, N) and the
     state before each chunk (chunks, H, P, N). Every tensor contiguous."""
     row, h, p, p_mask, start, end, first_chunk, g, r, r_mask, n, n_mask, m, partner, sign, rot = _setup(
-        bounds_ptr, chunk_first_ptr, H, P, N, M, R, G, HALVED, BLOCK_R, BLOCK_P, BLOCK_N)
+        bounds_ptr, chunk_first_ptr, H, P, N, M, R, G, HALVED, BLOCK_R, BLOCK_P, BLOCK_N
+    )
     t_local = tl.arange(0, CHUNK)
     pn_mask = p_mask[:, None] & n_mask[None, :]
     rp_mask = r_mask[:, None] & p_mask[None, :]
@@ -259,9 +400,42 @@ def _trapezoidal_scan_fwd_kernel(
         pos = start + ci * CHUNK + t_local
         t_mask = pos < end
         a, sigma, c, k, q, x, v, mimo_x = _chunk(
-            x_ptr, B_ptr, C_ptr, B_bias_ptr, C_bias_ptr, mimo_x_ptr, a_ptr, sigma_ptr, c_ptr, cos_ptr, sin_ptr,
-            pos, t_mask, h, g, p, p_mask, r, r_mask, n, n_mask, m, partner, sign, rot, H, P, M, R, G, N,
-            HAS_B_BIAS, HAS_C_BIAS, HAS_MIMO_X, COMPUTE)
+            x_ptr,
+            B_ptr,
+            C_ptr,
+            B_bias_ptr,
+            C_bias_ptr,
+            mimo_x_ptr,
+            a_ptr,
+            sigma_ptr,
+            c_ptr,
+            cos_ptr,
+            sin_ptr,
+            pos,
+            t_mask,
+            h,
+            g,
+            p,
+            p_mask,
+            r,
+            r_mask,
+            n,
+            n_mask,
+            m,
+            partner,
+            sign,
+            rot,
+            H,
+            P,
+            M,
+            R,
+            G,
+            N,
+            HAS_B_BIAS,
+            HAS_C_BIAS,
+            HAS_MIMO_X,
+            COMPUTE,
+        )
         Hs, _, _ = _states(a, sigma, k, v, H_state)
         H_state = at_time(Hs, t_local, CHUNK - 1)
         y, _ = _readout(Hs, k, q, v, c, D_h, HAS_D)
@@ -283,25 +457,66 @@ def _trapezoidal_scan_fwd_kernel(
 @triton.heuristics(_BWD_FLAGS)
 @triton.jit
 def _trapezoidal_scan_bwd_kernel(
-    x_ptr, B_ptr, C_ptr, B_bias_ptr, C_bias_ptr, mimo_x_ptr, z_ptr, mimo_z_ptr, mimo_o_ptr, D_ptr,  # forward
-    a_ptr, sigma_ptr, c_ptr, cos_ptr, sin_ptr, bounds_ptr, chunk_first_ptr, chunk_states_ptr,
-    dout_ptr, dH_last_ptr,  # upstream gradients
-    dx_ptr, dz_ptr, dH_init_ptr,  # gradients written in full
-    dk_part_ptr, dq_part_ptr,  # d k̃, d q̃ per P-block: (P-blocks, B·L, R, H, N)
-    da_part_ptr, dsigma_part_ptr, dc_part_ptr,  # (P-blocks, B·L, H)
-    dD_part_ptr, dmimo_part_ptr,  # (rows, H, P-blocks); (3, rows, H, R, P): d mimo_x, mimo_z, mimo_o
-    H, P, N, M, R, G, BL,
+    x_ptr,
+    B_ptr,
+    C_ptr,
+    B_bias_ptr,
+    C_bias_ptr,
+    mimo_x_ptr,
+    z_ptr,
+    mimo_z_ptr,
+    mimo_o_ptr,
+    D_ptr,  # forward
+    a_ptr,
+    sigma_ptr,
+    c_ptr,
+    cos_ptr,
+    sin_ptr,
+    bounds_ptr,
+    chunk_first_ptr,
+    chunk_states_ptr,
+    dout_ptr,
+    dH_last_ptr,  # upstream gradients
+    dx_ptr,
+    dz_ptr,
+    dH_init_ptr,  # gradients written in full
+    dk_part_ptr,
+    dq_part_ptr,  # d k̃, d q̃ per P-block: (P-blocks, B·L, R, H, N)
+    da_part_ptr,
+    dsigma_part_ptr,
+    dc_part_ptr,  # (P-blocks, B·L, H)
+    dD_part_ptr,
+    dmimo_part_ptr,  # (rows, H, P-blocks); (3, rows, H, R, P): d mimo_x, mimo_z, mimo_o
+    H,
+    P,
+    N,
+    M,
+    R,
+    G,
+    BL,
     HALVED: tl.constexpr,
-    HAS_B_BIAS: tl.constexpr, HAS_C_BIAS: tl.constexpr, HAS_MIMO_X: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_MIMO_Z: tl.constexpr, HAS_MIMO_O: tl.constexpr, HAS_D: tl.constexpr, COMPUTE: tl.constexpr,
-    HAS_DLAST: tl.constexpr, INT: tl.constexpr, LOG2_CHUNK: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_B_BIAS: tl.constexpr,
+    HAS_C_BIAS: tl.constexpr,
+    HAS_MIMO_X: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_MIMO_Z: tl.constexpr,
+    HAS_MIMO_O: tl.constexpr,
+    HAS_D: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    HAS_DLAST: tl.constexpr,
+    INT: tl.constexpr,
+    LOG2_CHUNK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Chunks from last to first: recompute the chunk from its saved start state, run the
     adjoint G backwards through it (carrying dLoss/dH into the chunk before), and write every
     gradient of the core: in full where this program owns it, else as this program's part."""
     row, h, p, p_mask, start, end, first_chunk, g, r, r_mask, n, n_mask, m, partner, sign, rot = _setup(
-        bounds_ptr, chunk_first_ptr, H, P, N, M, R, G, HALVED, BLOCK_R, BLOCK_P, BLOCK_N)
+        bounds_ptr, chunk_first_ptr, H, P, N, M, R, G, HALVED, BLOCK_R, BLOCK_P, BLOCK_N
+    )
     pblk = tl.program_id(2)
     t_local = tl.arange(0, CHUNK)
     pn_mask = p_mask[:, None] & n_mask[None, :]
@@ -325,16 +540,50 @@ def _trapezoidal_scan_bwd_kernel(
     n_chunks = (end - start + CHUNK - 1) // CHUNK
     for c_rev in range(0, n_chunks):
         ci = n_chunks - 1 - c_rev
-        H_start = tl.load(chunk_states_ptr + (first_chunk + ci) * H * P * N + state_offsets, mask=pn_mask,
-                          other=0.0).to(COMPUTE)
+        H_start = tl.load(
+            chunk_states_ptr + (first_chunk + ci) * H * P * N + state_offsets, mask=pn_mask, other=0.0
+        ).to(COMPUTE)
         pos = start + ci * CHUNK + t_local
         t_mask = pos < end
         step = pos * H + h
         pt_mask = p_mask[:, None] & t_mask[None, :]
         a, sigma, c, k, q, x, v, mimo_x = _chunk(
-            x_ptr, B_ptr, C_ptr, B_bias_ptr, C_bias_ptr, mimo_x_ptr, a_ptr, sigma_ptr, c_ptr, cos_ptr, sin_ptr,
-            pos, t_mask, h, g, p, p_mask, r, r_mask, n, n_mask, m, partner, sign, rot, H, P, M, R, G, N,
-            HAS_B_BIAS, HAS_C_BIAS, HAS_MIMO_X, COMPUTE)
+            x_ptr,
+            B_ptr,
+            C_ptr,
+            B_bias_ptr,
+            C_bias_ptr,
+            mimo_x_ptr,
+            a_ptr,
+            sigma_ptr,
+            c_ptr,
+            cos_ptr,
+            sin_ptr,
+            pos,
+            t_mask,
+            h,
+            g,
+            p,
+            p_mask,
+            r,
+            r_mask,
+            n,
+            n_mask,
+            m,
+            partner,
+            sign,
+            rot,
+            H,
+            P,
+            M,
+            R,
+            G,
+            N,
+            HAS_B_BIAS,
+            HAS_C_BIAS,
+            HAS_MIMO_X,
+            COMPUTE,
+        )
         Hs, U, drive = _states(a, sigma, k, v, H_start)
         y, qk = _readout(Hs, k, q, v, c, D_h, HAS_D)
 
@@ -344,7 +593,9 @@ def _trapezoidal_scan_bwd_kernel(
             dgated = dout[None, :, :] * mimo_o[:, :, None]  # (BLOCK_R, BLOCK_P, CHUNK)
         else:
             offsets = ((pos[None, None, :] * R + r[:, None, None]) * H + h) * P + p[None, :, None]
-            dgated = tl.load(dout_ptr + offsets, mask=r_mask[:, None, None] & pt_mask[None, :, :], other=0.0).to(COMPUTE)
+            dgated = tl.load(dout_ptr + offsets, mask=r_mask[:, None, None] & pt_mask[None, :, :], other=0.0).to(
+                COMPUTE
+            )
         if HAS_Z:
             z, mimo_z, zg = _gate(z_ptr, mimo_z_ptr, step, h, p, r, rp_mask, pt_mask, P, R, HAS_MIMO_Z, COMPUTE)
             sig = tl.sigmoid(zg)
@@ -369,8 +620,13 @@ def _trapezoidal_scan_bwd_kernel(
         source = tl.sum(dy[:, :, None, :] * q[:, None, :, :], axis=0)  # (BLOCK_P, BLOCK_N, CHUNK)
         gate_next = tl.exp(a_next)[None, None, :] + tl.zeros_like(source)
         gate_prod, source_sum = tl.associative_scan(
-            (flip_time(gate_next, BLOCK_P, BLOCK_N, LOG2_CHUNK, INT), flip_time(source, BLOCK_P, BLOCK_N, LOG2_CHUNK, INT)),
-            2, first_order_combine)
+            (
+                flip_time(gate_next, BLOCK_P, BLOCK_N, LOG2_CHUNK, INT),
+                flip_time(source, BLOCK_P, BLOCK_N, LOG2_CHUNK, INT),
+            ),
+            2,
+            first_order_combine,
+        )
         adj = flip_time(source_sum + gate_prod * carry[:, :, None], BLOCK_P, BLOCK_N, LOG2_CHUNK, INT)  # G
         carry = at_time(adj, t_local, 0)
 
@@ -432,8 +688,27 @@ def _bounds(batch: int, length: int, cu_seqlens: Tensor | None, cfg: Config, dev
     return bounds.contiguous(), (torch.cumsum(chunks, 0) - chunks).contiguous()
 
 
-def _trapezoidal_scan_fwd(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init,
-                          cu_seqlens, halved: bool, save_chunk_states: bool):
+def _trapezoidal_scan_fwd(
+    x,
+    B,
+    C,
+    B_bias,
+    C_bias,
+    mimo_x,
+    z,
+    mimo_z,
+    mimo_o,
+    D,
+    a,
+    sigma,
+    c,
+    cos,
+    sin,
+    H_init,
+    cu_seqlens,
+    halved: bool,
+    save_chunk_states: bool,
+):
     """x, z: (B, L, H, P); B, C: (B, L, R, G, N); B_bias, C_bias: (H, R, N); mimo_*: (H, R, P);
     D: (H,); a, σ, c: (B, L, H); cos, sin: (B, L, H, M); H_init: (rows, H, P, N). Returns out
     (B, L, H, P) in x's dtype ((B, L, R, H, P) without mimo_o), the last state (rows, H, P, N)
@@ -445,7 +720,8 @@ def _trapezoidal_scan_fwd(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D,
     cfg = config(P, N, ranks)
     rows = batch if cu_seqlens is None else cu_seqlens.numel() - 1
     x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init = _contiguous(
-        x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init)
+        x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init
+    )
     out = x.new_empty(batch, length, heads, P) if mimo_o is not None else x.new_empty(batch, length, ranks, heads, P)
     H_last = x.new_empty(rows, heads, P, N, dtype=dtype)
     n_saved = cfg.max_chunks(rows, length, cu_seqlens is not None) if save_chunk_states else 0
@@ -453,18 +729,65 @@ def _trapezoidal_scan_fwd(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D,
     bounds, chunk_first = _bounds(batch, length, cu_seqlens, cfg, x.device)
     check_launchable(x)
     _trapezoidal_scan_fwd_kernel[(rows, heads, cfg.p_blocks(P))](
-        x_ptr=x, B_ptr=B, C_ptr=C, B_bias_ptr=B_bias, C_bias_ptr=C_bias, mimo_x_ptr=mimo_x, z_ptr=z,
-        mimo_z_ptr=mimo_z, mimo_o_ptr=mimo_o, D_ptr=D, a_ptr=a, sigma_ptr=sigma, c_ptr=c, cos_ptr=cos, sin_ptr=sin,
-        H_init_ptr=H_init, bounds_ptr=bounds, chunk_first_ptr=chunk_first,
-        out_ptr=out, H_last_ptr=H_last, chunk_states_ptr=chunk_states,
-        H=heads, P=P, N=N, M=M, R=ranks, G=groups, HALVED=halved,
-        BLOCK_R=cfg.block_r, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, num_warps=cfg.num_warps,
+        x_ptr=x,
+        B_ptr=B,
+        C_ptr=C,
+        B_bias_ptr=B_bias,
+        C_bias_ptr=C_bias,
+        mimo_x_ptr=mimo_x,
+        z_ptr=z,
+        mimo_z_ptr=mimo_z,
+        mimo_o_ptr=mimo_o,
+        D_ptr=D,
+        a_ptr=a,
+        sigma_ptr=sigma,
+        c_ptr=c,
+        cos_ptr=cos,
+        sin_ptr=sin,
+        H_init_ptr=H_init,
+        bounds_ptr=bounds,
+        chunk_first_ptr=chunk_first,
+        out_ptr=out,
+        H_last_ptr=H_last,
+        chunk_states_ptr=chunk_states,
+        H=heads,
+        P=P,
+        N=N,
+        M=M,
+        R=ranks,
+        G=groups,
+        HALVED=halved,
+        BLOCK_R=cfg.block_r,
+        BLOCK_P=cfg.block_p,
+        BLOCK_N=cfg.block_n,
+        CHUNK=cfg.chunk,
+        num_warps=cfg.num_warps,
     )
     return out, H_last, chunk_states
 
 
-def _trapezoidal_scan_bwd(dout, dH_last, x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos,
-                          sin, cu_seqlens, halved: bool, chunk_states):
+def _trapezoidal_scan_bwd(
+    dout,
+    dH_last,
+    x,
+    B,
+    C,
+    B_bias,
+    C_bias,
+    mimo_x,
+    z,
+    mimo_z,
+    mimo_o,
+    D,
+    a,
+    sigma,
+    c,
+    cos,
+    sin,
+    cu_seqlens,
+    halved: bool,
+    chunk_states,
+):
     """Gradients of :func:`_trapezoidal_scan_fwd`'s out and last state, given its saved chunk
     states: (dx, dB, dC, dB_bias, dC_bias, dmimo_x, dz, dmimo_z, dmimo_o, dD, da, dσ, dc, dcos,
     dsin, dH_init), each in its input's dtype (None for an absent input; dH_init in the state
@@ -477,7 +800,8 @@ def _trapezoidal_scan_bwd(dout, dH_last, x, B, C, B_bias, C_bias, mimo_x, z, mim
     rows = batch if cu_seqlens is None else cu_seqlens.numel() - 1
     blocks = cfg.p_blocks(P)
     x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, dout, dH_last = _contiguous(
-        x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, dout, dH_last)
+        x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, dout, dH_last
+    )
     new = dict(device=x.device, dtype=dtype)
     dx = torch.empty(batch, length, heads, P, **new)
     dz = None if z is None else torch.empty(batch, length, heads, P, **new)
@@ -490,14 +814,49 @@ def _trapezoidal_scan_bwd(dout, dH_last, x, B, C, B_bias, C_bias, mimo_x, z, mim
     bounds, chunk_first = _bounds(batch, length, cu_seqlens, cfg, x.device)
     check_launchable(x)
     _trapezoidal_scan_bwd_kernel[(rows, heads, blocks)](
-        x_ptr=x, B_ptr=B, C_ptr=C, B_bias_ptr=B_bias, C_bias_ptr=C_bias, mimo_x_ptr=mimo_x, z_ptr=z,
-        mimo_z_ptr=mimo_z, mimo_o_ptr=mimo_o, D_ptr=D, a_ptr=a, sigma_ptr=sigma, c_ptr=c, cos_ptr=cos, sin_ptr=sin,
-        bounds_ptr=bounds, chunk_first_ptr=chunk_first, chunk_states_ptr=chunk_states,
-        dout_ptr=dout, dH_last_ptr=dH_last, dx_ptr=dx, dz_ptr=dz, dH_init_ptr=dH_init,
-        dk_part_ptr=dk_part, dq_part_ptr=dq_part, da_part_ptr=da_part, dsigma_part_ptr=dsigma_part,
-        dc_part_ptr=dc_part, dD_part_ptr=dD_part, dmimo_part_ptr=dmimo_part,
-        H=heads, P=P, N=N, M=M, R=ranks, G=groups, BL=batch * length, HALVED=halved,
-        BLOCK_R=cfg.block_r, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk, num_warps=cfg.num_warps,
+        x_ptr=x,
+        B_ptr=B,
+        C_ptr=C,
+        B_bias_ptr=B_bias,
+        C_bias_ptr=C_bias,
+        mimo_x_ptr=mimo_x,
+        z_ptr=z,
+        mimo_z_ptr=mimo_z,
+        mimo_o_ptr=mimo_o,
+        D_ptr=D,
+        a_ptr=a,
+        sigma_ptr=sigma,
+        c_ptr=c,
+        cos_ptr=cos,
+        sin_ptr=sin,
+        bounds_ptr=bounds,
+        chunk_first_ptr=chunk_first,
+        chunk_states_ptr=chunk_states,
+        dout_ptr=dout,
+        dH_last_ptr=dH_last,
+        dx_ptr=dx,
+        dz_ptr=dz,
+        dH_init_ptr=dH_init,
+        dk_part_ptr=dk_part,
+        dq_part_ptr=dq_part,
+        da_part_ptr=da_part,
+        dsigma_part_ptr=dsigma_part,
+        dc_part_ptr=dc_part,
+        dD_part_ptr=dD_part,
+        dmimo_part_ptr=dmimo_part,
+        H=heads,
+        P=P,
+        N=N,
+        M=M,
+        R=ranks,
+        G=groups,
+        BL=batch * length,
+        HALVED=halved,
+        BLOCK_R=cfg.block_r,
+        BLOCK_P=cfg.block_p,
+        BLOCK_N=cfg.block_n,
+        CHUNK=cfg.chunk,
+        num_warps=cfg.num_warps,
     )
     # Sums over P-blocks, then the rotation's backward: k̃ = Rot(φ)·(B + B_bias) per head.
     rotary = "halved" if halved else "interleaved"
@@ -513,10 +872,22 @@ def _trapezoidal_scan_bwd(dout, dH_last, x, B, C, B_bias, C_bias, mimo_x, z, mim
     (dB, dB_bias), (dC, dC_bias) = grads_BC
     dmimo = [None if t is None else dmimo_part[i].sum(0).to(t.dtype) for i, t in enumerate((mimo_x, mimo_z, mimo_o))]
     return (
-        dx.to(x.dtype), dB, dC, dB_bias, dC_bias, dmimo[0], None if z is None else dz.to(z.dtype), dmimo[1],
-        dmimo[2], None if D is None else dD_part.sum((0, 2)).to(D.dtype),
-        da_part.sum(0).to(a.dtype), dsigma_part.sum(0).to(sigma.dtype), dc_part.sum(0).to(c.dtype),
-        dcos.to(cos.dtype), dsin.to(sin.dtype), dH_init,
+        dx.to(x.dtype),
+        dB,
+        dC,
+        dB_bias,
+        dC_bias,
+        dmimo[0],
+        None if z is None else dz.to(z.dtype),
+        dmimo[1],
+        dmimo[2],
+        None if D is None else dD_part.sum((0, 2)).to(D.dtype),
+        da_part.sum(0).to(a.dtype),
+        dsigma_part.sum(0).to(sigma.dtype),
+        dc_part.sum(0).to(c.dtype),
+        dcos.to(cos.dtype),
+        dsin.to(sin.dtype),
+        dH_init,
     )
 
 
@@ -527,19 +898,72 @@ _NONE = (0,)  # shape of the placeholder a custom op returns for an absent optio
 
 @torch.library.custom_op("ssm::trapezoidal_scan_fwd", mutates_args=())
 def trapezoidal_scan_fwd(
-    x: Tensor, B: Tensor, C: Tensor, B_bias: Optional[Tensor], C_bias: Optional[Tensor], mimo_x: Optional[Tensor],
-    z: Optional[Tensor], mimo_z: Optional[Tensor], mimo_o: Optional[Tensor], D: Optional[Tensor],
-    a: Tensor, sigma: Tensor, c: Tensor, cos: Tensor, sin: Tensor, H_init: Optional[Tensor],
-    cu_seqlens: Optional[Tensor], halved: bool, save_chunk_states: bool = True,
+    x: Tensor,
+    B: Tensor,
+    C: Tensor,
+    B_bias: Tensor | None,
+    C_bias: Tensor | None,
+    mimo_x: Tensor | None,
+    z: Tensor | None,
+    mimo_z: Tensor | None,
+    mimo_o: Tensor | None,
+    D: Tensor | None,
+    a: Tensor,
+    sigma: Tensor,
+    c: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    H_init: Tensor | None,
+    cu_seqlens: Tensor | None,
+    halved: bool,
+    save_chunk_states: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """out, last state, chunk-start states (what the backward needs)."""
-    return _trapezoidal_scan_fwd(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init,
-                                 cu_seqlens, halved, save_chunk_states)
+    return _trapezoidal_scan_fwd(
+        x,
+        B,
+        C,
+        B_bias,
+        C_bias,
+        mimo_x,
+        z,
+        mimo_z,
+        mimo_o,
+        D,
+        a,
+        sigma,
+        c,
+        cos,
+        sin,
+        H_init,
+        cu_seqlens,
+        halved,
+        save_chunk_states,
+    )
 
 
 @trapezoidal_scan_fwd.register_fake
-def _(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init, cu_seqlens, halved,
-      save_chunk_states=True):
+def _(
+    x,
+    B,
+    C,
+    B_bias,
+    C_bias,
+    mimo_x,
+    z,
+    mimo_z,
+    mimo_o,
+    D,
+    a,
+    sigma,
+    c,
+    cos,
+    sin,
+    H_init,
+    cu_seqlens,
+    halved,
+    save_chunk_states=True,
+):
     batch, length, heads, P = x.shape
     ranks, _, N = B.shape[2:]
     rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -551,49 +975,178 @@ def _(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, s
 
 @torch.library.custom_op("ssm::trapezoidal_scan_bwd", mutates_args=())
 def trapezoidal_scan_bwd(
-    dout: Tensor, dH_last: Optional[Tensor], x: Tensor, B: Tensor, C: Tensor, B_bias: Optional[Tensor],
-    C_bias: Optional[Tensor], mimo_x: Optional[Tensor], z: Optional[Tensor], mimo_z: Optional[Tensor],
-    mimo_o: Optional[Tensor], D: Optional[Tensor], a: Tensor, sigma: Tensor, c: Tensor, cos: Tensor, sin: Tensor,
-    cu_seqlens: Optional[Tensor], halved: bool, chunk_states: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-           Tensor, Tensor, Tensor]:
+    dout: Tensor,
+    dH_last: Tensor | None,
+    x: Tensor,
+    B: Tensor,
+    C: Tensor,
+    B_bias: Tensor | None,
+    C_bias: Tensor | None,
+    mimo_x: Tensor | None,
+    z: Tensor | None,
+    mimo_z: Tensor | None,
+    mimo_o: Tensor | None,
+    D: Tensor | None,
+    a: Tensor,
+    sigma: Tensor,
+    c: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    cu_seqlens: Tensor | None,
+    halved: bool,
+    chunk_states: Tensor,
+) -> tuple[
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+    Tensor,
+]:
     """dx, dB, dC, dB_bias, dC_bias, dmimo_x, dz, dmimo_z, dmimo_o, dD, da, dσ, dc, dcos, dsin,
     dH_init (empty for absent inputs)."""
-    grads = _trapezoidal_scan_bwd(dout, dH_last, x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c,
-                                  cos, sin, cu_seqlens, halved, chunk_states)
+    grads = _trapezoidal_scan_bwd(
+        dout,
+        dH_last,
+        x,
+        B,
+        C,
+        B_bias,
+        C_bias,
+        mimo_x,
+        z,
+        mimo_z,
+        mimo_o,
+        D,
+        a,
+        sigma,
+        c,
+        cos,
+        sin,
+        cu_seqlens,
+        halved,
+        chunk_states,
+    )
     return tuple(x.new_empty(_NONE) if g is None else g for g in grads)
 
 
 @trapezoidal_scan_bwd.register_fake
-def _(dout, dH_last, x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, cu_seqlens,
-      halved, chunk_states):
+def _(
+    dout,
+    dH_last,
+    x,
+    B,
+    C,
+    B_bias,
+    C_bias,
+    mimo_x,
+    z,
+    mimo_z,
+    mimo_o,
+    D,
+    a,
+    sigma,
+    c,
+    cos,
+    sin,
+    cu_seqlens,
+    halved,
+    chunk_states,
+):
     def like(t):
         return x.new_empty(_NONE) if t is None else torch.empty_like(t)
 
     rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     dH_init = a.new_empty(rows, x.shape[2], x.shape[3], B.shape[4])
-    return (like(x), like(B), like(C), like(B_bias), like(C_bias), like(mimo_x), like(z), like(mimo_z), like(mimo_o),
-            like(D), like(a), like(sigma), like(c), like(cos), like(sin), dH_init)
+    return (
+        like(x),
+        like(B),
+        like(C),
+        like(B_bias),
+        like(C_bias),
+        like(mimo_x),
+        like(z),
+        like(mimo_z),
+        like(mimo_o),
+        like(D),
+        like(a),
+        like(sigma),
+        like(c),
+        like(cos),
+        like(sin),
+        dH_init,
+    )
 
 
 def _setup_context(ctx, inputs, output):
-    (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init, cu_seqlens, halved,
-     _save) = inputs
+    (
+        x,
+        B,
+        C,
+        B_bias,
+        C_bias,
+        mimo_x,
+        z,
+        mimo_z,
+        mimo_o,
+        D,
+        a,
+        sigma,
+        c,
+        cos,
+        sin,
+        H_init,
+        cu_seqlens,
+        halved,
+        _save,
+    ) = inputs
     ctx.mark_non_differentiable(output[2])
-    ctx.save_for_backward(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, cu_seqlens,
-                          output[2])
+    ctx.save_for_backward(
+        x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, cu_seqlens, output[2]
+    )
     ctx.halved = halved
     ctx.H_init_dtype = None if H_init is None else H_init.dtype
 
 
 def _backward(ctx, dout, dH_last, _dchunk_states):
     x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, cu_seqlens, chunk_states = (
-        ctx.saved_tensors)
+        ctx.saved_tensors
+    )
     if dout is None:
         rank_shape = () if mimo_o is not None else (B.shape[2],)
         dout = x.new_zeros(*x.shape[:2], *rank_shape, *x.shape[2:])
-    grads = trapezoidal_scan_bwd(dout, dH_last, x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c,
-                                 cos, sin, cu_seqlens, ctx.halved, chunk_states)
+    grads = trapezoidal_scan_bwd(
+        dout,
+        dH_last,
+        x,
+        B,
+        C,
+        B_bias,
+        C_bias,
+        mimo_x,
+        z,
+        mimo_z,
+        mimo_o,
+        D,
+        a,
+        sigma,
+        c,
+        cos,
+        sin,
+        cu_seqlens,
+        ctx.halved,
+        chunk_states,
+    )
     inputs = (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
     result = [None if t is None else g for t, g in zip(inputs, grads)]
     dH_init = None if ctx.H_init_dtype is None else grads[-1].to(ctx.H_init_dtype)
@@ -606,24 +1159,83 @@ trapezoidal_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------- backend entry point
 
 
-def _core(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init, rotary, chunk_size,
-          cu_seqlens):
+def _core(
+    x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init, rotary, chunk_size, cu_seqlens
+):
     """The core of the shared fast-path skeleton (common.run) on the kernels; ``chunk_size`` is
     the chunked backend's, not used here (the kernels scan CHUNK steps at a time)."""
     tensors = (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init)
     # Chunk states are only for a backward: not written when none can follow (inference).
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    out, H_last, _ = trapezoidal_scan_fwd(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin,
-                                          H_init, cu_seqlens, rotary == "halved", save)
+    out, H_last, _ = trapezoidal_scan_fwd(
+        x,
+        B,
+        C,
+        B_bias,
+        C_bias,
+        mimo_x,
+        z,
+        mimo_z,
+        mimo_o,
+        D,
+        a,
+        sigma,
+        c,
+        cos,
+        sin,
+        H_init,
+        cu_seqlens,
+        rotary == "halved",
+        save,
+    )
     return out, H_last
 
 
-def trapezoidal_scan_triton(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
-                            initial_state, chunk_size, cu_seqlens):
+def trapezoidal_scan_triton(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    trap,
+    angles,
+    D,
+    z,
+    B_bias,
+    C_bias,
+    mimo_x,
+    mimo_z,
+    mimo_o,
+    rotary,
+    initial_state,
+    chunk_size,
+    cu_seqlens,
+):
     """Backend "triton" of :func:`ssm.scan.trapezoidal_scan` (inputs validated, B and C
     (B, L, R, G, N), biases (H, R, N), the key state (·, R, H, N)). Returns out in x's dtype and
     the last state in float32 (float64 for float64 inputs)."""
-    dtype = state_dtype(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
-                        *(initial_state or ()))
-    return common.run(_core, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rotary,
-                      initial_state, chunk_size, cu_seqlens, dtype)
+    dtype = state_dtype(
+        x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, *(initial_state or ())
+    )
+    return common.run(
+        _core,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        trap,
+        angles,
+        D,
+        z,
+        B_bias,
+        C_bias,
+        mimo_x,
+        mimo_z,
+        mimo_o,
+        rotary,
+        initial_state,
+        chunk_size,
+        cu_seqlens,
+        dtype,
+    )
