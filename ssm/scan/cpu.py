@@ -5,8 +5,10 @@ parallelism, and a sweep over L that keeps the state h in registers does O(L) wo
 (B, D, L, N) temporaries. The sweeps are written in plain C (cpu_kernels.c, next to this file):
 every thread takes whole channels (a work unit is one channel, or one block of columns of the
 linear scan) and walks all L steps of them alone, vectorised over N, so threads never wait on
-one another inside a sweep; units are handed out dynamically, so a thread that shares its core
-with another busy process simply does fewer of them. Softplus, the D·u skip and the silu(z)
+one another inside a sweep. The forwards hand units out dynamically, so a thread that shares its
+core with another busy process simply does fewer of them; the selective backward assigns
+channels statically, so that its per-thread sums of dB and dC are added in the same order on
+every run (bitwise-reproducible gradients for a given thread count). Softplus, the D·u skip and the silu(z)
 gate are fused into the sweep, and the backward writes every gradient in one reverse sweep.
 
 Building: at first use the C file is compiled with the system C compiler (``$CC``, else cc,
