@@ -995,6 +995,15 @@ def benchmark_layers(args) -> int:
     }
     x = torch.randn(args.batch, args.length, d, **kw)
     grad = torch.randn(args.batch, args.length, d, **kw)
+    peer = None if args.no_peer else transformers_mamba2_mixer(layers["Mamba2"], d, N, P)
+    if peer is not None:  # the same weights: it must compute the same function before it is timed
+        layers[PEER_MAMBA2] = peer
+        with torch.no_grad():
+            difference = relative_difference(peer(x), layers["Mamba2"](x))
+        print(f"{PEER_MAMBA2} against ssm's Mamba2, same weights and input: relative difference {difference:.1e}")
+        if difference > TOLERANCE[dtype]:
+            print(f"error: {PEER_MAMBA2} and ssm's Mamba2 differ beyond {TOLERANCE[dtype]:.0e}")
+            return 1
 
     def forward(layer):
         with torch.no_grad():
@@ -1043,6 +1052,36 @@ def benchmark_layers(args) -> int:
                 indent=2,
             )
     return 0
+
+
+PEER_MAMBA2 = "transformers Mamba2"
+
+
+def transformers_mamba2_mixer(ours, d_model: int, N: int, P: int):
+    """transformers' Mamba2Mixer (its pure-PyTorch chunked path on CPU) holding the weights of
+    ``ours`` (the same parameter names), or None when transformers is not importable."""
+    try:
+        from transformers import Mamba2Config
+        from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+    except ImportError:
+        return None
+    config = Mamba2Config(
+        hidden_size=d_model,
+        state_size=N,
+        head_dim=P,
+        num_heads=2 * d_model // P,
+        expand=2,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=ours.chunk_size,
+        use_bias=False,
+        use_conv_bias=True,
+        layer_norm_epsilon=1e-5,
+        num_hidden_layers=1,
+    )
+    peer = Mamba2Mixer(config, layer_idx=0).to(device=ours.in_proj.weight.device, dtype=ours.in_proj.weight.dtype)
+    peer.load_state_dict(ours.state_dict())
+    return peer
 
 
 def describe_device(device: torch.device) -> str:

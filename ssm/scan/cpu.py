@@ -59,6 +59,7 @@ import torch
 from torch import Tensor
 
 from ._checks import compute_dtype
+from ._common import ssd_delta
 
 CHUNK = 64  # T: steps between the states the forward keeps for the backward
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -627,3 +628,49 @@ def _pscan_linear(gates, inputs, dim, initial_state, reverse, cu_seqlens):
     from .pscan import linear_scan_pscan
 
     return linear_scan_pscan(gates, inputs, dim, initial_state, reverse, cu_seqlens)
+
+
+# ----------------------------------------------------------------------------- SSD (Mamba-2)
+
+
+def ssd_cpu(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    initial_state: Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Backend "cpu" of :func:`ssm.scan.ssd`: the SSD recurrence is a selective scan whose
+    channels are the H·P head channels, whose Δ and A are shared by the P channels of a head and
+    whose B and C are grouped, so it runs on the selective sweeps. x, z, B and C are passed as
+    views (the kernels take strides); Δ (softplus and clamp included, by autograd) and A are
+    broadcast to the channels. ``chunk_size`` is not used: the sweeps walk every step.
+    Same contract as ``reference.ssd_ref``, packed sequences included."""
+    batch, length, heads, P = x.shape
+    dim = heads * P
+    N = B.shape[-1]
+    dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
+    delta = ssd_delta(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (batch, L, H)
+    channels = torch.arange(dim, device=x.device) // P  # the head of each channel
+    if D is not None:
+        D = D.to(dtype)[channels] if D.ndim == 1 else D.to(dtype).reshape(dim)
+    out, last = selective_scan_cpu(
+        x.reshape(batch, length, dim).transpose(1, 2),
+        delta[..., channels].transpose(1, 2),
+        A.to(dtype)[channels, None].expand(dim, N),
+        B.permute(0, 2, 3, 1),  # (batch, G, N, L)
+        C.permute(0, 2, 3, 1),
+        D,
+        None if z is None else z.reshape(batch, length, dim).transpose(1, 2),
+        initial_state=None if initial_state is None else initial_state.reshape(-1, dim, N),
+        cu_seqlens=cu_seqlens,
+    )
+    return out.transpose(1, 2).reshape(batch, length, heads, P), last.reshape(-1, heads, P, N)

@@ -190,22 +190,43 @@ static void SUF(chunk_inputs)(const SelectiveArgs *a, i64 b, i64 d, i64 t0, i64 
    With N a multiple of LANES the sums over N run in LANES partial sums, added up as a tree:
    the loop over n then maps onto whole vectors, with no per-step loop remainder. */
 #define LANES 8
+
+/* Whether a channel's A is one value for every n (Mamba-2's scalar decay per head, run on these
+   sweeps by ssd_cpu): then exp(Δ_t·A) is one exp per step instead of N, with the same result. */
+static inline int SUF(all_equal)(const REAL *Ad, i64 N) {
+    for (i64 n = 1; n < N; n++)
+        if (Ad[n] != Ad[0]) return 0;
+    return 1;
+}
+
+/* A call of fwd_steps / recompute_steps with N and same_A as constants for the usual cases, so
+   that each is compiled with its loop over n unrolled and its exp hoisted where it can be. */
+#ifndef SPECIALISED
+#define SPECIALISED(fn, ...)                                       \
+    do {                                                           \
+        if (N == 16 && same_A) fn(16, 1, __VA_ARGS__);             \
+        else if (N == 16) fn(16, 0, __VA_ARGS__);                  \
+        else if (same_A) fn(N, 1, __VA_ARGS__);                    \
+        else fn(N, 0, __VA_ARGS__);                                \
+    } while (0)
+#endif
 static inline REAL SUF(sum_lanes)(const REAL *p) { return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7])); }
 
 static inline __attribute__((always_inline)) void SUF(fwd_steps)(
-    const i64 N, i64 k0, i64 k1, REAL *restrict h, const REAL *restrict Ad, const REAL *restrict Bm, i64 sB,
+    const i64 N, const int same_A, i64 k0, i64 k1, REAL *restrict h, const REAL *restrict Ad, const REAL *restrict Bm, i64 sB,
     const REAL *restrict Cm, i64 sC, const REAL *restrict dt, const REAL *restrict u, REAL *restrict y,
     REAL *restrict y_lanes) {
     for (i64 k = k0; k < k1; k++) {
         const REAL *restrict Bt = Bm + k * sB, *restrict Ct = Cm + k * sC;
         const REAL dtk = dt[k], dtu = dt[k] * u[k];
+        const REAL e0 = same_A ? EXP(dtk * Ad[0]) : 0;
         if (N % LANES == 0) {
             REAL *restrict acc = y_lanes + k * LANES; /* added up after the loop, off the recurrence */
             for (i64 j = 0; j < LANES; j++) acc[j] = 0;
             for (i64 n0 = 0; n0 < N; n0 += LANES)
                 for (i64 j = 0; j < LANES; j++) {
                     const i64 n = n0 + j;
-                    REAL hn = EXP(dtk * Ad[n]) * h[n] + dtu * Bt[n];
+                    REAL hn = (same_A ? e0 : EXP(dtk * Ad[n])) * h[n] + dtu * Bt[n];
                     h[n] = hn;
                     acc[j] += Ct[n] * hn;
                 }
@@ -213,7 +234,7 @@ static inline __attribute__((always_inline)) void SUF(fwd_steps)(
             REAL yk = 0;
 #pragma omp simd reduction(+ : yk)
             for (i64 n = 0; n < N; n++) {
-                REAL hn = EXP(dtk * Ad[n]) * h[n] + dtu * Bt[n];
+                REAL hn = (same_A ? e0 : EXP(dtk * Ad[n])) * h[n] + dtu * Bt[n];
                 h[n] = hn;
                 yk += Ct[n] * hn;
             }
@@ -248,6 +269,7 @@ void SUF(selective_fwd)(const SelectiveArgs *a) {
             const REAL Dd = a->D ? ((const REAL *)a->D)[d] : 0;
             const i64 gB = d / (Dn / a->groups_B), gC = d / (Dn / a->groups_C);
             for (i64 n = 0; n < N; n++) Ad[n] = A[d * N + n];
+            const int same_A = SUF(all_equal)(Ad, N);
             for (i64 b = 0; b < Bn; b++) {
                 const i64 row = a->cu_seqlens ? 0 : b; /* state rows: sequence s is row + s */
                 const REAL *Bm = (const REAL *)a->B + b * a->sB[0] + gB * a->sB[1];
@@ -274,10 +296,8 @@ void SUF(selective_fwd)(const SelectiveArgs *a) {
                             for (i64 n = 0; n < N; n++) h[n] = init ? init[n] : 0;
                         }
                         const i64 k1 = cu[s + 1] - t0 < nt ? cu[s + 1] - t0 : nt;
-                        if (N == 16) /* the usual state size, unrolled */
-                            SUF(fwd_steps)(16, k, k1, h, Ad, Bm + t0 * a->sB[2], a->sB[2], Cm + t0 * a->sC[2], a->sC[2], dt, u, raw, y_lanes);
-                        else
-                            SUF(fwd_steps)(N, k, k1, h, Ad, Bm + t0 * a->sB[2], a->sB[2], Cm + t0 * a->sC[2], a->sC[2], dt, u, raw, y_lanes);
+                        const REAL *Bc = Bm + t0 * a->sB[2], *Cc = Cm + t0 * a->sC[2];
+                        SPECIALISED(SUF(fwd_steps), k, k1, h, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, raw, y_lanes);
                         for (i64 j = k; j < k1; j++) raw[j] += Dd * u[j]; /* raw is free now: y before the gate */
                         k = k1;
                         if (t0 + k == cu[s + 1]) { /* a sequence ends: keep its state */
@@ -302,20 +322,21 @@ void SUF(selective_fwd)(const SelectiveArgs *a) {
 /* The backward's recomputation of steps k0 .. k1-1 (one sequence): like fwd_steps, and it keeps
    hs[k] (the state entering step k) and decay[k] = exp(Δ_t A) for the adjoint. */
 static inline __attribute__((always_inline)) void SUF(recompute_steps)(
-    const i64 N, i64 k0, i64 k1, REAL *restrict h, const REAL *restrict Ad, const REAL *restrict Bm, i64 sB,
+    const i64 N, const int same_A, i64 k0, i64 k1, REAL *restrict h, const REAL *restrict Ad, const REAL *restrict Bm, i64 sB,
     const REAL *restrict Cm, i64 sC, const REAL *restrict dt, const REAL *restrict u, REAL *restrict y,
     REAL *restrict y_lanes, REAL *restrict hs, REAL *restrict decay) {
     for (i64 k = k0; k < k1; k++) {
         const REAL *restrict Bt = Bm + k * sB, *restrict Ct = Cm + k * sC;
         REAL *restrict hk = hs + k * N, *restrict dk = decay + k * N;
         const REAL dtk = dt[k], dtu = dt[k] * u[k];
+        const REAL e0 = same_A ? EXP(dtk * Ad[0]) : 0;
         if (N % LANES == 0) {
             REAL *restrict acc = y_lanes + k * LANES;
             for (i64 j = 0; j < LANES; j++) acc[j] = 0;
             for (i64 n0 = 0; n0 < N; n0 += LANES)
                 for (i64 j = 0; j < LANES; j++) {
                     const i64 n = n0 + j;
-                    REAL e = EXP(dtk * Ad[n]);
+                    REAL e = same_A ? e0 : EXP(dtk * Ad[n]);
                     hk[n] = h[n];
                     dk[n] = e;
                     h[n] = e * h[n] + dtu * Bt[n];
@@ -325,7 +346,7 @@ static inline __attribute__((always_inline)) void SUF(recompute_steps)(
             REAL yk = 0;
 #pragma omp simd reduction(+ : yk)
             for (i64 n = 0; n < N; n++) {
-                REAL e = EXP(dtk * Ad[n]);
+                REAL e = same_A ? e0 : EXP(dtk * Ad[n]);
                 hk[n] = h[n];
                 dk[n] = e;
                 h[n] = e * h[n] + dtu * Bt[n];
@@ -440,6 +461,7 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
             const i64 gB = d / (Dn / GB), gC = d / (Dn / GC);
             REAL accD = 0, accBias = 0;
             for (i64 n = 0; n < N; n++) { Ad[n] = A[d * N + n]; accA[n] = 0; accB[n] = 0; accC[n] = 0; }
+            const int same_A = SUF(all_equal)(Ad, N);
             for (i64 b = 0; b < Bn; b++) {
                 const i64 row = a->cu_seqlens ? 0 : b;
                 const REAL *Bm = (const REAL *)a->B + b * a->sB[0] + gB * a->sB[1];
@@ -472,10 +494,7 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                             for (i64 n = 0; n < N; n++) h[n] = init ? init[n] : 0;
                         }
                         const i64 k1 = cu[s + 1] - t0 < nt ? cu[s + 1] - t0 : nt;
-                        if (N == 16)
-                            SUF(recompute_steps)(16, k, k1, h, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, y, y_lanes, hs, decay);
-                        else
-                            SUF(recompute_steps)(N, k, k1, h, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, y, y_lanes, hs, decay);
+                        SPECIALISED(SUF(recompute_steps), k, k1, h, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, y, y_lanes, hs, decay);
                         k = k1;
                         if (t0 + k == cu[s + 1]) s = next_nonempty(cu, s + 1, S);
                     }

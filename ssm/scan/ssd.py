@@ -9,14 +9,16 @@ import torch
 from ._backends import BackendTable
 from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
 from .chunked import ssd_chunked
+from .cpu import ssd_cpu
 from .reference import ssd_ref
 
 # Backends take the public arguments less return_last_state and seq_idx, in the same order, with
 # cu_seqlens last (None, or validated int64 (S + 1,) on the inputs' device), and return
 # (out, last_state), last_state (S, H, P, N) when packed. seq_idx is turned into cu_seqlens here.
-BACKENDS = BackendTable("ssd", auto={"*": ("chunked",)})
+BACKENDS = BackendTable("ssd", auto={"cpu": ("cpu", "chunked"), "*": ("chunked",)})
 BACKENDS.add("ref", ssd_ref)
 BACKENDS.add("chunked", ssd_chunked)
+BACKENDS.add("cpu", ssd_cpu, devices=("cpu",))
 
 
 def ssd(
