@@ -391,7 +391,9 @@ def comma_list(text: str) -> list[str]:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--op", choices=[*OPS, "generate", "packed", "layer", "train-step"], default="selective")
+    parser.add_argument(
+        "--op", choices=[*OPS, "generate", "decode", "packed", "layer", "train-step"], default="selective"
+    )
     parser.add_argument("--batch", type=int, default=None, help="default 1 (8 for train-step)")
     parser.add_argument("--dim", type=int, default=1536)
     parser.add_argument("--state", type=int, default=16, help="N, the state size per channel")
@@ -419,7 +421,7 @@ def parse_args(argv):
     parser.add_argument("--json", metavar="PATH", help="also write the results there")
     generation = parser.add_argument_group("--op generate and --op packed")
     generation.add_argument("--d-model", type=int, default=None, help="default 256 (generate), 128 (packed)")
-    generation.add_argument("--layers", type=int, default=4)
+    generation.add_argument("--layers", type=int, default=None, help="default 4 (24 for decode)")
     generation.add_argument(
         "--positions", type=comma_list, default=["10", "2000"], help="positions at which one step is timed"
     )
@@ -445,11 +447,16 @@ def parse_args(argv):
         help="also time ssm's step in a child process under MALLOC_MMAP_THRESHOLD_=BYTES",
     )
     train.add_argument("--only-ssm", action="store_true", help=argparse.SUPPRESS)  # the child's mode
+    decode = parser.add_argument_group("--op decode (also --d-model, --layers, --new-tokens, --prompt-length)")
+    decode.add_argument("--vocab", type=int, default=50280, help="vocabulary size (mamba-130m's by default)")
+    decode.add_argument("--decode-batches", type=comma_list, default=["1", "8"], help="batch sizes to decode")
     layer = parser.add_argument_group("--op layer (also --batch, --length, --state, --d-model, --dtype)")
     layer.add_argument("--headdim", type=int, default=32, help="P of Mamba2 and Mamba3")
     layer.add_argument("--mimo-rank", type=int, default=4, help="R of the Mamba3 MIMO row")
     args = parser.parse_args(argv)
     train_step = args.op == "train-step"
+    if args.layers is None:
+        args.layers = 24 if args.op == "decode" else 4
     if args.batch is None:
         args.batch = 8 if train_step else 1
     if args.length is None:
@@ -461,6 +468,17 @@ def parse_args(argv):
         unknown = set(args.peers) - {"transformers", "mambapy"}
         if unknown:
             parser.error(f"unknown peers {sorted(unknown)}: choose from transformers, mambapy")
+        return args
+    if args.op == "decode":
+        args.d_model = args.d_model or 768
+        try:
+            args.decode_batches = [int(b) for b in args.decode_batches]
+        except ValueError:
+            parser.error(f"--decode-batches must be comma-separated ints, got {','.join(args.decode_batches)}")
+        if min(args.d_model, args.layers, args.vocab, args.new_tokens, args.prompt_length, *args.decode_batches) < 1:
+            parser.error(
+                "--d-model, --layers, --vocab, --new-tokens, --prompt-length and --decode-batches must be positive"
+            )
         return args
     if args.op == "layer":
         args.d_model = args.d_model or 128
@@ -585,6 +603,58 @@ def benchmark_generation(args) -> int:
                 indent=2,
             )
     return 0 if same else 1
+
+
+def benchmark_decoding(args) -> int:
+    """Greedy decoding throughput of a language model at a real size (mamba-130m's by default:
+    d_model 768, 24 layers, vocabulary 50280, float32), ssm against transformers'
+    MambaForCausalLM holding the same weights, at each of ``--decode-batches``."""
+    device = torch.device(args.device)
+    hf_model = None if args.no_peer else transformers_mamba(args, device, vocab_size=args.vocab)
+    if hf_model is not None:
+        hf_model.eval()
+        hf_model.generation_config.eos_token_id = None  # every row decodes --new-tokens tokens
+        hf_model.generation_config.pad_token_id = 0
+    model = ssm_lm(args, hf_model, device, vocab_size=args.vocab).eval()
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"greedy decoding, MambaLM d_model={args.d_model} n_layer={args.layers} vocab={args.vocab} "
+        f"({params / 1e6:.1f} M parameters, {4 * params / 1e6:.0f} MB in float32), {describe_device(device)}; "
+        f"{args.new_tokens} new tokens after a {args.prompt_length}-token prompt"
+    )
+    print(f"{'batch':>5s} {'ssm tok/s':>10s} {'transformers tok/s':>19s} {'ratio':>6s}  same tokens")
+    g = torch.Generator().manual_seed(args.seed)
+    results, ok = [], True
+    for batch in args.decode_batches:
+        prompt = torch.randint(0, args.vocab, (batch, args.prompt_length), generator=g).to(device)
+        runs = {"ssm": lambda: model.generate(prompt, args.new_tokens, temperature=0)}
+        if hf_model is not None:
+            runs["transformers"] = lambda: hf_model.generate(
+                prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False
+            )
+        seconds, tokens = {}, {}
+        with torch.no_grad():
+            for name, run in runs.items():
+                run()  # warm-up (first-call allocations, lazy kernel builds)
+                synchronize(device)
+                start = time.perf_counter()
+                tokens[name] = run()
+                synchronize(device)
+                seconds[name] = time.perf_counter() - start
+        rate = {name: batch * args.new_tokens / s for name, s in seconds.items()}
+        same = torch.equal(*tokens.values()) if len(tokens) == 2 else None
+        ok = ok and same is not False
+        peer = rate.get("transformers")
+        print(
+            f"{batch:5d} {rate['ssm']:10.1f} {peer or float('nan'):19.1f} "
+            f"{rate['ssm'] / peer if peer else float('nan'):5.2f}x  {'-' if same is None else same}"
+        )
+        results.append({"batch": batch, "tokens_per_s": rate, "same_tokens": same})
+    if args.json:
+        with open(args.json, "w") as f:
+            config = {k: v for k, v in vars(args).items() if k != "json"}
+            json.dump({"config": config, "parameters": params, "results": results}, f, indent=2)
+    return 0 if ok else 1
 
 
 def text_documents(count: int, max_len: int, seed: int) -> list[bytes]:
@@ -775,7 +845,7 @@ def benchmark_packed(args) -> int:
     return 0 if ok else 1
 
 
-def transformers_mamba(args, device):
+def transformers_mamba(args, device, vocab_size: int = 256):
     """transformers' MambaForCausalLM with fresh weights at the benchmark's sizes, or None."""
     try:
         from transformers import MambaConfig as HFMambaConfig
@@ -783,7 +853,7 @@ def transformers_mamba(args, device):
     except ImportError:
         return None
     config = HFMambaConfig(
-        vocab_size=256,
+        vocab_size=vocab_size,
         hidden_size=args.d_model,
         state_size=16,
         num_hidden_layers=args.layers,
@@ -833,7 +903,7 @@ def mambapy_lm(args, hf_state: dict, device):
     return model.to(device).train()
 
 
-def ssm_lm(args, hf_model, device):
+def ssm_lm(args, hf_model, device, vocab_size: int = 256):
     """ssm's MambaLM with transformers' weights, read the way users load them (from_pretrained)."""
     import tempfile
 
@@ -843,7 +913,7 @@ def ssm_lm(args, hf_model, device):
         from ssm import MambaConfig
 
         torch.manual_seed(args.seed)
-        config = MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=256, ssm_cfg={"d_state": 16})
+        config = MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=vocab_size, ssm_cfg={"d_state": 16})
         return MambaLM(config).to(device).train()
     with tempfile.TemporaryDirectory() as directory:
         hf_model.save_pretrained(directory)
@@ -1094,6 +1164,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.op == "generate":
         return benchmark_generation(args)
+    if args.op == "decode":
+        return benchmark_decoding(args)
     if args.op == "packed":
         return benchmark_packed(args)
     if args.op == "train-step":
