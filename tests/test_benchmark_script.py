@@ -161,3 +161,18 @@ def test_layer_mode_times_every_mixer(tmp_path):
     assert all(v > 0 for v in report["ms"].values())
     # in_proj 8 → 2·16 + 2·4 + 3·4 + 1 (SISO), out_proj, dt_bias, B/C biases (4, 1, 4), B/C norms, D
     assert report["parameters"]["Mamba3"] == 8 * 53 + 16 * 8 + 4 + 2 * 16 + 2 * 4 + 4
+
+
+def test_decode_mode_reports_tokens_per_second_per_batch(tmp_path):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "d.json"
+    args = ["--op", "decode", "--d-model", "16", "--layers", "2", "--vocab", "50", "--new-tokens", "4"]
+    args += ["--prompt-length", "3", "--decode-batches", "1,3", "--device", "cpu", "--json", str(path)]
+    assert main(args) == 0
+    report = json.loads(path.read_text())
+    assert report["config"]["layers"] == 2 and report["parameters"] > 0
+    assert [r["batch"] for r in report["results"]] == [1, 3]
+    for r in report["results"]:
+        assert r["tokens_per_s"]["ssm"] > 0
+        # with transformers installed, its tokens must equal ours; without it there is no peer
+        assert r["same_tokens"] is (True if "transformers" in r["tokens_per_s"] else None)
