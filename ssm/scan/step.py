@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from . import _common_trapezoidal as trapezoidal
 from ._checks import check_shape, check_tensor, compute_dtype
-from ._common import selective_delta, selective_skip_and_gate, ssd_delta, ssd_skip_and_gate
+from ._common import ssd_delta, ssd_skip_and_gate
 
 
 def selective_scan_step(
@@ -45,12 +46,22 @@ def selective_scan_step(
     check_shape("A", A, (dim, N), "(dim, N)")
     dtype = compute_dtype(state, u, delta, A, B, C, D, z, delta_bias)
     B, C = (_per_channel_step(n, M, batch, dim, N, dtype) for n, M in (("B", B), ("C", C)))
-    # The reference's own formulas, on a length-1 time axis: (batch, dim) -> (batch, dim, 1).
-    delta = selective_delta(delta.to(dtype)[..., None], delta_bias, delta_softplus)[..., 0]
+    # The reference's formulas for one time index, in as few tensor operations as they allow:
+    # decoding runs this once per layer and token, where each operation's fixed cost counts.
+    delta = delta.to(dtype)
+    if delta_bias is not None:
+        delta = delta + delta_bias.to(dtype)
+    if delta_softplus:
+        delta = F.softplus(delta)
     u32 = u.to(dtype)
-    h = torch.exp(delta[..., None] * A.to(dtype)) * state.to(dtype) + (delta * u32)[..., None] * B
-    y = (h * C).sum(-1)  # (batch, dim)
-    y = selective_skip_and_gate(y[..., None], u32[..., None], D, None if z is None else z[..., None])[..., 0]
+    h = torch.exp(delta[..., None] * A.to(dtype)) * state.to(dtype)
+    h = h.addcmul_((delta * u32)[..., None], B)  # + Δ·u·B
+    # y = C·h: a batched product when C is one row per batch row, else a product and a sum
+    y = torch.matmul(h, C.mT)[..., 0] if C.shape[1] == 1 else (h * C).sum(-1)  # (batch, dim)
+    if D is not None:
+        y = torch.addcmul(y, u32, D.to(dtype))
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
     return y.to(u.dtype), h
 
 
