@@ -392,7 +392,7 @@ def comma_list(text: str) -> list[str]:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--op", choices=[*OPS, "generate", "decode", "packed", "layer", "train-step"], default="selective"
+        "--op", choices=[*OPS, "generate", "decode", "packed", "layer", "train-step", "cold-start"], default="selective"
     )
     parser.add_argument("--batch", type=int, default=None, help="default 1 (8 for train-step)")
     parser.add_argument("--dim", type=int, default=1536)
@@ -468,6 +468,8 @@ def parse_args(argv):
         unknown = set(args.peers) - {"transformers", "mambapy"}
         if unknown:
             parser.error(f"unknown peers {sorted(unknown)}: choose from transformers, mambapy")
+        return args
+    if args.op == "cold-start":
         return args
     if args.op == "decode":
         args.d_model = args.d_model or 768
@@ -655,6 +657,43 @@ def benchmark_decoding(args) -> int:
             config = {k: v for k, v in vars(args).items() if k != "json"}
             json.dump({"config": config, "parameters": params, "results": results}, f, indent=2)
     return 0 if ok else 1
+
+
+def benchmark_cold_start(args) -> int:
+    """Seconds from starting ``python scripts/train.py`` (the default config, two steps) to its
+    first training step's log line, with an empty kernel cache (SSM_CACHE_DIR in a new
+    temporary directory, so the cpu backend's C kernels are built in that time) and again with
+    the cache that run filled; and the whole process's time."""
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print(f"cold start of scripts/train.py (default config, 2 steps), {describe_device(torch.device('cpu'))}")
+    print(f"{'kernel cache':>12s} {'to first step s':>16s} {'whole run s':>12s}")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cache in ("empty", "filled"):
+            command = [sys.executable, os.path.join(root, "scripts", "train.py"), "trainer.max_steps=2"]
+            command += ["log_every=1", "progress_bar=false", f"run_dir={tmp}/run-{cache}"]
+            env = {**os.environ, "SSM_CACHE_DIR": os.path.join(tmp, "kernels")}
+            start = time.perf_counter()
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            first, lines = None, []
+            for line in process.stdout:
+                lines.append(line)
+                if first is None and line.startswith("step 1/"):
+                    first = time.perf_counter() - start
+            whole = time.perf_counter() - start
+            if process.wait() != 0 or first is None:
+                print("".join(lines[-20:]))
+                print(f"error: scripts/train.py failed (exit {process.returncode}) or logged no first step")
+                return 1
+            results[cache] = {"first_step_s": first, "whole_s": whole}
+            print(f"{cache:>12s} {first:16.1f} {whole:12.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "results": results}, f, indent=2)
+    return 0
 
 
 def text_documents(count: int, max_len: int, seed: int) -> list[bytes]:
@@ -1166,6 +1205,8 @@ def main(argv: list[str] | None = None) -> int:
         return benchmark_generation(args)
     if args.op == "decode":
         return benchmark_decoding(args)
+    if args.op == "cold-start":
+        return benchmark_cold_start(args)
     if args.op == "packed":
         return benchmark_packed(args)
     if args.op == "train-step":

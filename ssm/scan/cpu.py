@@ -272,6 +272,18 @@ def kernels() -> ctypes.CDLL | None:
     return built
 
 
+def build_in_background() -> threading.Thread | None:
+    """Start building (or loading) the kernels in a thread and return it, so that a program
+    can do its other start-up work (imports, data) meanwhile: the first scan then waits only
+    for what is left of the build. None, doing nothing, where CUDA is available (the cpu
+    backend is then rarely used) or the kernels are switched off."""
+    if torch.cuda.is_available() or os.environ.get("SSM_CPU_KERNEL", "1").lower() in ("0", "off", "false", "no"):
+        return None
+    thread = threading.Thread(target=kernels, name="ssm-cpu-kernels", daemon=True)
+    thread.start()
+    return thread
+
+
 def _build() -> ctypes.CDLL | str:
     compiler = _compiler()
     if compiler is None:

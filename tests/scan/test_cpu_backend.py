@@ -340,6 +340,28 @@ def test_build_is_cached_on_disk_and_reused(tmp_path):
     assert sorted(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
 
 
+@needs_kernels
+def test_a_background_build_leaves_the_library_for_the_first_scan(tmp_path):
+    """build_in_background in a fresh process with an empty cache: the thread builds the
+    library, and the scan after it loads that library (no second build, no temporaries)."""
+    code = (
+        "import torch; from ssm.scan import cpu, selective_scan; "
+        "thread = cpu.build_in_background(); assert thread is not None; thread.join(); "
+        "import os; assert len(os.listdir(os.environ['SSM_CACHE_DIR'])) == 1; "
+        "key = cpu._build_key(); assert cpu._built[key] is not None and not isinstance(cpu._built[key], str); "
+        "u = torch.randn(1, 4, 9); selective_scan(u, u, -torch.ones(4, 2), torch.randn(4, 2), torch.randn(4, 2)); "
+        "assert len(os.listdir(os.environ['SSM_CACHE_DIR'])) == 1"
+    )
+    env = {**os.environ, "SSM_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "error::RuntimeWarning"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+
+
+def test_no_background_build_when_the_kernels_are_switched_off(monkeypatch):
+    monkeypatch.setenv("SSM_CPU_KERNEL", "0")
+    assert cpu.build_in_background() is None
+
+
 # ----------------------------------------------------------------------------- torch.compile
 
 
