@@ -3,6 +3,7 @@
     python scripts/compare_mixers.py                         # both tasks, all three mixers, seed 0
     python scripts/compare_mixers.py --seeds 0,1 --jobs 2    # two seeds, two runs at a time
     python scripts/compare_mixers.py --tasks induction_heads --mixers Mamba2,Mamba3 --steps 500
+    python scripts/compare_mixers.py --tasks induction_heads data.seq_len=64    # any config override
 
 Each run is ``scripts/train.py`` in its own process on one thread (OMP_NUM_THREADS=1), so runs
 side by side do not slow each other's arithmetic and every run sees the same conditions: the
@@ -46,6 +47,9 @@ def parse_args(argv):
     parser.add_argument("--mixers", type=comma_list, default=list(MIXERS), help=f"from {', '.join(MIXERS)}")
     parser.add_argument("--seeds", type=comma_list, default=["0"], help="comma-separated integers")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the task's config)")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides for every run (not model.ssm_cfg)"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "compare_mixers")
     parser.add_argument("--json", metavar="PATH", help="also write the results there")
@@ -58,6 +62,9 @@ def parse_args(argv):
         args.seeds = [int(seed) for seed in args.seeds]
     except ValueError:
         parser.error(f"--seeds: expected comma-separated integers, got {','.join(args.seeds)}")
+    bad = [o for o in args.overrides if "=" not in o or o.startswith(("model.ssm_cfg", "seed=", "run_dir="))]
+    if bad:
+        parser.error(f"overrides: expected key=value other than model.ssm_cfg, seed and run_dir, got {' '.join(bad)}")
     if args.jobs < 1:
         parser.error(f"--jobs: expected at least 1, got {args.jobs}")
     if args.steps is not None and args.steps < 1:
@@ -65,19 +72,25 @@ def parse_args(argv):
     return args
 
 
-def overrides(task: str, mixer: str, seed: int, steps: int | None, run_dir: Path) -> list[str]:
-    items = [f"model.ssm_cfg={json.dumps(MIXERS[mixer])}", f"seed={seed}", f"run_dir={run_dir}", "progress_bar=false"]
+def overrides(task: str, mixer: str, seed: int, steps: int | None, run_dir: Path, extra=()) -> list[str]:
+    items = [
+        *extra,
+        f"model.ssm_cfg={json.dumps(MIXERS[mixer])}",
+        f"seed={seed}",
+        f"run_dir={run_dir}",
+        "progress_bar=false",
+    ]
     if steps is not None:
         items.append(f"trainer.max_steps={steps}")
     return items
 
 
-def parameter_count(task: str, mixer: str) -> int:
+def parameter_count(task: str, mixer: str, extra=()) -> int:
     from ssm.training import load_config
     from ssm.training.data import TaskDataModule
     from ssm.training.run import build_model
 
-    config = load_config(ROOT / TASKS[task], overrides(task, mixer, 0, None, Path("unused")))
+    config = load_config(ROOT / TASKS[task], overrides(task, mixer, 0, None, Path("unused"), extra))
     model = build_model(config, TaskDataModule(config.data, seed=0).vocab_size)
     return sum(p.numel() for p in model.parameters())
 
@@ -116,7 +129,7 @@ def run_all(args) -> list[dict]:
             args.out.mkdir(parents=True, exist_ok=True)
             log = open(args.out / f"{run_dir.name}.log", "w")
             command = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / TASKS[task])]
-            command += overrides(task, mixer, seed, args.steps, run_dir)
+            command += overrides(task, mixer, seed, args.steps, run_dir, args.overrides)
             print(f"{run_dir.name}: training (log in {log.name})", flush=True)
             running.append((job, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
         time.sleep(1)
@@ -134,7 +147,7 @@ def run_all(args) -> list[dict]:
     counts = {}
     for task, mixer, seed, run_dir in jobs:
         if (task, mixer) not in counts:
-            counts[task, mixer] = parameter_count(task, mixer)
+            counts[task, mixer] = parameter_count(task, mixer, args.overrides)
         final = json.loads((run_dir / "metrics.json").read_text())
         results.append(
             {

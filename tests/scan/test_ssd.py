@@ -3,6 +3,7 @@ and the one-step form against the scan."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -176,3 +177,21 @@ def test_gradients_from_the_last_state_alone(backend):
         grads[b] = torch.autograd.grad((last * last).sum(), list(x.values()), allow_unused=True, materialize_grads=True)
     for name, got, want in zip(x, grads[backend], grads["ref"]):
         assert_close(got, want, torch.float32, f"{backend} d{name}")
+
+
+@pytest.mark.parametrize(("head_dim", "N", "expected"), [(4, 8, "cpu"), (32, 64, "cpu"), (64, 64, "chunked")])
+def test_auto_on_the_cpu_takes_the_sweeps_for_small_head_states(monkeypatch, head_dim, N, expected):
+    from ssm.scan.ssd import BACKENDS
+
+    called = []
+    for name in ("cpu", "chunked"):
+        backend = BACKENDS._backends[name]
+        monkeypatch.setitem(
+            BACKENDS._backends,
+            name,
+            dataclasses.replace(backend, fn=lambda *a, _n=name, _f=backend.fn: called.append(_n) or _f(*a)),
+        )
+    x = torch.randn(1, 5, 2, head_dim)
+    B = torch.randn(1, 5, 1, N)
+    ssd(x, torch.rand(1, 5, 2), -torch.rand(2), B, B.clone())
+    assert called == [expected]
