@@ -392,7 +392,9 @@ def comma_list(text: str) -> list[str]:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--op", choices=[*OPS, "generate", "decode", "packed", "layer", "train-step", "cold-start"], default="selective"
+        "--op",
+        choices=[*OPS, "ssd", "generate", "decode", "packed", "layer", "train-step", "cold-start"],
+        default="selective",
     )
     parser.add_argument("--batch", type=int, default=None, help="default 1 (8 for train-step)")
     parser.add_argument("--dim", type=int, default=1536)
@@ -470,6 +472,15 @@ def parse_args(argv):
             parser.error(f"unknown peers {sorted(unknown)}: choose from transformers, mambapy")
         return args
     if args.op == "cold-start":
+        return args
+    if args.op == "ssd":
+        if (
+            min(args.batch, args.dim, args.state, args.length, args.headdim, args.repeats) < 1
+            or args.dim % args.headdim
+        ):
+            parser.error(
+                "--batch, --dim, --state, --length, --headdim, --repeats must be positive, --headdim divide --dim"
+            )
         return args
     if args.op == "decode":
         args.d_model = args.d_model or 768
@@ -657,6 +668,57 @@ def benchmark_decoding(args) -> int:
             config = {k: v for k, v in vars(args).items() if k != "json"}
             json.dump({"config": config, "parameters": params, "results": results}, f, indent=2)
     return 0 if ok else 1
+
+
+def benchmark_ssd(args) -> int:
+    """ssd's fast backends on one shape, fwd+bwd: x (batch, L, dim / headdim heads, headdim),
+    one group of B, C (N = --state), D, z, dt_bias and softplus; outputs and gradients checked
+    against each other."""
+    from ssm.scan import ssd
+
+    device = torch.device(args.device)
+    heads = args.dim // args.headdim
+    g = torch.Generator().manual_seed(args.seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(device).requires_grad_()
+
+    b, L = args.batch, args.length
+    inputs = (
+        rand(b, L, heads, args.headdim),
+        rand(b, L, heads, scale=0.5),
+        (-torch.rand(heads, generator=g) - 0.5).to(device).requires_grad_(),
+        rand(b, L, 1, args.state),
+        rand(b, L, 1, args.state),
+        rand(heads),
+        rand(b, L, heads, args.headdim),
+        rand(heads),
+    )
+    names = [n for n in backends("ssd", device) if n != "ref"]
+    ms, grads = {}, {}
+    for name in names:
+
+        def step(name=name):
+            x, dt, A, B, C, D, z, bias = inputs
+            out = ssd(x, dt, A, B, C, D, z, dt_bias=bias, dt_softplus=True, chunk_size=256, backend=name)
+            return torch.autograd.grad(out.sum(), inputs)
+
+        grads[name] = step()
+        ms[name] = median_ms(step, device, args.warmup, args.repeats)
+    print(f"ssd fwd+bwd: batch {b}, L {L}, H {heads}, P {args.headdim}, N {args.state}; {describe_device(device)}")
+    for name in names:
+        diff = max(relative_difference(a, r) for a, r in zip(grads[name], grads[names[0]]))
+        print(
+            f"  {name:10s} {ms[name]:9.1f} ms   {ms[name] / ms[names[0]]:5.2f}x {names[0]}   "
+            f"grads vs {names[0]}: {diff:.1e}"
+        )
+        if diff > TOLERANCE[torch.float32]:
+            print(f"error: {name}'s gradients differ from {names[0]}'s beyond {TOLERANCE[torch.float32]:.0e}")
+            return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "ms": ms}, f, indent=2)
+    return 0
 
 
 def benchmark_cold_start(args) -> int:
@@ -1207,6 +1269,8 @@ def main(argv: list[str] | None = None) -> int:
         return benchmark_decoding(args)
     if args.op == "cold-start":
         return benchmark_cold_start(args)
+    if args.op == "ssd":
+        return benchmark_ssd(args)
     if args.op == "packed":
         return benchmark_packed(args)
     if args.op == "train-step":

@@ -179,3 +179,12 @@ def test_decode_mode_reports_tokens_per_second_per_batch(tmp_path):
         assert r["tokens_per_s"]["ssm"] > 0
         # with transformers installed, its tokens must equal ours; without it there is no peer
         assert r["same_tokens"] is (True if "transformers" in r["tokens_per_s"] else None)
+
+
+def test_ssd_mode_times_each_fast_backend(tmp_path):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "s.json"
+    args = ["--op", "ssd", "--dim", "8", "--headdim", "4", "--state", "4", "--length", "21", "--repeats", "1"]
+    assert main([*args, "--warmup", "0", "--device", "cpu", "--json", str(path)]) == 0
+    ms = json.loads(path.read_text())["ms"]
+    assert set(ms) == {"chunked", "cpu"} and all(v > 0 for v in ms.values())
