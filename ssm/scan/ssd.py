@@ -21,8 +21,9 @@ BACKENDS.add("chunked", ssd_chunked)
 BACKENDS.add("cpu", ssd_cpu, devices=("cpu",))
 # "auto" on the CPU: the sweeps of "cpu" walk every state element at every step, while "chunked"
 # shares each B·C product among a head's P channels in matrix products. Measured fwd+bwd at
-# L 1024 (BENCHMARKS.md, "SSD on the CPU"): cpu 2.2x faster at P·N = 512 and 2048, even at 4096,
-# chunked 1.7x faster at 8192 (mamba2-130m's P 64, N 128). So auto takes "cpu" below 4096.
+# L 1024 (BENCHMARKS.md, "SSD on the CPU"): cpu 2.1-3.7x faster at P·N = 512 and 2048, 1.25-1.4x
+# at 4096; at 8192 (mamba2-130m's P 64, N 128) the two are close and the whole Mamba2 layer was
+# faster with chunked. So auto takes "cpu" up to 4096.
 CPU_SWEEP_MAX_HEAD_STATE = 4096
 
 
@@ -82,7 +83,7 @@ def ssd(
     ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("ssd")``: "ref" (a loop over
     time), "chunked" (the SSD chunked algorithm, see chunked.py) or "cpu" (the C sweeps of
     ``selective_scan``'s cpu backend, CPU tensors). "auto" takes "cpu" for CPU tensors when a
-    head's state is small (P·N < 4096), else "chunked".
+    head's state is small (P·N <= 4096), else "chunked".
     """
     check_tensor("x", x, ndim=4)
     batch, length, heads, head_dim = x.shape
@@ -128,7 +129,7 @@ def ssd(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     check_same_device("x", x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_state=initial_state)
-    if backend == "auto" and x.device.type == "cpu" and head_dim * N >= CPU_SWEEP_MAX_HEAD_STATE:
+    if backend == "auto" and x.device.type == "cpu" and head_dim * N > CPU_SWEEP_MAX_HEAD_STATE:
         backend = "chunked"
     impl = BACKENDS.resolve(backend, x.device)
 

@@ -179,7 +179,7 @@ def test_gradients_from_the_last_state_alone(backend):
         assert_close(got, want, torch.float32, f"{backend} d{name}")
 
 
-@pytest.mark.parametrize(("head_dim", "N", "expected"), [(4, 8, "cpu"), (32, 64, "cpu"), (64, 64, "chunked")])
+@pytest.mark.parametrize(("head_dim", "N", "expected"), [(4, 8, "cpu"), (64, 64, "cpu"), (64, 65, "chunked")])
 def test_auto_on_the_cpu_takes_the_sweeps_for_small_head_states(monkeypatch, head_dim, N, expected):
     from ssm.scan.ssd import BACKENDS
 
