@@ -138,6 +138,16 @@ typedef struct {
 
 #define LINEAR_BLOCK 256 /* columns per work unit of the linear scan */
 
+/* Arguments of the one-step selective kernel (recurrent decoding): u, delta, z (batch, dim) and
+   B, C (batch, N) with row strides su, sdelta, sz, sB, sC (elements; the last dim contiguous);
+   A (dim, N), state and new_state (batch, dim, N) contiguous; D, delta_bias (dim,) or NULL. */
+typedef struct {
+    i64 batch, dim, N, softplus, nthreads;
+    const void *state, *u, *delta, *A, *B, *C, *D, *z, *delta_bias;
+    i64 su, sdelta, sz, sB, sC;
+    void *out, *new_state;                 /* out (batch, dim) contiguous */
+} StepArgs;
+
 #define REAL float
 #define SUF(name) name##_f32
 #define EXP exp_f32
@@ -154,7 +164,7 @@ typedef struct {
 #define LOG1P log1p_f64
 #include __FILE__
 
-int ssm_kernels_abi(void) { return 1; }
+int ssm_kernels_abi(void) { return 2; }
 
 #else /* ------------------------------------------------------------- kernels, for one REAL */
 
@@ -665,6 +675,39 @@ void SUF(linear_bwd)(const LinearArgs *p) {
                 if (dh0) for (i64 f = 0; f < w; f++) dh0[(row + s) * F + f0 + f] = carry[f];
             }
         }
+    }
+}
+
+/* One step of every channel: h = exp(Δ·A)·h + Δ·u·B, y = (C·h + D·u)·silu(z), with Δ =
+   softplus(delta + bias) as asked; what selective_fwd does for one time index, without its
+   per-call set-up (decoding calls it once per layer and token). */
+void SUF(selective_step)(const StepArgs *a) {
+    const i64 Bn = a->batch, Dn = a->dim, N = a->N;
+    const REAL *A = (const REAL *)a->A, *H = (const REAL *)a->state;
+    REAL *Hn = (REAL *)a->new_state, *out = (REAL *)a->out;
+#pragma omp parallel for num_threads((int)a->nthreads) schedule(static) if (Bn * Dn * N >= 65536)
+    for (i64 i = 0; i < Bn * Dn; i++) {
+        const i64 b = i / Dn, d = i % Dn;
+        const REAL u = ((const REAL *)a->u)[b * a->su + d];
+        REAL dt = ((const REAL *)a->delta)[b * a->sdelta + d] + (a->delta_bias ? ((const REAL *)a->delta_bias)[d] : 0);
+        if (a->softplus) dt = SUF(softplus)(dt);
+        const REAL dtu = dt * u;
+        const REAL *Bt = (const REAL *)a->B + b * a->sB, *Ct = (const REAL *)a->C + b * a->sC;
+        const REAL *h = H + i * N, *Ad = A + d * N;
+        REAL *hn = Hn + i * N;
+        REAL y = 0;
+#pragma omp simd reduction(+ : y)
+        for (i64 n = 0; n < N; n++) {
+            const REAL v = EXP(dt * Ad[n]) * h[n] + dtu * Bt[n];
+            hn[n] = v;
+            y += Ct[n] * v;
+        }
+        if (a->D) y += ((const REAL *)a->D)[d] * u;
+        if (a->z) {
+            const REAL zt = ((const REAL *)a->z)[b * a->sz + d];
+            y *= zt * SUF(sigmoid)(zt);
+        }
+        out[i] = y;
     }
 }
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from . import _common_trapezoidal as trapezoidal
 from ._checks import check_shape, check_tensor, compute_dtype
 from ._common import ssd_delta, ssd_skip_and_gate
+from .cpu import selective_step_cpu
 
 
 def selective_scan_step(
@@ -44,6 +45,17 @@ def selective_scan_step(
             check_shape(name, x, (batch, dim), "(batch, dim)")
     check_tensor("A", A, ndim=2)
     check_shape("A", A, (dim, N), "(dim, N)")
+    for name, M in (("B", B), ("C", C)):
+        check_tensor(name, M, ndim=(2, 3))
+        if M.ndim == 2:
+            check_shape(name, M, (batch, N), "(batch, N)")
+    for name, v in (("D", D), ("delta_bias", delta_bias)):
+        if v is not None:
+            check_tensor(name, v, ndim=1)
+            check_shape(name, v, (dim,), "(dim,)")
+    fused = selective_step_cpu(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    if fused is not None:  # CPU, no gradient: the same formulas in one C call (ssm/scan/cpu_kernels.c)
+        return fused
     dtype = compute_dtype(state, u, delta, A, B, C, D, z, delta_bias)
     B, C = (_per_channel_step(n, M, batch, dim, N, dtype) for n, M in (("B", B), ("C", C)))
     # The reference's formulas for one time index, in as few tensor operations as they allow:

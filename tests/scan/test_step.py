@@ -101,3 +101,30 @@ def test_ssd_dt_limit_binds_in_these_cases():
     free = ssd(**x, dt_softplus=True, backend="ref")
     limited = ssd(**x, dt_softplus=True, dt_limit=(0.05, 0.3), backend="ref")
     assert (free - limited).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selective_step_in_c_equals_the_tensor_formulas(dtype):
+    """On the CPU without gradients the step is one C call; with a gradient to keep it is the
+    tensor formulas. Same values, from strided rows (B, C, dt split out of one projection, z
+    half of another) as a Mamba layer passes them."""
+    from ssm.scan import cpu
+
+    if cpu.kernels() is None:
+        pytest.fail("the cpu kernels did not build: the C step is untested")
+    g = torch.Generator().manual_seed(3)
+    batch, dim, N = 3, 40, 16
+    state = torch.randn(batch, dim, N, generator=g, dtype=dtype)
+    xz = torch.randn(batch, 2 * dim, generator=g, dtype=dtype)
+    u, z = xz.chunk(2, dim=-1)
+    proj = torch.randn(batch, dim + 2 * N, generator=g, dtype=dtype)
+    delta, B, C = proj.split([dim, N, N], dim=-1)
+    A = -torch.rand(dim, N, generator=g, dtype=dtype) * 4
+    D, bias = torch.randn(dim, generator=g, dtype=dtype), torch.randn(dim, generator=g, dtype=dtype)
+    with torch.no_grad():
+        y, h = selective_scan_step(state, u, delta, A, B, C, D, z, bias, delta_softplus=True)
+    assert cpu.selective_step_cpu(state, u, delta, A, B, C, D, z, bias, True) is not None
+    y_ref, h_ref = selective_scan_step(state.requires_grad_(), u, delta, A, B, C, D, z, bias, delta_softplus=True)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(y, y_ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(h, h_ref.detach(), rtol=tol, atol=tol)
