@@ -32,6 +32,9 @@ class Block(nn.Module):
     Returns (hidden, residual) — the addition of the last hidden is left to the next block (or
     to the final norm), as in mamba-ssm. The residual stream is kept in float32 when
     ``residual_in_fp32``. Submodules: norm, mixer, and optionally norm2, mlp.
+
+    A step without an MLP asks the mixer for ``fused_block_step`` (Mamba-1 on the CPU: the
+    whole block in one C call) and takes the tensor path where it has none or declines.
     """
 
     def __init__(
@@ -64,6 +67,9 @@ class Block(nn.Module):
     ):
         """``cu_seqlens``: packed sequences (batch 1), passed to the mixer (the norms and the MLP
         act on each position alone)."""
+        fused = getattr(self.mixer, "fused_block_step", None) if step and self.mlp is None else None
+        if fused is not None and (out := fused(hidden, residual, self.norm, cache)) is not None:
+            return out
         residual = self._add(hidden, residual)
         normed = self.norm(residual.to(self.norm.weight.dtype))
         if step:

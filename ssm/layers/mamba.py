@@ -10,9 +10,10 @@ from einops import rearrange
 from torch import nn
 
 from ..scan import selective_scan, selective_scan_step
+from ..scan.cpu import mamba_block_step_cpu
 from .cache import LayerCache, check_packing, check_sequence, check_token
 from .conv import causal_conv1d, causal_conv1d_step
-from .norm import upcast
+from .norm import RMSNorm, upcast
 
 
 def no_weight_decay(p: nn.Parameter) -> nn.Parameter:
@@ -156,3 +157,48 @@ class Mamba(nn.Module):
         )
         out = self.out_proj(y)
         return out if hidden_states.ndim == 2 else out[:, None]
+
+    def fused_block_step(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, cache: LayerCache
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step of a block around this mixer — residual ← hidden + residual, then
+        ``step(norm(residual))`` — in one C call (``ssm.scan.cpu.mamba_block_step_cpu``), which
+        updates ``cache`` in place. Returns (this mixer's output, residual), or None where that
+        kernel does not apply (not an RMSNorm, not float32/float64 on the CPU, a gradient to
+        keep, ...): the block then takes the tensor path, which gives the same numbers."""
+        if not isinstance(norm, RMSNorm) or hidden.ndim != 2:
+            return None
+        check_token("hidden", hidden, self.d_model)
+        cache.check_batch(hidden.shape[0])
+        if residual is not None and residual.shape != hidden.shape:
+            shapes = f"{tuple(hidden.shape)}, got {tuple(residual.shape)}"
+            raise ValueError(f"residual must have the shape of hidden {shapes}")
+        return mamba_block_step_cpu(
+            hidden,
+            residual,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+            in_w=self.in_proj.weight,
+            in_b=self.in_proj.bias,
+            conv_w=self.conv1d.weight,
+            conv_b=self.conv1d.bias,
+            conv_state=cache.conv_state,
+            x_w=self.x_proj.weight,
+            dt_w=self.dt_proj.weight,
+            dt_b=self.dt_proj.bias,
+            A=self._decay(),
+            D=self.D,
+            ssm_state=cache.ssm_state,
+            out_w=self.out_proj.weight,
+            out_b=self.out_proj.bias,
+        )
+
+    def _decay(self) -> torch.Tensor:
+        """-exp(A_log), detached, computed again only when A_log changes (decoding reads it once
+        per token and layer)."""
+        key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.dtype)
+        memo = getattr(self, "_decay_memo", None)
+        if memo is None or memo[0] != key:
+            with torch.no_grad():
+                memo = self._decay_memo = (key, -torch.exp(self.A_log))
+        return memo[1]

@@ -74,7 +74,7 @@ FLAGS = (
     "-fno-trapping-math",
     "-ffp-contract=fast",
 )
-ABI = 2  # what ssm_kernels_abi() returns for this version of the structs below
+ABI = 3  # what ssm_kernels_abi() returns for this version of the structs below
 
 # ----------------------------------------------------------------------------- building
 
@@ -167,7 +167,25 @@ class _StepArgs(ctypes.Structure):
     )
 
 
-_KERNELS = ("selective_fwd", "selective_bwd", "linear_fwd", "linear_bwd", "selective_step")
+class _BlockStepArgs(ctypes.Structure):
+    """BlockStepArgs of cpu_kernels.c, field for field."""
+
+    _fields_ = (
+        [(name, ctypes.c_int64) for name in ("batch", "d_model", "dim", "N", "R", "K", "nthreads")]
+        + [("eps", ctypes.c_double)]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "hidden", "residual", "norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state",
+                "x_w", "dt_w", "dt_b", "A", "Dskip", "ssm_state", "out_w", "out_b",
+                "work", "new_hidden", "new_residual",
+            )
+        ]
+    )  # fmt: skip
+
+
+_ARGS = {"selective_step": _StepArgs, "mamba_block_step": _BlockStepArgs}
+_KERNELS = ("selective_fwd", "selective_bwd", "linear_fwd", "linear_bwd", "selective_step", "mamba_block_step")
 _lock = threading.Lock()
 _built: dict[tuple, ctypes.CDLL | str] = {}  # build key -> the library, or why it failed
 _warned: set[tuple] = set()
@@ -249,9 +267,7 @@ def _load(path: Path) -> ctypes.CDLL:
     if lib.ssm_kernels_abi() != ABI:
         raise RuntimeError(f"{path} has ABI {lib.ssm_kernels_abi()}, expected {ABI}")
     for name in _KERNELS:
-        args = (
-            _StepArgs if name == "selective_step" else _SelectiveArgs if name.startswith("selective") else _LinearArgs
-        )
+        args = _ARGS.get(name, _SelectiveArgs if name.startswith("selective") else _LinearArgs)
         for suffix in ("_f32", "_f64"):
             fn = getattr(lib, name + suffix)
             fn.argtypes, fn.restype = [ctypes.POINTER(args)], None
@@ -748,3 +764,64 @@ def selective_step_cpu(state, u, delta, A, B, C, D, z, delta_bias, delta_softplu
     a.out, a.new_state = out.data_ptr(), new_state.data_ptr()
     getattr(lib, "selective_step" + _suffix(state))(ctypes.byref(a))
     return out, new_state
+
+
+# ----------------------------------------------------------------------------- decoding a block
+def mamba_block_step_cpu(
+    hidden: Tensor,
+    residual: Tensor | None,
+    *,
+    norm_weight: Tensor,
+    eps: float,
+    in_w: Tensor,
+    in_b: Tensor | None,
+    conv_w: Tensor,
+    conv_b: Tensor | None,
+    conv_state: Tensor,
+    x_w: Tensor,
+    dt_w: Tensor,
+    dt_b: Tensor,
+    A: Tensor,
+    D: Tensor | None,
+    ssm_state: Tensor,
+    out_w: Tensor,
+    out_b: Tensor | None,
+) -> tuple[Tensor, Tensor] | None:
+    """A Mamba-1 block's decoding step in one C call (the kernel ``mamba_block_step`` of
+    cpu_kernels.c): residual ← hidden + residual, RMSNorm (``norm_weight``, ``eps``), then the
+    mixer's step (in_proj, conv, x_proj, dt_proj with softplus, the selective step, out_proj).
+    Returns (hidden, residual) of the next block, each (batch, d_model); updates ``conv_state``
+    (batch, dim, K) and ``ssm_state`` (batch, dim, N) in place. ``A`` is -exp(A_log).
+
+    None when it does not apply, and the caller takes the tensor path: every tensor on the CPU,
+    contiguous, of one dtype (float32 or float64), no gradient to keep, not inside
+    torch.compile, kernels built. The caller validates shapes against its layer."""
+    tensors = (hidden, residual, norm_weight, in_w, in_b, conv_w, conv_b, conv_state)
+    tensors += (x_w, dt_w, dt_b, A, D, ssm_state, out_w, out_b)
+    present = [t for t in tensors if t is not None]
+    dtype = hidden.dtype
+    if (
+        dtype not in (torch.float32, torch.float64)
+        or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in present)
+        or torch.compiler.is_compiling()
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+    ):
+        return None
+    lib = kernels()
+    if lib is None:
+        return None
+    batch, d_model = hidden.shape
+    dim, N = A.shape
+    R = dt_w.shape[1]
+    a = _BlockStepArgs()
+    a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, conv_w.shape[-1]
+    a.nthreads, a.eps = _threads(), eps
+    work = hidden.new_empty(batch * (d_model + 3 * dim + R + 2 * N))
+    new_hidden, new_residual = torch.empty_like(hidden), torch.empty_like(hidden)
+    names = ("hidden", "residual", "norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state")
+    names += ("x_w", "dt_w", "dt_b", "A", "Dskip", "ssm_state", "out_w", "out_b")
+    for name, t in zip(names, tensors):
+        setattr(a, name, _ptr(t))
+    a.work, a.new_hidden, a.new_residual = work.data_ptr(), new_hidden.data_ptr(), new_residual.data_ptr()
+    getattr(lib, "mamba_block_step" + _suffix(hidden))(ctypes.byref(a))
+    return new_hidden, new_residual
