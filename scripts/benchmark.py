@@ -389,6 +389,13 @@ def comma_list(text: str) -> list[str]:
     return [name for name in text.split(",") if name]
 
 
+def comma_ints(text: str) -> list[int]:
+    try:
+        return [int(item) for item in comma_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -425,7 +432,7 @@ def parse_args(argv):
     generation.add_argument("--d-model", type=int, default=None, help="default 256 (generate), 128 (packed)")
     generation.add_argument("--layers", type=int, default=None, help="default 4 (24 for decode)")
     generation.add_argument(
-        "--positions", type=comma_list, default=["10", "2000"], help="positions at which one step is timed"
+        "--positions", type=comma_ints, default=[10, 2000], help="positions at which one step is timed"
     )
     generation.add_argument("--new-tokens", type=int, default=256)
     generation.add_argument("--prompt-length", type=int, default=16)
@@ -451,7 +458,7 @@ def parse_args(argv):
     train.add_argument("--only-ssm", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     decode = parser.add_argument_group("--op decode (also --d-model, --layers, --new-tokens, --prompt-length)")
     decode.add_argument("--vocab", type=int, default=50280, help="vocabulary size (mamba-130m's by default)")
-    decode.add_argument("--decode-batches", type=comma_list, default=["1", "8"], help="batch sizes to decode")
+    decode.add_argument("--decode-batches", type=comma_ints, default=[1, 8], help="batch sizes to decode")
     layer = parser.add_argument_group("--op layer (also --batch, --length, --state, --d-model, --dtype)")
     layer.add_argument("--headdim", type=int, default=32, help="P of Mamba2 and Mamba3")
     layer.add_argument("--mimo-rank", type=int, default=4, help="R of the Mamba3 MIMO row")
@@ -484,10 +491,6 @@ def parse_args(argv):
         return args
     if args.op == "decode":
         args.d_model = args.d_model or 768
-        try:
-            args.decode_batches = [int(b) for b in args.decode_batches]
-        except ValueError:
-            parser.error(f"--decode-batches must be comma-separated ints, got {','.join(args.decode_batches)}")
         if min(args.d_model, args.layers, args.vocab, args.new_tokens, args.prompt_length, *args.decode_batches) < 1:
             parser.error(
                 "--d-model, --layers, --vocab, --new-tokens, --prompt-length and --decode-batches must be positive"
@@ -516,10 +519,6 @@ def parse_args(argv):
             parser.error(f"unknown backends {sorted(unknown)} for {op}; on {args.device}: {available}")
         return args
     if args.op == "generate":
-        try:
-            args.positions = [int(p) for p in args.positions]
-        except ValueError:
-            parser.error(f"--positions must be comma-separated ints, got {args.positions}")
         if min(args.d_model, args.layers, args.new_tokens, args.prompt_length, args.repeats, *args.positions) < 1:
             parser.error(
                 "--d-model, --layers, --new-tokens, --prompt-length, --positions and --repeats must be positive"
