@@ -700,13 +700,16 @@ def ssd_cpu(
     N = B.shape[-1]
     dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
     delta = ssd_delta(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (batch, L, H)
-    channels = torch.arange(dim, device=x.device) // P  # the head of each channel
+    def per_channel(t: Tensor) -> Tensor:  # (..., H) -> (..., H·P), each head's value on its P channels
+        # expand + reshape rather than an index: the backward is then a sum over P, not a scatter
+        return t[..., None].expand(*t.shape, P).reshape(*t.shape[:-1], dim)
+
     if D is not None:
-        D = D.to(dtype)[channels] if D.ndim == 1 else D.to(dtype).reshape(dim)
+        D = per_channel(D.to(dtype)) if D.ndim == 1 else D.to(dtype).reshape(dim)
     out, last = selective_scan_cpu(
         x.reshape(batch, length, dim).transpose(1, 2),
-        delta[..., channels].transpose(1, 2),
-        A.to(dtype)[channels, None].expand(dim, N),
+        per_channel(delta).transpose(1, 2),
+        per_channel(A.to(dtype))[:, None].expand(dim, N),
         B.permute(0, 2, 3, 1),  # (batch, G, N, L)
         C.permute(0, 2, 3, 1),
         D,
