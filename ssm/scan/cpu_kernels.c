@@ -351,7 +351,8 @@ void SUF(selective_fwd)(const SelectiveArgs *a) {
 }
 
 /* The backward's recomputation of steps k0 .. k1-1 (one sequence): like fwd_steps, and it keeps
-   hs[k] (the state entering step k) and decay[k] = exp(Δ_t A) for the adjoint. */
+   hs[k] (the state entering step k) and exp(Δ_t A) for the adjoint: decay[k·N + n], or with
+   same_A the one value decay[k] (a third less memory traffic in the adjoint). */
 static inline __attribute__((always_inline)) void SUF(recompute_steps)(
     const i64 N, const int same_A, i64 k0, i64 k1, REAL *restrict h, const REAL *restrict Ad, const REAL *restrict Bm, i64 sB,
     const REAL *restrict Cm, i64 sC, const REAL *restrict dt, const REAL *restrict u, REAL *restrict y,
@@ -369,7 +370,7 @@ static inline __attribute__((always_inline)) void SUF(recompute_steps)(
                     const i64 n = n0 + j;
                     REAL e = same_A ? e0 : EXP(dtk * Ad[n]);
                     hk[n] = h[n];
-                    dk[n] = e;
+                    if (!same_A) dk[n] = e;
                     h[n] = e * h[n] + dtu * Bt[n];
                     acc[j] += Ct[n] * h[n];
                 }
@@ -379,12 +380,13 @@ static inline __attribute__((always_inline)) void SUF(recompute_steps)(
             for (i64 n = 0; n < N; n++) {
                 REAL e = same_A ? e0 : EXP(dtk * Ad[n]);
                 hk[n] = h[n];
-                dk[n] = e;
+                if (!same_A) dk[n] = e;
                 h[n] = e * h[n] + dtu * Bt[n];
                 yk += Ct[n] * h[n];
             }
             y[k] = yk;
         }
+        if (same_A) decay[k] = e0; /* one decay per step: the adjoint reads decay[k] */
     }
     if (N % LANES == 0)
         for (i64 k = k0; k < k1; k++) y[k] = SUF(sum_lanes)(y_lanes + k * LANES);
@@ -396,14 +398,15 @@ static inline __attribute__((always_inline)) void SUF(recompute_steps)(
      sA[k] = Σ_n s_t·A      sB[k] = Σ_n λ_t·B_t     λ ← exp(Δ_t A)·λ_t
    dB_t and dC_t go to pB / pC (row k, N apart), or with ``fixed`` to accB / accC. */
 static inline __attribute__((always_inline)) void SUF(adjoint_steps)(
-    const i64 N, i64 k0, i64 k1, REAL *restrict lam, const REAL *restrict Ad, const REAL *restrict Bm, i64 sB,
+    const i64 N, const int same_A, i64 k0, i64 k1, REAL *restrict lam, const REAL *restrict Ad, const REAL *restrict Bm, i64 sB,
     const REAL *restrict Cm, i64 sC, const REAL *restrict dt, const REAL *restrict u, const REAL *restrict gy,
     const REAL *restrict hs, const REAL *restrict decay, REAL *restrict pB, i64 spB, REAL *restrict pC,
     i64 spC, REAL *restrict accA, REAL *restrict sA_lanes, REAL *restrict sB_lanes, REAL *restrict sA,
     REAL *restrict sBk) {
     for (i64 k = k1 - 1; k >= k0; k--) {
         const REAL *restrict Bt = Bm + k * sB, *restrict Ct = Cm + k * sC;
-        const REAL *restrict hp = hs + k * N, *restrict dk = decay + k * N;
+        const REAL *restrict hp = hs + k * N, *restrict dk = decay + (same_A ? 0 : k * N);
+        const REAL e0 = same_A ? decay[k] : 0;
         REAL *restrict pBt = pB + k * spB, *restrict pCt = pC + k * spC;
         const REAL dtk = dt[k], dtu = dt[k] * u[k], g = gy[k];
         if (N % LANES == 0) {
@@ -412,29 +415,29 @@ static inline __attribute__((always_inline)) void SUF(adjoint_steps)(
             for (i64 n0 = 0; n0 < N; n0 += LANES)
                 for (i64 j = 0; j < LANES; j++) {
                     const i64 n = n0 + j;
-                    const REAL ht = dk[n] * hp[n] + dtu * Bt[n];
+                    const REAL ht = (same_A ? e0 : dk[n]) * hp[n] + dtu * Bt[n];
                     const REAL l = lam[n] + g * Ct[n];
-                    const REAL st = l * hp[n] * dk[n];
+                    const REAL st = l * hp[n] * (same_A ? e0 : dk[n]);
                     pCt[n] += g * ht;
                     pBt[n] += l * dtu;
                     la[j] += st * Ad[n];
                     lb[j] += l * Bt[n];
                     accA[n] += st * dtk;
-                    lam[n] = dk[n] * l;
+                    lam[n] = (same_A ? e0 : dk[n]) * l;
                 }
         } else {
             REAL a_sum = 0, b_sum = 0;
 #pragma omp simd reduction(+ : a_sum, b_sum)
             for (i64 n = 0; n < N; n++) {
-                const REAL ht = dk[n] * hp[n] + dtu * Bt[n];
+                const REAL ht = (same_A ? e0 : dk[n]) * hp[n] + dtu * Bt[n];
                 const REAL l = lam[n] + g * Ct[n];
-                const REAL st = l * hp[n] * dk[n];
+                const REAL st = l * hp[n] * (same_A ? e0 : dk[n]);
                 pCt[n] += g * ht;
                 pBt[n] += l * dtu;
                 a_sum += st * Ad[n];
                 b_sum += l * Bt[n];
                 accA[n] += st * dtk;
-                lam[n] = dk[n] * l;
+                lam[n] = (same_A ? e0 : dk[n]) * l;
             }
             sA[k] = a_sum;
             sBk[k] = b_sum;
@@ -547,12 +550,8 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                         }
                         const i64 k0 = cu[s_end] - t0 > 0 ? cu[s_end] - t0 : 0;
                         REAL *pBs = pBb + t0 * spB, *pCs = pCb + t0 * spC;
-                        if (N == 16)
-                            SUF(adjoint_steps)(16, k0, k1, lam, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, gy, hs, decay,
-                                               pBs, spB, pCs, spC, accA, sA_lanes, sB_lanes, sA, sBk);
-                        else
-                            SUF(adjoint_steps)(N, k0, k1, lam, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, gy, hs, decay,
-                                               pBs, spB, pCs, spC, accA, sA_lanes, sB_lanes, sA, sBk);
+                        SPECIALISED(SUF(adjoint_steps), k0, k1, lam, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, gy, hs,
+                                    decay, pBs, spB, pCs, spC, accA, sA_lanes, sB_lanes, sA, sBk);
                         k1 = k0;
                         if (t0 + k0 == cu[s_end]) { /* left the sequence at its start */
                             if (dh0) {
