@@ -362,6 +362,7 @@ static inline __attribute__((always_inline)) void SUF(recompute_steps)(
         REAL *restrict hk = hs + k * N, *restrict dk = decay + k * N;
         const REAL dtk = dt[k], dtu = dt[k] * u[k];
         const REAL e0 = same_A ? EXP(dtk * Ad[0]) : 0;
+        if (same_A) decay[k] = e0; /* one decay per step, which the adjoint reads */
         if (N % LANES == 0) {
             REAL *restrict acc = y_lanes + k * LANES;
             for (i64 j = 0; j < LANES; j++) acc[j] = 0;
@@ -386,7 +387,6 @@ static inline __attribute__((always_inline)) void SUF(recompute_steps)(
             }
             y[k] = yk;
         }
-        if (same_A) decay[k] = e0; /* one decay per step: the adjoint reads decay[k] */
     }
     if (N % LANES == 0)
         for (i64 k = k0; k < k1; k++) y[k] = SUF(sum_lanes)(y_lanes + k * LANES);
@@ -563,10 +563,16 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                     }
                     /* per-step gradients of u and Δ (through softplus and into the bias), and D */
                     REAL sum_bias = 0, sum_D = 0;
+                    if (a->softplus) { /* softplus' derivative in a loop of its own: inside the next one
+                                          it made that loop cost more than all the rest of the backward
+                                          (measured: ssd's backward 6.9 -> 2.9 ms at (1, 1024, 8·32), N 16) */
+#pragma omp simd
+                        for (i64 k = 0; k < nt; k++) raw[k] = raw[k] > 20 ? 1 : SUF(sigmoid)(raw[k]);
+                    }
 #pragma omp simd reduction(+ : sum_bias, sum_D)
                     for (i64 k = 0; k < nt; k++) {
                         REAL gdt = sA[k] + u[k] * sBk[k];
-                        if (a->softplus) gdt = raw[k] > 20 ? gdt : gdt * SUF(sigmoid)(raw[k]);
+                        if (a->softplus) gdt *= raw[k];
                         du[t0 + k] = gy[k] * Dd + dt[k] * sBk[k];
                         ddl[t0 + k] = gdt;
                         sum_bias += gdt;
