@@ -521,6 +521,15 @@ def _kernel_layout(M: Tensor, dtype: torch.dtype) -> Tensor:
     return M if M.stride(-1) == 1 else M.contiguous()
 
 
+def _steps_adjacent(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x (B, D, L) in ``dtype`` with its steps adjacent in memory. The sweeps read a channel's
+    steps one after another; from a (B, L, D) layout seen transposed (a Mamba layer's z, its Δ)
+    each step is a row apart, and those strided reads cost more than one copy (measured: a
+    Mamba layer at (8, 512, 256) fwd+bwd 135 -> 110 ms)."""
+    x = x.to(dtype)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def selective_scan_cpu(
     u: Tensor,
     delta: Tensor,
@@ -544,13 +553,13 @@ def selective_scan_cpu(
         return _pscan_selective(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     args = (
-        u.to(dtype),
-        delta.to(dtype),
+        _steps_adjacent(u, dtype),
+        _steps_adjacent(delta, dtype),
         A.to(dtype).contiguous(),
         _kernel_layout(B, dtype),
         _kernel_layout(C, dtype),
         None if D is None else D.to(dtype).contiguous(),
-        None if z is None else z.to(dtype),
+        None if z is None else _steps_adjacent(z, dtype),
         None if delta_bias is None else delta_bias.to(dtype).contiguous(),
     )
     h0 = None if initial_state is None else initial_state.to(dtype).contiguous()
@@ -700,6 +709,7 @@ def ssd_cpu(
     N = B.shape[-1]
     dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
     delta = ssd_delta(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (batch, L, H)
+
     def per_channel(t: Tensor) -> Tensor:  # (..., H) -> (..., H·P), each head's value on its P channels
         # expand + reshape rather than an index: the backward is then a sum over P, not a scatter
         return t[..., None].expand(*t.shape, P).reshape(*t.shape[:-1], dim)
