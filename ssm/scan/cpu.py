@@ -829,7 +829,7 @@ def mamba_block_step_cpu(
     a = _BlockStepArgs()
     a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, conv_w.shape[-1]
     a.nthreads, a.eps = _threads(), eps
-    work = hidden.new_empty(batch * (d_model + 3 * dim + R + 2 * N))
+    work = hidden.new_empty(batch * (d_model + 5 * dim + R + 2 * N))
     new_hidden, new_residual = torch.empty_like(hidden), torch.empty_like(hidden)
     names = ("hidden", "residual", "norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state")
     names += ("x_w", "dt_w", "dt_b", "A", "Dskip", "ssm_state", "out_w", "out_b")

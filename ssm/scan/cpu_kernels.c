@@ -157,7 +157,7 @@ typedef struct {
    block); norm_w (d_model); in_w (2·dim, d_model); conv_w (dim, K); conv_state (batch, dim, K)
    and ssm_state (batch, dim, N), both updated in place; x_w (R + 2N, dim); dt_w (dim, R);
    dt_b, Dskip (dim); A (dim, N); out_w (d_model, dim); in_b, conv_b, out_b: bias or NULL;
-   work: scratch of batch·(d_model + 3·dim + R + 2N) elements. */
+   work: scratch of batch·(d_model + 5·dim + R + 2N) elements. */
 typedef struct {
     i64 batch, d_model, dim, N, R, K, nthreads;
     double eps;
@@ -780,9 +780,9 @@ static inline void SUF(dot_rows)(const REAL *W, i64 n, i64 nr, const REAL *x, RE
 /* A Mamba-1 block's decoding step (BlockStepArgs) in one call. At batch 1 decoding is bound by
    reading the weights, so each projection is split by output rows across the threads (each
    reads its share of the matrix once, for every sequence of the batch while the rows are in
-   L1), and nothing else leaves the cache; the steps between the projections run in between,
-   over channels (dt_proj within the selective step). The conv is a loop of its own: fused into
-   in_proj's x rows, it left the thread that owns them behind the one with the z rows. */
+   L1), and nothing else leaves the cache; the steps between the projections run in between
+   as flat loops over (batch, channel). The conv is a loop of its own: fused into in_proj's x
+   rows, it left the thread that owns them behind the one with the z rows. */
 void SUF(mamba_block_step)(const BlockStepArgs *a) {
     const i64 Bn = a->batch, M = a->d_model, Dn = a->dim, N = a->N, R = a->R, K = a->K, X = R + 2 * N;
     const REAL *hid = (const REAL *)a->hidden, *res = (const REAL *)a->residual;
@@ -793,9 +793,11 @@ void SUF(mamba_block_step)(const BlockStepArgs *a) {
     const REAL *out_w = (const REAL *)a->out_w, *out_b = (const REAL *)a->out_b;
     REAL *conv_state = (REAL *)a->conv_state, *H = (REAL *)a->ssm_state;
     REAL *new_hid = (REAL *)a->new_hidden, *new_res = (REAL *)a->new_residual;
-    /* scratch: normed (Bn, M); xz (Bn, 2·Dn): x (then the conv's output) and z side by side;
-       xdbl (Bn, X); y (Bn, Dn) */
-    REAL *normed = (REAL *)a->work, *xz = normed + Bn * M, *xdbl = xz + Bn * 2 * Dn, *y = xdbl + Bn * X;
+    /* scratch: normed (Bn, M); xz (Bn, 2·Dn), in_proj's x and z side by side; xc (Bn, Dn), the
+       conv's output after SiLU; zg (Bn, Dn), SiLU(z); xdbl (Bn, X); y (Bn, Dn), Δ then the output */
+    REAL *normed = (REAL *)a->work, *xz = normed + Bn * M, *xc = xz + Bn * 2 * Dn, *zg = xc + Bn * Dn;
+    REAL *xdbl = zg + Bn * Dn, *y = xdbl + Bn * X;
+    const i64 BD = Bn * Dn;
 #pragma omp parallel num_threads((int)a->nthreads)
     {
 #pragma omp for schedule(static)
@@ -810,7 +812,7 @@ void SUF(mamba_block_step)(const BlockStepArgs *a) {
             for (i64 i = 0; i < M; i++) normed[b * M + i] = r[i] * scale * ((const REAL *)a->norm_w)[i];
         }
 #pragma omp for schedule(static)
-        for (i64 o = 0; o < 2 * Dn; o += 4) /* in_proj: x (before the conv) and z */
+        for (i64 o = 0; o < 2 * Dn; o += 4) /* in_proj: x and z */
             for (i64 b = 0; b < Bn; b++) {
                 const i64 nr = 2 * Dn - o < 4 ? 2 * Dn - o : 4;
                 REAL *v = xz + b * 2 * Dn + o;
@@ -818,31 +820,44 @@ void SUF(mamba_block_step)(const BlockStepArgs *a) {
                 if (in_b)
                     for (i64 r = 0; r < nr; r++) v[r] += in_b[o + r];
             }
+        /* per-channel work: flat loops over (batch, channel), the exps of the SiLUs and the
+           softplus vectorised across channels (measured at mamba-130m's width: 80 µs a layer
+           for these stages with one exp at a time, 57 µs so) */
 #pragma omp for schedule(static)
-        for (i64 i = 0; i < Bn * Dn; i++) { /* the conv's step and SiLU, over x in place */
-            const i64 c = i % Dn;
-            REAL *st = conv_state + i * K, *x = xz + (i / Dn) * 2 * Dn + c, acc = conv_b ? conv_b[c] : 0;
+        for (i64 i = 0; i < BD; i++) { /* the conv's step, before its SiLU; z gathered flat */
+            const i64 b = i / Dn, c = i % Dn;
+            REAL *st = conv_state + i * K, acc = conv_b ? conv_b[c] : 0;
             for (i64 k = 0; k + 1 < K; k++) st[k] = st[k + 1];
-            st[K - 1] = *x;
+            st[K - 1] = xz[b * 2 * Dn + c];
             for (i64 k = 0; k < K; k++) acc += st[k] * conv_w[c * K + k];
-            *x = acc * SUF(sigmoid)(acc);
+            xc[i] = acc;
+            zg[i] = xz[b * 2 * Dn + Dn + c];
+        }
+#pragma omp for simd schedule(static)
+        for (i64 i = 0; i < BD; i++) {
+            xc[i] *= SUF(sigmoid)(xc[i]);
+            zg[i] *= SUF(sigmoid)(zg[i]);
         }
 #pragma omp for schedule(static)
         for (i64 o = 0; o < X; o += 4) /* x_proj: Δ's low rank, B, C */
             for (i64 b = 0; b < Bn; b++)
-                SUF(dot_rows)(x_w + o * Dn, Dn, X - o < 4 ? X - o : 4, xz + b * 2 * Dn, xdbl + b * X + o);
+                SUF(dot_rows)(x_w + o * Dn, Dn, X - o < 4 ? X - o : 4, xc + b * Dn, xdbl + b * X + o);
 #pragma omp for schedule(static)
-        for (i64 d = 0; d < Dn; d++) /* dt_proj, softplus, the selective step, D, the gate */
+        for (i64 o = 0; o < Dn; o += 4) /* dt_proj */
             for (i64 b = 0; b < Bn; b++) {
-                const REAL *xb = xdbl + b * X, u = xz[b * 2 * Dn + d], zt = xz[b * 2 * Dn + Dn + d];
-                REAL dt;
-                SUF(dot_rows)(dt_w + d * R, R, 1, xb, &dt);
-                dt = SUF(softplus)(dt + dt_b[d]);
-                REAL *h = H + (b * Dn + d) * N;
-                REAL v = SUF(step_channel)(h, h, A + d * N, xb + R, xb + R + N, dt, u, N);
-                v += Dskip ? Dskip[d] * u : 0;
-                y[b * Dn + d] = v * zt * SUF(sigmoid)(zt);
+                const i64 nr = Dn - o < 4 ? Dn - o : 4;
+                SUF(dot_rows)(dt_w + o * R, R, nr, xdbl + b * X, y + b * Dn + o);
+                for (i64 r = 0; r < nr; r++) y[b * Dn + o + r] += dt_b[o + r];
             }
+#pragma omp for simd schedule(static)
+        for (i64 i = 0; i < BD; i++) y[i] = SUF(softplus)(y[i]); /* Δ */
+#pragma omp for schedule(static)
+        for (i64 i = 0; i < BD; i++) { /* the selective step, D, the gate */
+            const i64 b = i / Dn, d = i % Dn;
+            const REAL *xb = xdbl + b * X, u = xc[i];
+            REAL v = SUF(step_channel)(H + i * N, H + i * N, A + d * N, xb + R, xb + R + N, y[i], u, N);
+            y[i] = (v + (Dskip ? Dskip[d] * u : 0)) * zg[i];
+        }
 #pragma omp for schedule(static)
         for (i64 o = 0; o < M; o += 4) /* out_proj */
             for (i64 b = 0; b < Bn; b++) {
