@@ -74,7 +74,7 @@ FLAGS = (
     "-fno-trapping-math",
     "-ffp-contract=fast",
 )
-ABI = 3  # what ssm_kernels_abi() returns for this version of the structs below
+ABI = 4  # what ssm_kernels_abi() returns for this version of the structs below
 
 # ----------------------------------------------------------------------------- building
 
@@ -98,6 +98,7 @@ class _SelectiveArgs(ctypes.Structure):
                 "B_fixed",
                 "C_fixed",
                 "softplus",
+                "nparts",
             )
         ]
         + [
@@ -440,7 +441,8 @@ def _selective_bwd(
     d_A, d_B, d_C = torch.empty_like(A), u.new_empty(B.shape), u.new_empty(C.shape)
     d_D, d_bias = (u.new_empty(dim if x is not None else 0) for x in (D, delta_bias))
     d_h0 = u.new_empty(h0.shape if h0 is not None else 0)
-    parts = [u.new_empty(a.nthreads, *M.shape) if M.ndim == 4 else None for M in (B, C)]
+    a.nparts = min(dim, 4 * a.nthreads)  # channel blocks: 4 per thread, to share out under load
+    parts = [u.new_empty(a.nparts, *M.shape) if M.ndim == 4 else None for M in (B, C)]
     a.d_u, a.d_delta, a.d_A, a.d_B, a.d_C = (x.data_ptr() for x in (d_u, d_delta, d_A, d_B, d_C))
     a.d_z, a.d_D, a.d_delta_bias, a.d_h0 = (
         x.data_ptr() if p is not None else None for x, p in ((d_z, z), (d_D, D), (d_bias, delta_bias), (d_h0, h0))

@@ -108,6 +108,7 @@ typedef struct {
     i64 batch, dim, length, N, groups_B, groups_C, nseq, nthreads;
     i64 chunk;                             /* T: steps between saved states (ckpt) */
     i64 B_fixed, C_fixed, softplus;
+    i64 nparts;                            /* backward: channel blocks, each with its own B, C partial sums */
     const void *u, *delta, *A, *B, *C, *D, *z, *delta_bias, *h0;
     const i64 *cu_seqlens;                 /* NULL, or (S + 1,) with batch 1 */
     i64 su[3], sdelta[3], sz[3], sB[3], sC[3];
@@ -122,7 +123,7 @@ typedef struct {
     void *d_u, *d_delta, *d_z;             /* (B, D, L) contiguous */
     void *d_A;                             /* (D, N) */
     void *d_B, *d_C;                       /* fixed: (D, N); time-varying: (B, G, L, N) */
-    void *part_B, *part_C;                 /* time-varying: per-thread (nthreads, B, G, L, N) scratch */
+    void *part_B, *part_C;                 /* time-varying: per-block (nparts, B, G, L, N) scratch */
     void *d_D, *d_delta_bias;              /* (D,) each, or NULL */
     void *d_h0;                            /* NULL or (S, D, N) */
 } SelectiveArgs;
@@ -185,7 +186,7 @@ typedef struct {
 #define LOG1P log1p_f64
 #include __FILE__
 
-int ssm_kernels_abi(void) { return 3; }
+int ssm_kernels_abi(void) { return 4; }
 
 #else /* ------------------------------------------------------------- kernels, for one REAL */
 
@@ -456,7 +457,7 @@ static inline __attribute__((always_inline)) void SUF(adjoint_steps)(
      du_t = gy_t·D + Δ_t·Σ_n λ_t·B_t     dΔ_t = Σ_n s_t·A + u_t·Σ_n λ_t·B_t (then through the
      softplus, and summed into the bias)     d initial_state = exp(Δ_first A)·λ_first
    with gy = grad_out·silu(z), dz = grad_out·y·silu'(z), dD = Σ gy·u. λ after a sequence's last
-   step is its grad_last. Sums over channels of time-varying B and C go to per-thread scratch
+   step is its grad_last. Sums over channels of time-varying B and C go to per-block scratch
    (part_B, part_C), added up at the end. */
 void SUF(selective_bwd)(const SelectiveArgs *a) {
     const i64 T = a->chunk;
@@ -471,7 +472,6 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
 
 #pragma omp parallel num_threads((int)a->nthreads)
     {
-        const int tid = omp_get_thread_num(), team = omp_get_num_threads();
         REAL *scratch = (REAL *)malloc(sizeof(REAL) * ((8 + 3 * LANES) * T + 2 * T * N + 6 * N));
         REAL *dt = scratch, *raw = dt + T, *u = raw + T, *zv = u + T, *y = zv + T, *gy = y + T;
         REAL *sA = gy + T, *sBk = sA + T, *y_lanes = sBk + T, *sA_lanes = y_lanes + LANES * T;
@@ -479,121 +479,124 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
         REAL *hs = sB_lanes + LANES * T;  /* hs[k*N..]: the state entering step t0+k (after any restart) */
         REAL *decay = hs + T * N;         /* decay[k*N..]: exp(Δ_t A) of step t0+k */
         REAL *lam = decay + T * N, *Ad = lam + N, *accA = Ad + N, *accB = accA + N, *accC = accB + N, *h = accC + N;
-        REAL *pB = a->B_fixed ? NULL : (REAL *)a->part_B + tid * part_size_B;
-        REAL *pC = a->C_fixed ? NULL : (REAL *)a->part_C + tid * part_size_C;
         i64 own_cu[2] = {0, L};
         const i64 *cu = a->cu_seqlens ? a->cu_seqlens : own_cu;
-        if (pB) memset(pB, 0, sizeof(REAL) * part_size_B);
-        if (pC) memset(pC, 0, sizeof(REAL) * part_size_C);
 
-        /* static: which channels a thread adds into its rows of dB, dC is fixed by the team size,
-           so the gradients are the same bits on every run (dynamic scheduling would vary the
-           order of the sums over channels from run to run) */
-#pragma omp for schedule(static)
-        for (i64 d = 0; d < Dn; d++) {
-            const REAL Dd = a->D ? ((const REAL *)a->D)[d] : 0;
-            const i64 gB = d / (Dn / GB), gC = d / (Dn / GC);
-            REAL accD = 0, accBias = 0;
-            for (i64 n = 0; n < N; n++) { Ad[n] = A[d * N + n]; accA[n] = 0; accB[n] = 0; accC[n] = 0; }
-            const int same_A = SUF(all_equal)(Ad, N);
-            for (i64 b = 0; b < Bn; b++) {
-                const i64 row = a->cu_seqlens ? 0 : b;
-                const REAL *Bm = (const REAL *)a->B + b * a->sB[0] + gB * a->sB[1];
-                const REAL *Cm = (const REAL *)a->C + b * a->sC[0] + gC * a->sC[1];
-                const REAL *go = (const REAL *)a->grad_out + b * a->sgo[0] + d * a->sgo[1];
-                REAL *du = (REAL *)a->d_u + (b * Dn + d) * L, *ddl = (REAL *)a->d_delta + (b * Dn + d) * L;
-                REAL *dz = a->d_z ? (REAL *)a->d_z + (b * Dn + d) * L : NULL;
-                /* where dB_t, dC_t go: per-thread rows of this (batch, group), or the channel's sums */
-                REAL *pBb = pB ? pB + (b * GB + gB) * L * N : accB, *pCb = pC ? pC + (b * GC + gC) * L * N : accC;
-                const i64 spB = pB ? N : 0, spC = pC ? N : 0;
-                for (i64 s = 0; s < S; s++) /* zero-length sequences pass their gradient through */
-                    if (cu[s] == cu[s + 1] && dh0)
-                        for (i64 n = 0; n < N; n++)
-                            dh0[((row + s) * Dn + d) * N + n] = glast ? glast[((row + s) * Dn + d) * N + n] : 0;
-                i64 s_end = prev_nonempty(cu, S - 1); /* the sequence the reverse walk is in */
-                for (i64 n = 0; n < N; n++) lam[n] = 0;
-                for (i64 c = n_chunks - 1; c >= 0; c--) {
-                    const i64 t0 = c * T, nt = L - t0 < T ? L - t0 : T;
-                    const REAL *Bc = Bm + t0 * a->sB[2], *Cc = Cm + t0 * a->sC[2];
-                    SUF(chunk_inputs)(a, b, d, t0, nt, dt, raw, u, zv);
-                    /* recompute the chunk's states from the saved one, in segments that do not
-                       cross a sequence boundary (restarting where a sequence starts) */
-                    i64 s = s_end;
-                    while (cu[s] > t0) s = prev_nonempty(cu, s - 1);
-                    const REAL *ck = (const REAL *)a->ckpt + ((b * n_chunks + c) * Dn + d) * N;
-                    for (i64 n = 0; n < N; n++) h[n] = ck[n];
-                    for (i64 k = 0; k < nt;) {
-                        if (t0 + k == cu[s]) {
-                            const REAL *init = h0 ? h0 + ((row + s) * Dn + d) * N : NULL;
-                            for (i64 n = 0; n < N; n++) h[n] = init ? init[n] : 0;
-                        }
-                        const i64 k1 = cu[s + 1] - t0 < nt ? cu[s + 1] - t0 : nt;
-                        SPECIALISED(SUF(recompute_steps), k, k1, h, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, y, y_lanes, hs, decay);
-                        k = k1;
-                        if (t0 + k == cu[s + 1]) s = next_nonempty(cu, s + 1, S);
-                    }
-                    /* the gate: gy = grad_out·silu(z), dz = grad_out·y·silu'(z) with y = C·h + D·u */
-                    for (i64 k = 0; k < nt; k++) gy[k] = go[(t0 + k) * a->sgo[2]];
-                    if (a->z) {
-#pragma omp simd
-                        for (i64 k = 0; k < nt; k++) {
-                            const REAL zt = zv[k], sg = SUF(sigmoid)(zt), g = gy[k];
-                            dz[t0 + k] = g * (y[k] + Dd * u[k]) * sg * (1 + zt * (1 - sg));
-                            gy[k] = g * zt * sg;
-                        }
-                    }
-                    /* the adjoint, back through the chunk's segments */
-                    for (i64 k1 = nt; k1 > 0;) {
-                        if (t0 + k1 == cu[s_end + 1]) { /* entering a sequence from its end: its grad_last */
-                            const REAL *gl = glast ? glast + ((row + s_end) * Dn + d) * N : NULL;
-                            for (i64 n = 0; n < N; n++) lam[n] = gl ? gl[n] : 0;
-                        }
-                        const i64 k0 = cu[s_end] - t0 > 0 ? cu[s_end] - t0 : 0;
-                        REAL *pBs = pBb + t0 * spB, *pCs = pCb + t0 * spC;
-                        SPECIALISED(SUF(adjoint_steps), k0, k1, lam, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, gy, hs,
-                                    decay, pBs, spB, pCs, spC, accA, sA_lanes, sB_lanes, sA, sBk);
-                        k1 = k0;
-                        if (t0 + k0 == cu[s_end]) { /* left the sequence at its start */
-                            if (dh0) {
-                                REAL *di = dh0 + ((row + s_end) * Dn + d) * N;
-                                for (i64 n = 0; n < N; n++) di[n] = lam[n];
+        /* Work units: nparts blocks of channels, handed out dynamically (a thread that shares its
+           core with another process takes fewer). Each block adds its channels' dB_t, dC_t into
+           rows of its own, in channel order, and the blocks are added up in block order at the
+           end: the gradients are the same bits on every run whichever thread ran which block. */
+#pragma omp for schedule(dynamic, 1)
+        for (i64 part = 0; part < a->nparts; part++) {
+            REAL *pB = a->B_fixed ? NULL : (REAL *)a->part_B + part * part_size_B;
+            REAL *pC = a->C_fixed ? NULL : (REAL *)a->part_C + part * part_size_C;
+            if (pB) memset(pB, 0, sizeof(REAL) * part_size_B);
+            if (pC) memset(pC, 0, sizeof(REAL) * part_size_C);
+            for (i64 d = part * Dn / a->nparts; d < (part + 1) * Dn / a->nparts; d++) {
+                const REAL Dd = a->D ? ((const REAL *)a->D)[d] : 0;
+                const i64 gB = d / (Dn / GB), gC = d / (Dn / GC);
+                REAL accD = 0, accBias = 0;
+                for (i64 n = 0; n < N; n++) { Ad[n] = A[d * N + n]; accA[n] = 0; accB[n] = 0; accC[n] = 0; }
+                const int same_A = SUF(all_equal)(Ad, N);
+                for (i64 b = 0; b < Bn; b++) {
+                    const i64 row = a->cu_seqlens ? 0 : b;
+                    const REAL *Bm = (const REAL *)a->B + b * a->sB[0] + gB * a->sB[1];
+                    const REAL *Cm = (const REAL *)a->C + b * a->sC[0] + gC * a->sC[1];
+                    const REAL *go = (const REAL *)a->grad_out + b * a->sgo[0] + d * a->sgo[1];
+                    REAL *du = (REAL *)a->d_u + (b * Dn + d) * L, *ddl = (REAL *)a->d_delta + (b * Dn + d) * L;
+                    REAL *dz = a->d_z ? (REAL *)a->d_z + (b * Dn + d) * L : NULL;
+                    /* where dB_t, dC_t go: per-thread rows of this (batch, group), or the channel's sums */
+                    REAL *pBb = pB ? pB + (b * GB + gB) * L * N : accB, *pCb = pC ? pC + (b * GC + gC) * L * N : accC;
+                    const i64 spB = pB ? N : 0, spC = pC ? N : 0;
+                    for (i64 s = 0; s < S; s++) /* zero-length sequences pass their gradient through */
+                        if (cu[s] == cu[s + 1] && dh0)
+                            for (i64 n = 0; n < N; n++)
+                                dh0[((row + s) * Dn + d) * N + n] = glast ? glast[((row + s) * Dn + d) * N + n] : 0;
+                    i64 s_end = prev_nonempty(cu, S - 1); /* the sequence the reverse walk is in */
+                    for (i64 n = 0; n < N; n++) lam[n] = 0;
+                    for (i64 c = n_chunks - 1; c >= 0; c--) {
+                        const i64 t0 = c * T, nt = L - t0 < T ? L - t0 : T;
+                        const REAL *Bc = Bm + t0 * a->sB[2], *Cc = Cm + t0 * a->sC[2];
+                        SUF(chunk_inputs)(a, b, d, t0, nt, dt, raw, u, zv);
+                        /* recompute the chunk's states from the saved one, in segments that do not
+                           cross a sequence boundary (restarting where a sequence starts) */
+                        i64 s = s_end;
+                        while (cu[s] > t0) s = prev_nonempty(cu, s - 1);
+                        const REAL *ck = (const REAL *)a->ckpt + ((b * n_chunks + c) * Dn + d) * N;
+                        for (i64 n = 0; n < N; n++) h[n] = ck[n];
+                        for (i64 k = 0; k < nt;) {
+                            if (t0 + k == cu[s]) {
+                                const REAL *init = h0 ? h0 + ((row + s) * Dn + d) * N : NULL;
+                                for (i64 n = 0; n < N; n++) h[n] = init ? init[n] : 0;
                             }
-                            s_end = prev_nonempty(cu, s_end - 1);
+                            const i64 k1 = cu[s + 1] - t0 < nt ? cu[s + 1] - t0 : nt;
+                            SPECIALISED(SUF(recompute_steps), k, k1, h, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, y, y_lanes, hs, decay);
+                            k = k1;
+                            if (t0 + k == cu[s + 1]) s = next_nonempty(cu, s + 1, S);
                         }
+                        /* the gate: gy = grad_out·silu(z), dz = grad_out·y·silu'(z) with y = C·h + D·u */
+                        for (i64 k = 0; k < nt; k++) gy[k] = go[(t0 + k) * a->sgo[2]];
+                        if (a->z) {
+    #pragma omp simd
+                            for (i64 k = 0; k < nt; k++) {
+                                const REAL zt = zv[k], sg = SUF(sigmoid)(zt), g = gy[k];
+                                dz[t0 + k] = g * (y[k] + Dd * u[k]) * sg * (1 + zt * (1 - sg));
+                                gy[k] = g * zt * sg;
+                            }
+                        }
+                        /* the adjoint, back through the chunk's segments */
+                        for (i64 k1 = nt; k1 > 0;) {
+                            if (t0 + k1 == cu[s_end + 1]) { /* entering a sequence from its end: its grad_last */
+                                const REAL *gl = glast ? glast + ((row + s_end) * Dn + d) * N : NULL;
+                                for (i64 n = 0; n < N; n++) lam[n] = gl ? gl[n] : 0;
+                            }
+                            const i64 k0 = cu[s_end] - t0 > 0 ? cu[s_end] - t0 : 0;
+                            REAL *pBs = pBb + t0 * spB, *pCs = pCb + t0 * spC;
+                            SPECIALISED(SUF(adjoint_steps), k0, k1, lam, Ad, Bc, a->sB[2], Cc, a->sC[2], dt, u, gy, hs,
+                                        decay, pBs, spB, pCs, spC, accA, sA_lanes, sB_lanes, sA, sBk);
+                            k1 = k0;
+                            if (t0 + k0 == cu[s_end]) { /* left the sequence at its start */
+                                if (dh0) {
+                                    REAL *di = dh0 + ((row + s_end) * Dn + d) * N;
+                                    for (i64 n = 0; n < N; n++) di[n] = lam[n];
+                                }
+                                s_end = prev_nonempty(cu, s_end - 1);
+                            }
+                        }
+                        /* per-step gradients of u and Δ (through softplus and into the bias), and D */
+                        REAL sum_bias = 0, sum_D = 0;
+                        if (a->softplus) { /* softplus' derivative in a loop of its own: inside the next one
+                                              it made that loop cost more than all the rest of the backward
+                                              (measured: ssd's backward 6.9 -> 2.9 ms at (1, 1024, 8·32), N 16) */
+    #pragma omp simd
+                            for (i64 k = 0; k < nt; k++) raw[k] = raw[k] > 20 ? 1 : SUF(sigmoid)(raw[k]);
+                        }
+    #pragma omp simd reduction(+ : sum_bias, sum_D)
+                        for (i64 k = 0; k < nt; k++) {
+                            REAL gdt = sA[k] + u[k] * sBk[k];
+                            if (a->softplus) gdt *= raw[k];
+                            du[t0 + k] = gy[k] * Dd + dt[k] * sBk[k];
+                            ddl[t0 + k] = gdt;
+                            sum_bias += gdt;
+                            sum_D += gy[k] * u[k];
+                        }
+                        accBias += sum_bias;
+                        accD += sum_D;
                     }
-                    /* per-step gradients of u and Δ (through softplus and into the bias), and D */
-                    REAL sum_bias = 0, sum_D = 0;
-                    if (a->softplus) { /* softplus' derivative in a loop of its own: inside the next one
-                                          it made that loop cost more than all the rest of the backward
-                                          (measured: ssd's backward 6.9 -> 2.9 ms at (1, 1024, 8·32), N 16) */
-#pragma omp simd
-                        for (i64 k = 0; k < nt; k++) raw[k] = raw[k] > 20 ? 1 : SUF(sigmoid)(raw[k]);
-                    }
-#pragma omp simd reduction(+ : sum_bias, sum_D)
-                    for (i64 k = 0; k < nt; k++) {
-                        REAL gdt = sA[k] + u[k] * sBk[k];
-                        if (a->softplus) gdt *= raw[k];
-                        du[t0 + k] = gy[k] * Dd + dt[k] * sBk[k];
-                        ddl[t0 + k] = gdt;
-                        sum_bias += gdt;
-                        sum_D += gy[k] * u[k];
-                    }
-                    accBias += sum_bias;
-                    accD += sum_D;
                 }
+                for (i64 n = 0; n < N; n++) ((REAL *)a->d_A)[d * N + n] = accA[n];
+                if (a->B_fixed) for (i64 n = 0; n < N; n++) ((REAL *)a->d_B)[d * N + n] = accB[n];
+                if (a->C_fixed) for (i64 n = 0; n < N; n++) ((REAL *)a->d_C)[d * N + n] = accC[n];
+                if (a->d_D) ((REAL *)a->d_D)[d] = accD;
+                if (a->d_delta_bias) ((REAL *)a->d_delta_bias)[d] = accBias;
             }
-            for (i64 n = 0; n < N; n++) ((REAL *)a->d_A)[d * N + n] = accA[n];
-            if (a->B_fixed) for (i64 n = 0; n < N; n++) ((REAL *)a->d_B)[d * N + n] = accB[n];
-            if (a->C_fixed) for (i64 n = 0; n < N; n++) ((REAL *)a->d_C)[d * N + n] = accC[n];
-            if (a->d_D) ((REAL *)a->d_D)[d] = accD;
-            if (a->d_delta_bias) ((REAL *)a->d_delta_bias)[d] = accBias;
         }
-        /* add up the per-thread sums over channels of time-varying B and C */
+        /* add up the blocks' sums over channels of time-varying B and C */
         if (part_size_B) {
 #pragma omp for schedule(static)
             for (i64 i = 0; i < part_size_B; i++) {
                 REAL sum = 0;
-                for (int k = 0; k < team; k++) sum += ((const REAL *)a->part_B)[k * part_size_B + i];
+                for (i64 k = 0; k < a->nparts; k++) sum += ((const REAL *)a->part_B)[k * part_size_B + i];
                 ((REAL *)a->d_B)[i] = sum;
             }
         }
@@ -601,7 +604,7 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
 #pragma omp for schedule(static)
             for (i64 i = 0; i < part_size_C; i++) {
                 REAL sum = 0;
-                for (int k = 0; k < team; k++) sum += ((const REAL *)a->part_C)[k * part_size_C + i];
+                for (i64 k = 0; k < a->nparts; k++) sum += ((const REAL *)a->part_C)[k * part_size_C + i];
                 ((REAL *)a->d_C)[i] = sum;
             }
         }
