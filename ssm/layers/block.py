@@ -33,8 +33,8 @@ class Block(nn.Module):
     to the final norm), as in mamba-ssm. The residual stream is kept in float32 when
     ``residual_in_fp32``. Submodules: norm, mixer, and optionally norm2, mlp.
 
-    A step without an MLP asks the mixer for ``fused_block_step`` (Mamba-1 on the CPU: the
-    whole block in one C call) and takes the tensor path where it has none or declines.
+    ``step_tensors(cache)``: what a C decoding step of this block needs (see the model's
+    backbone), or None where there is none (an MLP, a mixer without one).
     """
 
     def __init__(
@@ -53,6 +53,11 @@ class Block(nn.Module):
             self.mlp = None
         self.residual_in_fp32 = residual_in_fp32
 
+    def step_tensors(self, cache: LayerCache) -> dict | None:
+        if self.mlp is not None or not hasattr(self.mixer, "block_step_tensors"):
+            return None
+        return self.mixer.block_step_tensors(self.norm, cache)
+
     def _add(self, hidden, residual):
         residual = hidden if residual is None else hidden + residual
         return upcast(residual) if self.residual_in_fp32 else residual
@@ -67,9 +72,6 @@ class Block(nn.Module):
     ):
         """``cu_seqlens``: packed sequences (batch 1), passed to the mixer (the norms and the MLP
         act on each position alone)."""
-        fused = getattr(self.mixer, "fused_block_step", None) if step and self.mlp is None else None
-        if fused is not None and (out := fused(hidden, residual, self.norm, cache)) is not None:
-            return out
         residual = self._add(hidden, residual)
         normed = self.norm(residual.to(self.norm.weight.dtype))
         if step:

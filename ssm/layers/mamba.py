@@ -10,7 +10,6 @@ from einops import rearrange
 from torch import nn
 
 from ..scan import selective_scan, selective_scan_step
-from ..scan.cpu import mamba_block_step_cpu
 from .cache import LayerCache, check_packing, check_sequence, check_token
 from .conv import causal_conv1d, causal_conv1d_step
 from .norm import RMSNorm, upcast
@@ -158,25 +157,15 @@ class Mamba(nn.Module):
         out = self.out_proj(y)
         return out if hidden_states.ndim == 2 else out[:, None]
 
-    def fused_block_step(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, cache: LayerCache
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step of a block around this mixer — residual ← hidden + residual, then
-        ``step(norm(residual))`` — in one C call (``ssm.scan.cpu.mamba_block_step_cpu``), which
-        updates ``cache`` in place. Returns (this mixer's output, residual), or None where that
-        kernel does not apply (not an RMSNorm, not float32/float64 on the CPU, a gradient to
-        keep, ...): the block then takes the tensor path, which gives the same numbers."""
-        if not isinstance(norm, RMSNorm) or hidden.ndim != 2:
+    def block_step_tensors(self, norm: nn.Module, cache: LayerCache) -> dict | None:
+        """What ``ssm.scan.cpu.mamba_blocks_step_cpu`` needs to run the decoding step of a block
+        around this mixer (residual, ``norm``, this mixer's step, which updates ``cache`` in
+        place) in C, or None where it cannot (a norm other than RMSNorm). The model's backbone
+        collects these from every block and steps the whole stack in one call."""
+        if not isinstance(norm, RMSNorm):
             return None
-        check_token("hidden", hidden, self.d_model)
-        cache.check_batch(hidden.shape[0])
-        if residual is not None and residual.shape != hidden.shape:
-            shapes = f"{tuple(hidden.shape)}, got {tuple(residual.shape)}"
-            raise ValueError(f"residual must have the shape of hidden {shapes}")
-        return mamba_block_step_cpu(
-            hidden,
-            residual,
-            norm_weight=norm.weight,
+        return dict(
+            norm_w=norm.weight,
             eps=norm.eps,
             in_w=self.in_proj.weight,
             in_b=self.in_proj.bias,
@@ -187,7 +176,7 @@ class Mamba(nn.Module):
             dt_w=self.dt_proj.weight,
             dt_b=self.dt_proj.bias,
             A=self._decay(),
-            D=self.D,
+            Dskip=self.D,
             ssm_state=cache.ssm_state,
             out_w=self.out_proj.weight,
             out_b=self.out_proj.bias,

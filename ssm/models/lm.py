@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..layers import Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, RMSNorm
+from ..scan.cpu import mamba_blocks_step_cpu
 from .config import MambaConfig
 
 _MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}
@@ -82,6 +83,24 @@ class MambaBackbone(nn.Module):
             )
         residual = hidden + residual if residual is not None else hidden
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
+
+    def fused_step(self, input_ids, cache: InferenceCache, lm_head: nn.Linear):
+        """``lm_head(forward(input_ids, cache, step=True))`` in one C call — every block, the final
+        norm and ``lm_head`` — where it applies (Mamba-1 blocks without an MLP, RMSNorms, on the
+        CPU, without gradients: ``ssm.scan.cpu.mamba_blocks_step_cpu``); else None, and the
+        caller steps the blocks one by one. Same numbers either way."""
+        if input_ids.ndim != 1 or not isinstance(self.norm_f, RMSNorm) or lm_head.bias is not None:
+            return None
+        hidden = self.embedding(input_ids)
+        blocks = []
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            tensors = layer.step_tensors(layer_cache)
+            if tensors is None:
+                return None
+            layer_cache.check_batch(hidden.shape[0])
+            blocks.append(tensors)
+        head = dict(norm_w=self.norm_f.weight, eps=self.norm_f.eps, weight=lm_head.weight)
+        return mamba_blocks_step_cpu(hidden, blocks, head)
 
 
 class MambaLM(nn.Module):
@@ -203,9 +222,11 @@ class MambaLM(nn.Module):
         Costs the same at every position: it reads only the cache, never the earlier tokens."""
         self._check_ids(input_ids, 1, "(batch,)")
         self._check_cache(cache, input_ids.shape[0])
-        hidden = self.backbone(input_ids, cache, step=True)
+        logits = self.backbone.fused_step(input_ids, cache, self.lm_head)
+        if logits is None:
+            logits = self.lm_head(self.backbone(input_ids, cache, step=True))
         cache.seqlen_offset += 1
-        return self.lm_head(hidden)
+        return logits
 
     @torch.no_grad()
     def generate(

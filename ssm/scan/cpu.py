@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -74,7 +75,7 @@ FLAGS = (
     "-fno-trapping-math",
     "-ffp-contract=fast",
 )
-ABI = 4  # what ssm_kernels_abi() returns for this version of the structs below
+ABI = 6  # what ssm_kernels_abi() returns for this version of the structs below
 
 # ----------------------------------------------------------------------------- building
 
@@ -185,8 +186,16 @@ class _BlockStepArgs(ctypes.Structure):
     )  # fmt: skip
 
 
-_ARGS = {"selective_step": _StepArgs, "mamba_block_step": _BlockStepArgs}
-_KERNELS = ("selective_fwd", "selective_bwd", "linear_fwd", "linear_bwd", "selective_step", "mamba_block_step")
+class _HeadArgs(ctypes.Structure):
+    """HeadArgs of cpu_kernels.c, field for field."""
+
+    _fields_ = [("vocab", ctypes.c_int64), ("eps", ctypes.c_double)] + [
+        (name, ctypes.c_void_p) for name in ("norm_w", "weight", "logits")
+    ]
+
+
+_ARGS = {"selective_step": _StepArgs, "mamba_blocks_step": _BlockStepArgs}
+_KERNELS = ("selective_fwd", "selective_bwd", "linear_fwd", "linear_bwd", "selective_step", "mamba_blocks_step")
 _lock = threading.Lock()
 _built: dict[tuple, ctypes.CDLL | str] = {}  # build key -> the library, or why it failed
 _warned: set[tuple] = set()
@@ -272,6 +281,8 @@ def _load(path: Path) -> ctypes.CDLL:
         for suffix in ("_f32", "_f64"):
             fn = getattr(lib, name + suffix)
             fn.argtypes, fn.restype = [ctypes.POINTER(args)], None
+            if name == "mamba_blocks_step":  # (the blocks, how many, the head or NULL)
+                fn.argtypes = [ctypes.POINTER(args), ctypes.c_int64, ctypes.POINTER(_HeadArgs)]
     return lib
 
 
@@ -781,62 +792,71 @@ def selective_step_cpu(state, u, delta, A, B, C, D, z, delta_bias, delta_softplu
     return out, new_state
 
 
-# ----------------------------------------------------------------------------- decoding a block
-def mamba_block_step_cpu(
-    hidden: Tensor,
-    residual: Tensor | None,
-    *,
-    norm_weight: Tensor,
-    eps: float,
-    in_w: Tensor,
-    in_b: Tensor | None,
-    conv_w: Tensor,
-    conv_b: Tensor | None,
-    conv_state: Tensor,
-    x_w: Tensor,
-    dt_w: Tensor,
-    dt_b: Tensor,
-    A: Tensor,
-    D: Tensor | None,
-    ssm_state: Tensor,
-    out_w: Tensor,
-    out_b: Tensor | None,
-) -> tuple[Tensor, Tensor] | None:
-    """A Mamba-1 block's decoding step in one C call (the kernel ``mamba_block_step`` of
-    cpu_kernels.c): residual ← hidden + residual, RMSNorm (``norm_weight``, ``eps``), then the
-    mixer's step (in_proj, conv, x_proj, dt_proj with softplus, the selective step, out_proj).
-    Returns (hidden, residual) of the next block, each (batch, d_model); updates ``conv_state``
-    (batch, dim, K) and ``ssm_state`` (batch, dim, N) in place. ``A`` is -exp(A_log).
+# ----------------------------------------------------------------------------- decoding blocks
+BLOCK_STEP_TENSORS = ("norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state", "x_w", "dt_w", "dt_b")
+BLOCK_STEP_TENSORS += ("A", "Dskip", "ssm_state", "out_w", "out_b")
+
+
+def mamba_blocks_step_cpu(
+    hidden: Tensor, blocks: Sequence[dict], head: dict | None = None
+) -> Tensor | tuple[Tensor, Tensor] | None:
+    """The decoding step of a stack of Mamba-1 blocks in one C call (``mamba_blocks_step`` of
+    cpu_kernels.c). Block after block: residual ← hidden + residual (the first block: residual ←
+    hidden), RMSNorm, then the mixer's step (in_proj, conv, x_proj, dt_proj with softplus, the
+    selective step gated by SiLU(z), out_proj). ``hidden`` (batch, d_model) enters the first
+    block; returns the last block's (hidden, residual), or with ``head`` (a dict of "norm_w",
+    "eps" and "weight" (vocab, d_model)) the logits (batch, vocab) of
+    weight · RMSNorm(hidden + residual). Each of ``blocks`` maps the names of
+    BLOCK_STEP_TENSORS to that block's tensors (a bias may be None; ``A`` is -exp(A_log), ``Dskip``
+    the skip D; ``conv_state`` (batch, dim, K) and ``ssm_state`` (batch, dim, N) are updated in
+    place) and "eps" to its norm's epsilon.
 
     None when it does not apply, and the caller takes the tensor path: every tensor on the CPU,
     contiguous, of one dtype (float32 or float64), no gradient to keep, not inside
-    torch.compile, kernels built. The caller validates shapes against its layer."""
-    tensors = (hidden, residual, norm_weight, in_w, in_b, conv_w, conv_b, conv_state)
-    tensors += (x_w, dt_w, dt_b, A, D, ssm_state, out_w, out_b)
-    present = [t for t in tensors if t is not None]
+    torch.compile, kernels built. The caller validates shapes against its layers."""
     dtype = hidden.dtype
+    tensors = [hidden] + [t for block in blocks for name in BLOCK_STEP_TENSORS if (t := block[name]) is not None]
+    if head is not None:
+        tensors += [head["norm_w"], head["weight"]]
     if (
-        dtype not in (torch.float32, torch.float64)
-        or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in present)
+        not blocks
+        or dtype not in (torch.float32, torch.float64)
+        or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors)
         or torch.compiler.is_compiling()
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
     ):
         return None
     lib = kernels()
     if lib is None:
         return None
     batch, d_model = hidden.shape
-    dim, N = A.shape
-    R = dt_w.shape[1]
-    a = _BlockStepArgs()
-    a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, conv_w.shape[-1]
-    a.nthreads, a.eps = _threads(), eps
-    work = hidden.new_empty(batch * (d_model + 5 * dim + R + 2 * N))
-    new_hidden, new_residual = torch.empty_like(hidden), torch.empty_like(hidden)
-    names = ("hidden", "residual", "norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state")
-    names += ("x_w", "dt_w", "dt_b", "A", "Dskip", "ssm_state", "out_w", "out_b")
-    for name, t in zip(names, tensors):
-        setattr(a, name, _ptr(t))
-    a.work, a.new_hidden, a.new_residual = work.data_ptr(), new_hidden.data_ptr(), new_residual.data_ptr()
-    getattr(lib, "mamba_block_step" + _suffix(hidden))(ctypes.byref(a))
-    return new_hidden, new_residual
+    args = (_BlockStepArgs * len(blocks))()
+    # outputs alternate between two (hidden, residual) pairs: block l reads block l - 1's pair
+    pairs = hidden.new_empty(2, 2, batch, d_model)
+    work_size = 0
+    for i, (a, block) in enumerate(zip(args, blocks)):
+        dim, N = block["A"].shape
+        R = block["dt_w"].shape[1]
+        a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, block["conv_w"].shape[-1]
+        a.nthreads, a.eps = _threads(), block["eps"]
+        for name in BLOCK_STEP_TENSORS:
+            setattr(a, name, _ptr(block[name]))
+        if i == 0:
+            a.hidden, a.residual = hidden.data_ptr(), None
+        else:
+            a.hidden, a.residual = pairs[(i - 1) % 2, 0].data_ptr(), pairs[(i - 1) % 2, 1].data_ptr()
+        a.new_hidden, a.new_residual = pairs[i % 2, 0].data_ptr(), pairs[i % 2, 1].data_ptr()
+        work_size = max(work_size, batch * (d_model + 5 * dim + R + 2 * N))
+    work = hidden.new_empty(work_size)
+    for a in args:
+        a.work = work.data_ptr()
+    last = (len(blocks) - 1) % 2
+    if head is None:
+        getattr(lib, "mamba_blocks_step" + _suffix(hidden))(args, len(blocks), None)
+        return pairs[last, 0], pairs[last, 1]
+    h = _HeadArgs()
+    h.vocab, h.eps = head["weight"].shape[0], head["eps"]
+    logits = hidden.new_empty(batch, h.vocab)
+    h.norm_w, h.weight, h.logits = head["norm_w"].data_ptr(), head["weight"].data_ptr(), logits.data_ptr()
+    getattr(lib, "mamba_blocks_step" + _suffix(hidden))(args, len(blocks), ctypes.byref(h))
+    return logits

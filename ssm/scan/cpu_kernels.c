@@ -170,6 +170,15 @@ typedef struct {
     void *work, *new_hidden, *new_residual;
 } BlockStepArgs;
 
+/* The language model's head after the last block: residual ← hidden + residual, RMSNorm
+   (norm_w (d_model), eps), logits (batch, vocab) = weight (vocab, d_model) · normed. */
+typedef struct {
+    i64 vocab;
+    double eps;
+    const void *norm_w, *weight;
+    void *logits;
+} HeadArgs;
+
 #define REAL float
 #define SUF(name) name##_f32
 #define EXP exp_f32
@@ -186,7 +195,7 @@ typedef struct {
 #define LOG1P log1p_f64
 #include __FILE__
 
-int ssm_kernels_abi(void) { return 4; }
+int ssm_kernels_abi(void) { return 6; }
 
 #else /* ------------------------------------------------------------- kernels, for one REAL */
 
@@ -780,6 +789,20 @@ static inline void SUF(dot_rows)(const REAL *W, i64 n, i64 nr, const REAL *x, RE
     for (i64 r = 0; r < nr; r++) y[r] = sums[r];
 }
 
+/* One row of a block's input: r = hidden + residual (residual NULL: r = hidden), then
+   normed = r / sqrt(mean(r²) + eps) · w. */
+static inline void SUF(add_rms_norm)(const REAL *hid, const REAL *res, const REAL *w, double eps, i64 M, REAL *r,
+                                     REAL *normed) {
+    REAL ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (i64 i = 0; i < M; i++) {
+        r[i] = hid[i] + (res ? res[i] : 0);
+        ss += r[i] * r[i];
+    }
+    const REAL scale = 1 / sqrt(ss / M + (REAL)eps);
+    for (i64 i = 0; i < M; i++) normed[i] = r[i] * scale * w[i];
+}
+
 /* Rows o .. o+3 (up to n_out) of y_b = W·x_b + bias (bias may be NULL) for each batch row b,
    with x_b = x + b·sx and y_b = y + b·sy: four of W's rows read once for the whole batch. */
 static inline void SUF(project_rows)(const REAL *W, const REAL *bias, i64 n_in, i64 n_out, i64 o, i64 Bn,
@@ -793,13 +816,14 @@ static inline void SUF(project_rows)(const REAL *W, const REAL *bias, i64 n_in, 
     }
 }
 
-/* A Mamba-1 block's decoding step (BlockStepArgs) in one call. At batch 1 decoding is bound by
+/* A Mamba-1 block's decoding step (BlockStepArgs), run by every thread of the calling parallel
+   region (its loops are worksharing loops, each ending in a barrier). At batch 1 decoding is bound by
    reading the weights, so each projection is split by output rows across the threads (each
    reads its share of the matrix once, for every sequence of the batch while the rows are in
    L1), and nothing else leaves the cache; the steps between the projections run in between
    as flat loops over (batch, channel). The conv is a loop of its own: fused into in_proj's x
    rows, it left the thread that owns them behind the one with the z rows. */
-void SUF(mamba_block_step)(const BlockStepArgs *a) {
+static void SUF(block_step)(const BlockStepArgs *a) {
     const i64 Bn = a->batch, M = a->d_model, Dn = a->dim, N = a->N, R = a->R, K = a->K, X = R + 2 * N;
     const REAL *hid = (const REAL *)a->hidden, *res = (const REAL *)a->residual;
     const REAL *in_w = (const REAL *)a->in_w, *in_b = (const REAL *)a->in_b;
@@ -814,19 +838,11 @@ void SUF(mamba_block_step)(const BlockStepArgs *a) {
     REAL *normed = (REAL *)a->work, *xz = normed + Bn * M, *xc = xz + Bn * 2 * Dn, *zg = xc + Bn * Dn;
     REAL *xdbl = zg + Bn * Dn, *y = xdbl + Bn * X;
     const i64 BD = Bn * Dn;
-#pragma omp parallel num_threads((int)a->nthreads)
     {
 #pragma omp for schedule(static)
-        for (i64 b = 0; b < Bn; b++) { /* residual ← hidden + residual; normed = RMSNorm(residual) */
-            REAL *r = new_res + b * M, ss = 0;
-#pragma omp simd reduction(+ : ss)
-            for (i64 i = 0; i < M; i++) {
-                r[i] = hid[b * M + i] + (res ? res[b * M + i] : 0);
-                ss += r[i] * r[i];
-            }
-            const REAL scale = 1 / sqrt(ss / M + (REAL)a->eps);
-            for (i64 i = 0; i < M; i++) normed[b * M + i] = r[i] * scale * ((const REAL *)a->norm_w)[i];
-        }
+        for (i64 b = 0; b < Bn; b++)
+            SUF(add_rms_norm)(hid + b * M, res ? res + b * M : NULL, (const REAL *)a->norm_w, a->eps, M,
+                              new_res + b * M, normed + b * M);
 #pragma omp for schedule(static)
         for (i64 o = 0; o < 2 * Dn; o += 4) /* in_proj: x and z */
             SUF(project_rows)(in_w, in_b, M, 2 * Dn, o, Bn, normed, M, xz, 2 * Dn);
@@ -866,6 +882,30 @@ void SUF(mamba_block_step)(const BlockStepArgs *a) {
 #pragma omp for schedule(static)
         for (i64 o = 0; o < M; o += 4) /* out_proj */
             SUF(project_rows)(out_w, out_b, Dn, M, o, Bn, y, Dn, new_hid, M);
+    }
+}
+
+/* The decoding step of n Mamba-1 blocks in order (layers[l] reads layers[l-1]'s outputs), then
+   the LM head when head is not NULL, in one parallel region: one call per token for the whole stack, so the threads stay awake between
+   blocks and Python does not run between them (measured: each block's return to Python cost
+   about 100 µs, most of it the interpreter missing the caches the block's weights had filled). */
+void SUF(mamba_blocks_step)(const BlockStepArgs *layers, i64 n, const HeadArgs *head) {
+#pragma omp parallel num_threads((int)layers[0].nthreads)
+    {
+        for (i64 l = 0; l < n; l++) SUF(block_step)(layers + l);
+        if (head) { /* the final norm and the LM head, on the last block's outputs and scratch */
+            const BlockStepArgs *a = layers + n - 1;
+            const i64 Bn = a->batch, M = a->d_model;
+            REAL *res = (REAL *)a->new_residual, *normed = (REAL *)a->work;
+#pragma omp for schedule(static)
+            for (i64 b = 0; b < Bn; b++)
+                SUF(add_rms_norm)((const REAL *)a->new_hidden + b * M, res + b * M, (const REAL *)head->norm_w,
+                                  head->eps, M, res + b * M, normed + b * M);
+#pragma omp for schedule(static)
+            for (i64 o = 0; o < head->vocab; o += 4)
+                SUF(project_rows)((const REAL *)head->weight, NULL, M, head->vocab, o, Bn, normed, M,
+                                  (REAL *)head->logits, head->vocab);
+        }
     }
 }
 

@@ -171,11 +171,13 @@ FUSED_CONFIGS = {
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", FUSED_CONFIGS)
-def test_a_mamba_block_step_in_one_c_call_equals_the_tensor_path(kind, dtype, monkeypatch):
-    """On the CPU without gradients a Mamba-1 block's step (residual, RMSNorm, the mixer) is one
-    C call; it must be taken, and give what the tensor formulas give (the C one-step kernel of
-    the scan switched off too, so that nothing is shared), logits and both cache states."""
-    import ssm.layers.mamba as mamba_module
+def test_the_blocks_step_in_one_c_call_equals_the_tensor_path(kind, dtype, monkeypatch):
+    """On the CPU without gradients the step of every Mamba-1 block (residual, RMSNorm, the
+    mixer) is one C call; it must be taken, and give what the tensor formulas give (the C
+    one-step kernel of the scan switched off too, so that nothing is shared), logits and both
+    cache states of every layer. Three layers: the blocks' outputs alternate between two
+    buffers."""
+    import ssm.models.lm as lm_module
     import ssm.scan.step as step_module
     from ssm.scan import cpu
 
@@ -183,14 +185,14 @@ def test_a_mamba_block_step_in_one_c_call_equals_the_tensor_path(kind, dtype, mo
         pytest.fail("the cpu kernels did not build: the fused block step is untested")
     cfg = FUSED_CONFIGS[kind]
     torch.manual_seed(0)
-    model = MambaLM(MambaConfig(n_layer=2, vocab_size=45, **{"d_model": 32, **cfg})).to(dtype).eval()
+    model = MambaLM(MambaConfig(n_layer=3, vocab_size=45, **{"d_model": 32, **cfg})).to(dtype).eval()
     with torch.no_grad():  # non-zero biases, so that a dropped bias shows
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(generator=torch.Generator().manual_seed(len(name)))
     ids = torch.randint(0, 45, (3, 12), generator=torch.Generator().manual_seed(1))
     taken = []
-    fused_step, c_step = mamba_module.mamba_block_step_cpu, step_module.selective_step_cpu
+    fused_step, c_step = lm_module.mamba_blocks_step_cpu, step_module.selective_step_cpu
 
     def spy(*args, **kwargs):
         out = fused_step(*args, **kwargs)
@@ -198,13 +200,13 @@ def test_a_mamba_block_step_in_one_c_call_equals_the_tensor_path(kind, dtype, mo
         return out
 
     def decode(fused: bool):
-        monkeypatch.setattr(mamba_module, "mamba_block_step_cpu", spy if fused else lambda *a, **k: None)
+        monkeypatch.setattr(lm_module, "mamba_blocks_step_cpu", spy if fused else lambda *a, **k: None)
         monkeypatch.setattr(step_module, "selective_step_cpu", c_step if fused else lambda *a: None)
         cache = model.allocate_inference_cache(3, dtype=dtype)
         with torch.no_grad():
             model(ids[:, :5], cache=cache)
-            cache.layers[0].conv_state = cache.layers[0].conv_state.contiguous()
-            cache.layers[1].conv_state = cache.layers[1].conv_state.contiguous()
+            for layer_cache in cache.layers:
+                layer_cache.conv_state = layer_cache.conv_state.contiguous()
             logits = torch.stack([model.step(ids[:, t], cache) for t in range(5, 12)], 1)
         return logits, cache
 
@@ -218,19 +220,19 @@ def test_a_mamba_block_step_in_one_c_call_equals_the_tensor_path(kind, dtype, mo
         torch.testing.assert_close(mine.ssm_state, theirs.ssm_state, rtol=tol, atol=tol)
 
 
-def test_the_fused_block_step_is_not_taken_where_it_does_not_apply(monkeypatch):
+def test_the_fused_blocks_step_is_not_taken_where_it_does_not_apply(monkeypatch):
     """LayerNorm blocks, a gradient to keep: the tensor path (and still prefill + steps = forward)."""
-    import ssm.layers.mamba as mamba_module
+    import ssm.models.lm as lm_module
 
     calls = []
-    fused_step = mamba_module.mamba_block_step_cpu
+    fused_step = lm_module.mamba_blocks_step_cpu
 
     def spy(*args, **kwargs):
         out = fused_step(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(mamba_module, "mamba_block_step_cpu", spy)
+    monkeypatch.setattr(lm_module, "mamba_blocks_step_cpu", spy)
     ids = torch.randint(0, 45, (2, 6), generator=torch.Generator().manual_seed(1))
     for kind, grad in (("layernorm-fp16-residual", False), ("mamba1", True)):
         model = tiny(kind)
@@ -240,4 +242,4 @@ def test_the_fused_block_step_is_not_taken_where_it_does_not_apply(monkeypatch):
             step = model.step(ids[:, 5], cache)
         assert step.requires_grad == grad
         torch.testing.assert_close(step, model(ids)[:, -1], rtol=1e-9, atol=1e-9)
-    assert calls == [False, False]  # LayerNorm: never asked; with a gradient: declined
+    assert calls == [False]  # LayerNorm: never asked; with a gradient: declined
