@@ -833,6 +833,7 @@ def mamba_blocks_step_cpu(
     args = (_BlockStepArgs * len(blocks))()
     # outputs alternate between two (hidden, residual) pairs: block l reads block l - 1's pair
     pairs = hidden.new_empty(2, 2, batch, d_model)
+    pair_ptrs = [(pairs[p, 0].data_ptr(), pairs[p, 1].data_ptr()) for p in (0, 1)]
     work_size = 0
     for i, (a, block) in enumerate(zip(args, blocks)):
         dim, N = block["A"].shape
@@ -841,11 +842,8 @@ def mamba_blocks_step_cpu(
         a.nthreads, a.eps = _threads(), block["eps"]
         for name in BLOCK_STEP_TENSORS:
             setattr(a, name, _ptr(block[name]))
-        if i == 0:
-            a.hidden, a.residual = hidden.data_ptr(), None
-        else:
-            a.hidden, a.residual = pairs[(i - 1) % 2, 0].data_ptr(), pairs[(i - 1) % 2, 1].data_ptr()
-        a.new_hidden, a.new_residual = pairs[i % 2, 0].data_ptr(), pairs[i % 2, 1].data_ptr()
+        a.hidden, a.residual = (hidden.data_ptr(), None) if i == 0 else pair_ptrs[(i - 1) % 2]
+        a.new_hidden, a.new_residual = pair_ptrs[i % 2]
         work_size = max(work_size, batch * (d_model + 5 * dim + R + 2 * N))
     work = hidden.new_empty(work_size)
     for a in args:
