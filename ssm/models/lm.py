@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..layers import Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, RMSNorm
-from ..scan.cpu import mamba_blocks_step_cpu
+from ..scan import mamba_blocks_step_cpu
 from .config import MambaConfig
 
 _MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}

@@ -5,6 +5,8 @@
     ssd(x, dt, A, B, C, ...)                 Mamba-2 / SSD: a scalar decay per head (ssd.py)
     trapezoidal_scan(x, dt, A, B, C, ...)    Mamba-3: trapezoidal rule, rotary state, MIMO (trapezoidal.py)
     selective_scan_step, ssd_step            one step of each, for recurrent inference (step.py)
+    mamba_blocks_step_cpu(hidden, blocks)    a stack of Mamba-1 blocks' decoding step, and the LM
+                                             head, in one C call on the CPU, or None (cpu.py)
     scan(fn, init, xs, checkpoint=...)       any step fn over pytrees (jax.lax.scan), O(√L) backward
     associative_scan(fn, elems, dim=...)     parallel prefix of any associative fn (generic.py)
 
@@ -26,6 +28,7 @@ from . import selective as _selective
 from . import ssd as _ssd
 from . import trapezoidal as _trapezoidal
 from ._common_trapezoidal import TrapezoidalState
+from .cpu import mamba_blocks_step_cpu
 from .generic import associative_scan, scan
 from .linear import linear_scan
 from .reference import linear_scan_ref, selective_scan_ref, ssd_ref, trapezoidal_scan_ref
@@ -55,6 +58,7 @@ __all__ = [
     "selective_scan_step",
     "ssd_step",
     "trapezoidal_scan_step",
+    "mamba_blocks_step_cpu",
     "scan",
     "associative_scan",
     "backends",
