@@ -514,7 +514,7 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                     const REAL *go = (const REAL *)a->grad_out + b * a->sgo[0] + d * a->sgo[1];
                     REAL *du = (REAL *)a->d_u + (b * Dn + d) * L, *ddl = (REAL *)a->d_delta + (b * Dn + d) * L;
                     REAL *dz = a->d_z ? (REAL *)a->d_z + (b * Dn + d) * L : NULL;
-                    /* where dB_t, dC_t go: per-thread rows of this (batch, group), or the channel's sums */
+                    /* where dB_t, dC_t go: this block's rows of this (batch, group), or the channel's sums */
                     REAL *pBb = pB ? pB + (b * GB + gB) * L * N : accB, *pCb = pC ? pC + (b * GC + gC) * L * N : accC;
                     const i64 spB = pB ? N : 0, spC = pC ? N : 0;
                     for (i64 s = 0; s < S; s++) /* zero-length sequences pass their gradient through */
@@ -546,7 +546,7 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                         /* the gate: gy = grad_out·silu(z), dz = grad_out·y·silu'(z) with y = C·h + D·u */
                         for (i64 k = 0; k < nt; k++) gy[k] = go[(t0 + k) * a->sgo[2]];
                         if (a->z) {
-    #pragma omp simd
+#pragma omp simd
                             for (i64 k = 0; k < nt; k++) {
                                 const REAL zt = zv[k], sg = SUF(sigmoid)(zt), g = gy[k];
                                 dz[t0 + k] = g * (y[k] + Dd * u[k]) * sg * (1 + zt * (1 - sg));
@@ -577,10 +577,10 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                         if (a->softplus) { /* softplus' derivative in a loop of its own: inside the next one
                                               it made that loop cost more than all the rest of the backward
                                               (measured: ssd's backward 6.9 -> 2.9 ms at (1, 1024, 8·32), N 16) */
-    #pragma omp simd
+#pragma omp simd
                             for (i64 k = 0; k < nt; k++) raw[k] = raw[k] > 20 ? 1 : SUF(sigmoid)(raw[k]);
                         }
-    #pragma omp simd reduction(+ : sum_bias, sum_D)
+#pragma omp simd reduction(+ : sum_bias, sum_D)
                         for (i64 k = 0; k < nt; k++) {
                             REAL gdt = sA[k] + u[k] * sBk[k];
                             if (a->softplus) gdt *= raw[k];
@@ -838,58 +838,56 @@ static void SUF(block_step)(const BlockStepArgs *a) {
        conv's output after SiLU; zg (Bn, Dn), SiLU(z); xdbl (Bn, X); y (Bn, Dn), Δ then the output */
     REAL *normed = (REAL *)a->work, *xz = normed + Bn * M, *xc = xz + Bn * 2 * Dn, *zg = xc + Bn * Dn;
     REAL *xdbl = zg + Bn * Dn, *y = xdbl + Bn * X;
-    {
 #pragma omp for schedule(static)
-        for (i64 b = 0; b < Bn; b++)
-            SUF(add_rms_norm)(hid + b * M, res ? res + b * M : NULL, (const REAL *)a->norm_w, a->eps, M,
-                              new_res + b * M, normed + b * M);
+    for (i64 b = 0; b < Bn; b++)
+        SUF(add_rms_norm)(hid + b * M, res ? res + b * M : NULL, (const REAL *)a->norm_w, a->eps, M,
+                          new_res + b * M, normed + b * M);
 #pragma omp for schedule(static)
-        for (i64 o = 0; o < 2 * Dn; o += 4) /* in_proj: x and z */
-            SUF(project_rows)(in_w, in_b, M, 2 * Dn, o, Bn, normed, M, xz, 2 * Dn);
-        /* Per-channel work, each thread on its own channels c0 .. c1-1 (blocks of 4, as dt_proj
-           reads its rows) so that the stages between two projections need no barrier; the exps
-           of the SiLUs and the softplus vectorised across channels (measured at mamba-130m's
-           width: 80 µs a layer for these stages with one exp at a time, 57 µs so). */
-        const i64 team = omp_get_num_threads(), tid = omp_get_thread_num(), nblk = (Dn + 3) / 4;
-        const i64 c0 = 4 * (tid * nblk / team), c1 = 4 * ((tid + 1) * nblk / team) < Dn ? 4 * ((tid + 1) * nblk / team) : Dn;
-        for (i64 b = 0; b < Bn; b++) { /* the conv's step and SiLU; SiLU(z) */
-            REAL *xcb = xc + b * Dn, *zgb = zg + b * Dn;
-            const REAL *xb = xz + b * 2 * Dn;
-            for (i64 c = c0; c < c1; c++) {
-                REAL *st = conv_state + (b * Dn + c) * K, acc = conv_b ? conv_b[c] : 0;
-                for (i64 k = 0; k + 1 < K; k++) st[k] = st[k + 1];
-                st[K - 1] = xb[c];
-                for (i64 k = 0; k < K; k++) acc += st[k] * conv_w[c * K + k];
-                xcb[c] = acc;
-            }
-#pragma omp simd
-            for (i64 c = c0; c < c1; c++) {
-                xcb[c] *= SUF(sigmoid)(xcb[c]);
-                zgb[c] = xb[Dn + c] * SUF(sigmoid)(xb[Dn + c]);
-            }
+    for (i64 o = 0; o < 2 * Dn; o += 4) /* in_proj: x and z */
+        SUF(project_rows)(in_w, in_b, M, 2 * Dn, o, Bn, normed, M, xz, 2 * Dn);
+    /* Per-channel work, each thread on its own channels c0 .. c1-1 (blocks of 4, as dt_proj
+       reads its rows) so that the stages between two projections need no barrier; the exps
+       of the SiLUs and the softplus vectorised across channels (measured at mamba-130m's
+       width: 80 µs a layer for these stages with one exp at a time, 57 µs so). */
+    const i64 team = omp_get_num_threads(), tid = omp_get_thread_num(), nblk = (Dn + 3) / 4;
+    const i64 c0 = 4 * (tid * nblk / team), c1 = 4 * ((tid + 1) * nblk / team) < Dn ? 4 * ((tid + 1) * nblk / team) : Dn;
+    for (i64 b = 0; b < Bn; b++) { /* the conv's step and SiLU; SiLU(z) */
+        REAL *xcb = xc + b * Dn, *zgb = zg + b * Dn;
+        const REAL *xb = xz + b * 2 * Dn;
+        for (i64 c = c0; c < c1; c++) {
+            REAL *st = conv_state + (b * Dn + c) * K, acc = conv_b ? conv_b[c] : 0;
+            for (i64 k = 0; k + 1 < K; k++) st[k] = st[k + 1];
+            st[K - 1] = xb[c];
+            for (i64 k = 0; k < K; k++) acc += st[k] * conv_w[c * K + k];
+            xcb[c] = acc;
         }
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (i64 o = 0; o < X; o += 4) /* x_proj: Δ's low rank, B, C */
-            SUF(project_rows)(x_w, NULL, Dn, X, o, Bn, xc, Dn, xdbl, X);
-        for (i64 o = c0; o < c1; o += 4) /* dt_proj, on this thread's channels */
-            SUF(project_rows)(dt_w, dt_b, R, Dn, o, Bn, xdbl, X, y, Dn);
-        for (i64 b = 0; b < Bn; b++) {
-            REAL *yb = y + b * Dn;
-            const REAL *xb = xdbl + b * X, *xcb = xc + b * Dn, *zgb = zg + b * Dn;
 #pragma omp simd
-            for (i64 c = c0; c < c1; c++) yb[c] = SUF(softplus)(yb[c]); /* Δ */
-            for (i64 c = c0; c < c1; c++) { /* the selective step, D, the gate */
-                REAL *h = H + (b * Dn + c) * N;
-                const REAL v = SUF(step_channel)(h, h, A + c * N, xb + R, xb + R + N, yb[c], xcb[c], N);
-                yb[c] = (v + (Dskip ? Dskip[c] * xcb[c] : 0)) * zgb[c];
-            }
+        for (i64 c = c0; c < c1; c++) {
+            xcb[c] *= SUF(sigmoid)(xcb[c]);
+            zgb[c] = xb[Dn + c] * SUF(sigmoid)(xb[Dn + c]);
         }
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (i64 o = 0; o < M; o += 4) /* out_proj */
-            SUF(project_rows)(out_w, out_b, Dn, M, o, Bn, y, Dn, new_hid, M);
     }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (i64 o = 0; o < X; o += 4) /* x_proj: Δ's low rank, B, C */
+        SUF(project_rows)(x_w, NULL, Dn, X, o, Bn, xc, Dn, xdbl, X);
+    for (i64 o = c0; o < c1; o += 4) /* dt_proj, on this thread's channels */
+        SUF(project_rows)(dt_w, dt_b, R, Dn, o, Bn, xdbl, X, y, Dn);
+    for (i64 b = 0; b < Bn; b++) {
+        REAL *yb = y + b * Dn;
+        const REAL *xb = xdbl + b * X, *xcb = xc + b * Dn, *zgb = zg + b * Dn;
+#pragma omp simd
+        for (i64 c = c0; c < c1; c++) yb[c] = SUF(softplus)(yb[c]); /* Δ */
+        for (i64 c = c0; c < c1; c++) { /* the selective step, D, the gate */
+            REAL *h = H + (b * Dn + c) * N;
+            const REAL v = SUF(step_channel)(h, h, A + c * N, xb + R, xb + R + N, yb[c], xcb[c], N);
+            yb[c] = (v + (Dskip ? Dskip[c] * xcb[c] : 0)) * zgb[c];
+        }
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (i64 o = 0; o < M; o += 4) /* out_proj */
+        SUF(project_rows)(out_w, out_b, Dn, M, o, Bn, y, Dn, new_hid, M);
 }
 
 /* The decoding step of n Mamba-1 blocks in order (layers[l] reads layers[l-1]'s outputs), then
