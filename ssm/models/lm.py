@@ -91,16 +91,15 @@ class MambaBackbone(nn.Module):
         caller steps the blocks one by one. Same numbers either way."""
         if input_ids.ndim != 1 or not isinstance(self.norm_f, RMSNorm) or lm_head.bias is not None:
             return None
-        hidden = self.embedding(input_ids)
         blocks = []
         for layer, layer_cache in zip(self.layers, cache.layers):
             tensors = layer.step_tensors(layer_cache)
             if tensors is None:
                 return None
-            layer_cache.check_batch(hidden.shape[0])
+            layer_cache.check_batch(input_ids.shape[0])
             blocks.append(tensors)
         head = dict(norm_w=self.norm_f.weight, eps=self.norm_f.eps, weight=lm_head.weight)
-        return mamba_blocks_step_cpu(hidden, blocks, head)
+        return mamba_blocks_step_cpu(self.embedding(input_ids), blocks, head)
 
 
 class MambaLM(nn.Module):
