@@ -43,8 +43,8 @@ class _DepthwiseConv(torch.autograd.Function):
     """``F.conv1d(h, weight, bias, groups=channels)`` (h (batch, D, K - 1 + L), weight
     (D, 1, K)) with a backward in three plain passes: the input's gradient is the same
     depthwise conv of the zero-padded output gradient with the flipped taps, the weight's K
-    sums of a shifted product, the bias's one sum. Measured 2x faster than torch's own
-    convolution backward for these shapes on the CPU (19.4 -> 9.3 ms at (8, 512, 512), K 4)."""
+    sums of a shifted product, the bias's one sum. Measured on the CPU against torch's own
+    convolution backward, causal_conv1d fwd+bwd: 25.3 -> 11.5 ms at (8, 512, 512), K 4."""
 
     @staticmethod
     def forward(ctx, h, weight, bias):
