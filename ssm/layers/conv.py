@@ -35,7 +35,9 @@ def causal_conv1d(
     else:
         history = torch.cat([state[..., 1:].to(x.dtype), x], dim=-1)  # (batch, D, K - 1 + L)
     y = _DepthwiseConv.apply(history, weight, bias)
-    new_state = None if state is None else history[..., -K:].to(state.dtype)
+    # a copy of its own: a view would keep the whole (batch, D, K - 1 + L) history alive in the
+    # cache, and a strided state takes decoding off its fused C step
+    new_state = None if state is None else history[..., -K:].to(state.dtype).contiguous()
     return y, new_state
 
 

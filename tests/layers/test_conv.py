@@ -40,3 +40,15 @@ def test_values_and_gradients(with_bias, with_state):
         return causal_conv1d(next(it), next(it), next(it) if with_bias else None, next(it) if with_state else None)[0]
 
     assert torch.autograd.gradcheck(conv, inputs)
+
+
+def test_the_new_state_is_the_last_inputs_in_a_tensor_of_its_own():
+    """The state after a long prefill is the last K inputs, contiguous and in storage of its own
+    size: a view would keep the whole (batch, D, K - 1 + L) history alive in the cache."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 500, generator=g)
+    state = torch.randn(2, 3, 4, generator=g)
+    _, new_state = causal_conv1d(x, torch.randn(3, 1, 4, generator=g), None, state)
+    assert torch.equal(new_state, x[..., -4:])
+    assert new_state.is_contiguous()
+    assert new_state.untyped_storage().nbytes() == new_state.numel() * new_state.element_size()
