@@ -15,6 +15,7 @@ from torch import nn
 
 from ..layers import Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, RMSNorm
 from ..scan import mamba_blocks_step_cpu
+from ..scan.cpu import MambaBlocksStep
 from .config import MambaConfig
 
 _MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}
@@ -89,17 +90,43 @@ class MambaBackbone(nn.Module):
         norm and ``lm_head`` — where it applies (Mamba-1 blocks without an MLP, RMSNorms, on the
         CPU, without gradients: ``ssm.scan.cpu.mamba_blocks_step_cpu``); else None, and the
         caller steps the blocks one by one. Same numbers either way."""
-        if input_ids.ndim != 1 or not isinstance(self.norm_f, RMSNorm) or lm_head.bias is not None:
+        if input_ids.ndim != 1:
+            return None
+        parts = self._fused_parts(cache, lm_head, input_ids.shape[0])
+        return None if parts is None else mamba_blocks_step_cpu(self.embedding(input_ids), *parts)
+
+    def prepare_fused_step(self, cache: InferenceCache, lm_head: nn.Linear):
+        """``fused_step`` with its C arguments built once: a function input_ids (batch,) →
+        logits, or None where the fused step does not apply. For a caller that changes neither
+        the model's parameters nor the cache's tensors between tokens (``MambaLM.generate``):
+        it does not look them up again. Its logits are overwritten by the next call."""
+        parts = self._fused_parts(cache, lm_head, cache.batch_size)
+        if parts is None:
+            return None
+        weight = self.embedding.weight
+        step = MambaBlocksStep.prepare(weight.new_empty(cache.batch_size, weight.shape[1]), *parts)
+        if step is None:
+            return None
+
+        def run(input_ids):
+            step.hidden.copy_(self.embedding(input_ids))
+            return step()
+
+        return run
+
+    def _fused_parts(self, cache: InferenceCache, lm_head: nn.Linear, batch: int):
+        """The blocks' and the head's tensors for ``mamba_blocks_step_cpu``, or None where a
+        block or the head does not fit it."""
+        if not isinstance(self.norm_f, RMSNorm) or lm_head.bias is not None:
             return None
         blocks = []
         for layer, layer_cache in zip(self.layers, cache.layers):
             tensors = layer.step_tensors(layer_cache)
             if tensors is None:
                 return None
-            layer_cache.check_batch(input_ids.shape[0])
+            layer_cache.check_batch(batch)
             blocks.append(tensors)
-        head = dict(norm_w=self.norm_f.weight, eps=self.norm_f.eps, weight=lm_head.weight)
-        return mamba_blocks_step_cpu(self.embedding(input_ids), blocks, head)
+        return blocks, dict(norm_w=self.norm_f.weight, eps=self.norm_f.eps, weight=lm_head.weight)
 
 
 class MambaLM(nn.Module):
@@ -275,6 +302,7 @@ class MambaLM(nn.Module):
             logits = self.lm_head(hidden[0, cu_seqlens[1:] - 1])  # (batch, V)
         tokens = [input_ids]
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        step = self._decoding_step(cache)
         for i in range(max_new_tokens):
             next_ids = sample(logits[:, : self.config.vocab_size], temperature, top_k, top_p, generator)
             if eos_token_id is not None:
@@ -283,8 +311,23 @@ class MambaLM(nn.Module):
             tokens.append(next_ids[:, None])
             if i + 1 == max_new_tokens or bool(done.all()):
                 break
-            logits = self.step(next_ids, cache)
+            logits = step(next_ids)
         return torch.cat(tokens, dim=1)
+
+    def _decoding_step(self, cache: InferenceCache):
+        """``generate``'s step: token ids (batch,), drawn from the vocabulary, → logits. The
+        fused C step prepared once where it applies (nothing changes the model or the cache's
+        tensors between generate's tokens); else ``step``."""
+        fused = self.backbone.prepare_fused_step(cache, self.lm_head)
+        if fused is None:
+            return lambda input_ids: self.step(input_ids, cache)
+
+        def step(input_ids):
+            logits = fused(input_ids)
+            cache.seqlen_offset += 1
+            return logits
+
+        return step
 
     def save_pretrained(self, save_directory, safe_serialization: bool = False) -> None:
         """Write config.json and pytorch_model.bin (mamba-ssm's format; model.safetensors with

@@ -814,47 +814,77 @@ def mamba_blocks_step_cpu(
     None when it does not apply, and the caller takes the tensor path: every tensor on the CPU,
     contiguous, of one dtype (float32 or float64), no gradient to keep, not inside
     torch.compile, kernels built. The caller validates shapes against its layers."""
-    dtype = hidden.dtype
-    tensors = [hidden] + [t for block in blocks for name in BLOCK_STEP_TENSORS if (t := block[name]) is not None]
-    if head is not None:
-        tensors += [head["norm_w"], head["weight"]]
-    if (
-        not blocks
-        or dtype not in (torch.float32, torch.float64)
-        or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors)
-        or torch.compiler.is_compiling()
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-    ):
-        return None
-    lib = kernels()
-    if lib is None:
-        return None
-    batch, d_model = hidden.shape
-    args = (_BlockStepArgs * len(blocks))()
-    # outputs alternate between two (hidden, residual) pairs: block l reads block l - 1's pair
-    pairs = hidden.new_empty(2, 2, batch, d_model)
-    pair_ptrs = [(pairs[p, 0].data_ptr(), pairs[p, 1].data_ptr()) for p in (0, 1)]
-    work_size = 0
-    for i, (a, block) in enumerate(zip(args, blocks)):
-        dim, N = block["A"].shape
-        R = block["dt_w"].shape[1]
-        a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, block["conv_w"].shape[-1]
-        a.nthreads, a.eps = _threads(), block["eps"]
-        for name in BLOCK_STEP_TENSORS:
-            setattr(a, name, _ptr(block[name]))
-        a.hidden, a.residual = (hidden.data_ptr(), None) if i == 0 else pair_ptrs[(i - 1) % 2]
-        a.new_hidden, a.new_residual = pair_ptrs[i % 2]
-        work_size = max(work_size, batch * (d_model + 5 * dim + R + 2 * N))
-    work = hidden.new_empty(work_size)
-    for a in args:
-        a.work = work.data_ptr()
-    last = (len(blocks) - 1) % 2
-    if head is None:
-        getattr(lib, "mamba_blocks_step" + _suffix(hidden))(args, len(blocks), None)
-        return pairs[last, 0], pairs[last, 1]
-    h = _HeadArgs()
-    h.vocab, h.eps = head["weight"].shape[0], head["eps"]
-    logits = hidden.new_empty(batch, h.vocab)
-    h.norm_w, h.weight, h.logits = head["norm_w"].data_ptr(), head["weight"].data_ptr(), logits.data_ptr()
-    getattr(lib, "mamba_blocks_step" + _suffix(hidden))(args, len(blocks), ctypes.byref(h))
-    return logits
+    step = MambaBlocksStep.prepare(hidden, blocks, head)
+    return None if step is None else step()
+
+
+class MambaBlocksStep:
+    """``mamba_blocks_step_cpu`` prepared once and run once per token: the C arguments, the
+    scratch and the output buffers are built in ``prepare``, so a call costs only the C call
+    (building them took 0.5 ms a token at mamba-130m's 24 layers, checking and collecting the
+    tensors another 0.9 ms, against 19.5 ms for the C call).
+
+    The caller writes each token's input into ``hidden`` (the tensor given to ``prepare``) and
+    calls; the result (logits, or the (hidden, residual) pair) lives in buffers that the next
+    call overwrites. Valid only while every tensor it was prepared from keeps its storage and
+    layout (in-place changes of values are seen): for a caller that holds them fixed between
+    calls, such as ``MambaLM.generate``'s loop. It keeps them alive, so a stale one is never
+    freed memory."""
+
+    def __init__(self, tensors: list, fn, args, head: _HeadArgs | None, result):
+        self.hidden = tensors[0]
+        self._tensors, self._fn, self._args, self._head, self._result = tensors, fn, args, head, result
+        self._head_ref = None if head is None else ctypes.byref(head)
+
+    @classmethod
+    def prepare(cls, hidden: Tensor, blocks: Sequence[dict], head: dict | None = None) -> MambaBlocksStep | None:
+        """See ``mamba_blocks_step_cpu`` for the arguments, and for when this is None."""
+        dtype = hidden.dtype
+        tensors = [hidden] + [t for block in blocks for name in BLOCK_STEP_TENSORS if (t := block[name]) is not None]
+        if head is not None:
+            tensors += [head["norm_w"], head["weight"]]
+        if (
+            not blocks
+            or dtype not in (torch.float32, torch.float64)
+            or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors)
+            or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        ):
+            return None
+        lib = kernels()
+        if lib is None:
+            return None
+        batch, d_model = hidden.shape
+        args = (_BlockStepArgs * len(blocks))()
+        # outputs alternate between two (hidden, residual) pairs: block l reads block l - 1's pair
+        pairs = hidden.new_empty(2, 2, batch, d_model)
+        pair_ptrs = [(pairs[p, 0].data_ptr(), pairs[p, 1].data_ptr()) for p in (0, 1)]
+        work_size = 0
+        for i, (a, block) in enumerate(zip(args, blocks)):
+            dim, N = block["A"].shape
+            R = block["dt_w"].shape[1]
+            a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, block["conv_w"].shape[-1]
+            a.nthreads, a.eps = _threads(), block["eps"]
+            for name in BLOCK_STEP_TENSORS:
+                setattr(a, name, _ptr(block[name]))
+            a.hidden, a.residual = (hidden.data_ptr(), None) if i == 0 else pair_ptrs[(i - 1) % 2]
+            a.new_hidden, a.new_residual = pair_ptrs[i % 2]
+            work_size = max(work_size, batch * (d_model + 5 * dim + R + 2 * N))
+        work = hidden.new_empty(work_size)
+        for a in args:
+            a.work = work.data_ptr()
+        tensors += [pairs, work]
+        fn = getattr(lib, "mamba_blocks_step" + _suffix(hidden))
+        last = (len(blocks) - 1) % 2
+        if head is None:
+            return cls(tensors, fn, args, None, (pairs[last, 0], pairs[last, 1]))
+        h = _HeadArgs()
+        h.vocab, h.eps = head["weight"].shape[0], head["eps"]
+        logits = hidden.new_empty(batch, h.vocab)
+        h.norm_w, h.weight, h.logits = head["norm_w"].data_ptr(), head["weight"].data_ptr(), logits.data_ptr()
+        tensors.append(logits)
+        return cls(tensors, fn, args, h, logits)
+
+    def __call__(self) -> Tensor | tuple[Tensor, Tensor]:
+        self._fn(self._args, len(self._args), self._head_ref)
+        return self._result

@@ -84,6 +84,37 @@ def test_greedy_generation_equals_repeated_full_forward(kind):
     assert torch.equal(out, seq)
 
 
+def test_generation_runs_the_c_step_prepared_once(monkeypatch):
+    """``generate`` on the CPU prepares the blocks' C step once and runs it for every token
+    after the first (its arguments are not looked up again); the tokens are still those of
+    repeated full forwards (which share none of its code), also past a sequence's first steps."""
+    from ssm.scan import cpu
+
+    if cpu.kernels() is None:
+        pytest.fail("the cpu kernels did not build: the prepared step is untested")
+    calls, prepared = [], []
+    run, prepare = cpu.MambaBlocksStep.__call__, cpu.MambaBlocksStep.prepare.__func__
+
+    def spy_prepare(cls, *args, **kwargs):
+        prepared.append(1)
+        return prepare(cls, *args, **kwargs)
+
+    def spy_run(self):
+        calls.append(1)
+        return run(self)
+
+    monkeypatch.setattr(cpu.MambaBlocksStep, "prepare", classmethod(spy_prepare))
+    monkeypatch.setattr(cpu.MambaBlocksStep, "__call__", spy_run)
+    model = tiny("mamba1")
+    ids = torch.randint(0, 45, (3, 5), generator=torch.Generator().manual_seed(4))
+    out = model.generate(ids, 12, temperature=0)
+    assert prepared == [1] and len(calls) == 11
+    seq = ids
+    for _ in range(12):
+        seq = torch.cat([seq, model(seq)[:, -1, :45].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+
+
 def test_sampling_is_reproducible_and_top_k_one_is_greedy():
     model = tiny()
     ids = torch.randint(0, 45, (2, 4))
