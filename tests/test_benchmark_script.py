@@ -188,3 +188,28 @@ def test_ssd_mode_times_each_fast_backend(tmp_path):
     assert main([*args, "--warmup", "0", "--device", "cpu", "--json", str(path)]) == 0
     ms = json.loads(path.read_text())["ms"]
     assert set(ms) == {"chunked", "cpu"} and all(v > 0 for v in ms.values())
+
+
+def test_tie_gap_reads_the_first_difference_of_each_differing_row():
+    """tie_gap: for each row where two token sequences differ, the float64 logit gap of the two
+    tokens at the first difference, from the shared prefix; the largest over the rows. Checked
+    against logits written by hand: a model stub whose logits at position t are row t of a table."""
+    import torch
+
+    tie_gap = runpy.run_path(str(SCRIPT))["tie_gap"]
+    table = torch.arange(60, dtype=torch.float64).reshape(6, 10) ** 1.5 / 10
+
+    class Stub(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(1, 1)
+
+        def forward(self, ids):
+            return table[: ids.shape[1]][None].expand(ids.shape[0], -1, -1)
+
+    a = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 0]])
+    b = a.clone()
+    b[0, 4:] = torch.tensor([9, 0])  # first difference at 4: logits of position 3, tokens 5 and 9
+    b[2, 2] = 7  # at 2: position 1, tokens 0 and 7; row 1 the same
+    gap = tie_gap(Stub(), a, b)
+    assert math.isclose(gap, max(table[3, 9] - table[3, 5], table[1, 7] - table[1, 0]))
