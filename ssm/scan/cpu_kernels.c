@@ -106,7 +106,7 @@ static inline i64 prev_nonempty(const i64 *cu, i64 s) {
    grabs than on its steps (selective_fwd at L 1, 1536 channels: 300 µs). */
 #define GRAB_WORK 16384
 static inline i64 grab_size(i64 units, i64 work_per_unit, i64 nthreads) {
-    const i64 want = work_per_unit >= GRAB_WORK ? 1 : (GRAB_WORK + work_per_unit - 1) / work_per_unit;
+    const i64 want = work_per_unit >= GRAB_WORK ? 1 : work_per_unit < 1 ? GRAB_WORK : (GRAB_WORK + work_per_unit - 1) / work_per_unit;
     const i64 cap = units / (4 * nthreads);
     return want < cap ? want : cap > 1 ? cap : 1;
 }
