@@ -14,6 +14,21 @@ import torch
 import torch.nn.functional as F
 
 
+def causal_conv1d_silu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SiLU of the causal convolution of x (batch, L, D), channels last as in_proj leaves them
+    (e.g. x a view of in_proj's output), without history: (batch, L, D). On the CPU one C
+    kernel (``ssm.scan.cpu.causal_conv1d_cpu``: no copy of x, no padded copy, the SiLU fused,
+    the backward in the same pass); else ``causal_conv1d`` on x seen as (batch, D, L)."""
+    from ..scan.cpu import causal_conv1d_cpu
+
+    y = causal_conv1d_cpu(x, weight, bias, cu_seqlens, silu=True) if x.device.type == "cpu" else None
+    if y is None:
+        y = F.silu(causal_conv1d(x.transpose(1, 2), weight, bias, None, cu_seqlens)[0]).transpose(1, 2)
+    return y
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -6,12 +6,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from ..scan import selective_scan, selective_scan_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
-from .conv import causal_conv1d, causal_conv1d_step
+from .conv import causal_conv1d, causal_conv1d_silu, causal_conv1d_step
 from .norm import RMSNorm, upcast
 
 
@@ -106,14 +105,18 @@ class Mamba(nn.Module):
         cu_seqlens = check_packing(cu_seqlens, hidden_states)
         if cache is not None:
             cache.check_batch(hidden_states.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1)
-        x, z = rearrange(self.in_proj(hidden_states), "b l d -> b d l").chunk(2, dim=1)
-        x, conv_state = causal_conv1d(
-            x, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state, cu_seqlens
-        )
-        x = F.silu(x)
-        dt, B, C = self.x_proj(rearrange(x, "b d l -> b l d")).split([self.dt_rank, self.d_state, self.d_state], -1)
-        dt = rearrange(F.linear(dt, self.dt_proj.weight), "b l d -> b d l")
-        B, C = (rearrange(t, "b l n -> b n l") for t in (B, C))
+        x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (b, l, d) each
+        if cache is None:
+            x = causal_conv1d_silu(x, self.conv1d.weight, self.conv1d.bias, cu_seqlens)  # (b, l, d)
+        else:  # continuing from the cache's convolution state, and leaving the new one there
+            x, conv_state = causal_conv1d(
+                x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, cache.conv_state, cu_seqlens
+            )
+            x = F.silu(x).transpose(1, 2)
+        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], -1)
+        # the scan's (b, d, l) and (b, n, l), as views
+        x, z, B, C = (t.transpose(1, 2) for t in (x, z, B, C))
+        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)
         y, last_state = selective_scan(
             x,
             dt,
@@ -131,7 +134,7 @@ class Mamba(nn.Module):
         )
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
-        return self.out_proj(rearrange(y, "b d l -> b l d"))
+        return self.out_proj(y.transpose(1, 2))
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the

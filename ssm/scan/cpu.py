@@ -75,7 +75,7 @@ FLAGS = (
     "-fno-trapping-math",
     "-ffp-contract=fast",
 )
-ABI = 6  # what ssm_kernels_abi() returns for this version of the structs below
+ABI = 7  # what ssm_kernels_abi() returns for this version of the structs below
 
 # ----------------------------------------------------------------------------- building
 
@@ -194,8 +194,20 @@ class _HeadArgs(ctypes.Structure):
     ]
 
 
-_ARGS = {"selective_step": _StepArgs, "mamba_blocks_step": _BlockStepArgs}
+class _ConvArgs(ctypes.Structure):
+    """ConvArgs of cpu_kernels.c, field for field."""
+
+    _fields_ = [
+        (name, ctypes.c_int64) for name in ("batch", "length", "dim", "K", "sxb", "sx", "nseq", "silu", "nthreads")
+    ] + [
+        (name, ctypes.c_void_p)
+        for name in ("x", "wt", "bias", "cu_seqlens", "y", "grad", "d_x", "d_wt", "d_bias", "part")
+    ]
+
+
+_ARGS = {"selective_step": _StepArgs, "mamba_blocks_step": _BlockStepArgs, "conv_fwd": _ConvArgs, "conv_bwd": _ConvArgs}
 _KERNELS = ("selective_fwd", "selective_bwd", "linear_fwd", "linear_bwd", "selective_step", "mamba_blocks_step")
+_KERNELS += ("conv_fwd", "conv_bwd")
 _lock = threading.Lock()
 _built: dict[tuple, ctypes.CDLL | str] = {}  # build key -> the library, or why it failed
 _warned: set[tuple] = set()
@@ -676,6 +688,97 @@ def linear_scan_cpu(
     rows = E if cu_seqlens is None else cu_seqlens.numel() - 1  # E, or S packed sequences
     h0 = None if initial_state is None else initial_state.to(dtype).reshape(rows, F).contiguous()
     return _linear_fwd(a, x, h0, cu_seqlens, bool(reverse)).view(shape).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- causal conv
+
+
+def _conv_args(x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None, silu: bool) -> _ConvArgs:
+    batch, length, dim = x.shape
+    a = _ConvArgs()
+    a.batch, a.length, a.dim, a.K, a.sxb, a.sx = batch, length, dim, wt.shape[0], x.stride(0), x.stride(1)
+    a.nseq = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    a.silu, a.nthreads = int(silu), _threads()
+    a.x, a.wt, a.bias, a.cu_seqlens = x.data_ptr(), wt.data_ptr(), _ptr(bias), _ptr(cu_seqlens)
+    return a
+
+
+@torch.library.custom_op("ssm::cpu_causal_conv_fwd", mutates_args=(), device_types="cpu")
+def _conv_fwd(x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None, silu: bool) -> Tensor:
+    """x (B, L, D) with its channels contiguous (any batch and step strides), wt (K, D) and bias
+    (D,) contiguous, all of one dtype → (silu of) the causal depthwise convolution, (B, L, D)."""
+    a = _conv_args(x, wt, bias, cu_seqlens, silu)
+    y = x.new_empty(x.shape)
+    a.y = y.data_ptr()
+    getattr(kernels(), "conv_fwd" + _suffix(x))(ctypes.byref(a))
+    return y
+
+
+@_conv_fwd.register_fake
+def _(x, wt, bias, cu_seqlens, silu):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("ssm::cpu_causal_conv_bwd", mutates_args=(), device_types="cpu")
+def _conv_bwd(
+    grad: Tensor, x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None, silu: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of x (B, L, D) contiguous, wt and bias (an empty tensor without one) from
+    grad (B, L, D) contiguous."""
+    a = _conv_args(x, wt, bias, cu_seqlens, silu)
+    d_x, d_wt = x.new_empty(x.shape), torch.empty_like(wt)
+    d_bias = x.new_empty(wt.shape[1] if bias is not None else 0)
+    part = x.new_empty(a.nthreads * (2 * a.K + 1) * a.dim)  # per thread: its sums, and its ring of rows
+    a.grad, a.d_x, a.d_wt, a.d_bias, a.part = grad.data_ptr(), d_x.data_ptr(), d_wt.data_ptr(), None, part.data_ptr()
+    if bias is not None:
+        a.d_bias = d_bias.data_ptr()
+    getattr(kernels(), "conv_bwd" + _suffix(x))(ctypes.byref(a))
+    return d_x, d_wt, d_bias
+
+
+@_conv_bwd.register_fake
+def _(grad, x, wt, bias, cu_seqlens, silu):
+    return x.new_empty(x.shape), torch.empty_like(wt), x.new_empty(wt.shape[1] if bias is not None else 0)
+
+
+def _conv_setup(ctx, inputs, output):
+    x, wt, bias, cu_seqlens, silu = inputs
+    ctx.save_for_backward(x, wt, bias, cu_seqlens)
+    ctx.silu = silu
+
+
+def _conv_backward(ctx, grad):
+    x, wt, bias, cu_seqlens = ctx.saved_tensors
+    d_x, d_wt, d_bias = _conv_bwd(grad.contiguous(), x, wt, bias, cu_seqlens, ctx.silu)
+    return d_x, d_wt, (d_bias if bias is not None else None), None, None
+
+
+_conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+def causal_conv1d_cpu(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, cu_seqlens: Tensor | None = None, silu: bool = False
+) -> Tensor | None:
+    """The causal depthwise convolution of x (B, L, D), channels last as a Mamba layer's in_proj
+    leaves it (its channels contiguous; no copy of x), with weight (D, 1, K) and optional bias
+    (D,), each step reading itself and the K - 1 steps before it in its sequence (zeros before
+    a sequence's start; ``cu_seqlens`` (S + 1,) validated, int64, B = 1: packed sequences).
+    With ``silu``, SiLU of it, fused: the pre-activation is recomputed in the backward, never
+    stored. Returns (B, L, D) contiguous.
+
+    None when it does not apply, and the caller takes the tensor path: x, weight and bias on
+    the CPU in one dtype (float32 or float64), x's channels contiguous, kernels built."""
+    dtype = x.dtype
+    if (
+        dtype not in (torch.float32, torch.float64)
+        or x.ndim != 3
+        or x.stride(-1) != 1
+        or any(t is not None and (t.device.type != "cpu" or t.dtype != dtype) for t in (x, weight, bias))
+        or not _kernels_ready()
+    ):
+        return None
+    wt = weight[:, 0, :].t().contiguous()  # (K, D): a step's taps across channels are adjacent
+    return _conv_fwd(x, wt, None if bias is None else bias.contiguous(), cu_seqlens, bool(silu))
 
 
 # ----------------------------------------------------------------------------- without kernels

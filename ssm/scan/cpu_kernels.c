@@ -190,6 +190,40 @@ typedef struct {
     void *logits;
 } HeadArgs;
 
+/* Arguments of the causal depthwise convolution of a Mamba layer, in the layout in_proj leaves it:
+   x (B, L, D), channels contiguous, batch rows sxb and steps sx elements apart (in_proj's x half);
+   wt (K, D) the taps (tap K-1 on the current step); bias (D) or NULL; with cu_seqlens (S + 1,),
+   B = 1 and no tap reaches before its sequence's start (zeros there, as at step 0).
+   Forward: y (B, L, D) contiguous = silu(conv) with silu, else conv.
+   Backward: from grad (B, L, D) contiguous (of y), d_x (B, L, D) contiguous, d_wt (K, D), d_bias
+   (D) or NULL; part: scratch of nthreads·(K + 1)·D + nthreads·K·D elements. */
+typedef struct {
+    i64 batch, length, dim, K, sxb, sx, nseq, silu, nthreads;
+    const void *x, *wt, *bias;
+    const i64 *cu_seqlens;
+    void *y;
+    const void *grad;
+    void *d_x, *d_wt, *d_bias, *part;
+} ConvArgs;
+
+/* The first and one-past-last steps of the sequence holding step t (the last sequence s with
+   cu[s] <= t: it does not end before t, as empty sequences come before it). */
+static inline void seq_bounds(const i64 *cu, i64 S, i64 L, i64 t, i64 *lo, i64 *hi) {
+    if (!cu) {
+        *lo = 0;
+        *hi = L;
+        return;
+    }
+    i64 a = 0, b = S - 1;
+    while (a < b) {
+        const i64 m = (a + b + 1) / 2;
+        if (cu[m] <= t) a = m;
+        else b = m - 1;
+    }
+    *lo = cu[a];
+    *hi = cu[a + 1];
+}
+
 #define REAL float
 #define SUF(name) name##_f32
 #define EXP exp_f32
@@ -206,7 +240,7 @@ typedef struct {
 #define LOG1P log1p_f64
 #include __FILE__
 
-int ssm_kernels_abi(void) { return 6; }
+int ssm_kernels_abi(void) { return 7; }
 
 #else /* ------------------------------------------------------------- kernels, for one REAL */
 
@@ -924,6 +958,108 @@ void SUF(mamba_blocks_step)(const BlockStepArgs *layers, i64 n, const HeadArgs *
             for (i64 o = 0; o < head->vocab; o += 4)
                 SUF(project_rows)((const REAL *)head->weight, NULL, M, head->vocab, o, Bn, normed, M,
                                   (REAL *)head->logits, head->vocab);
+        }
+    }
+}
+
+/* One step's pre-activation of every channel: v[d] = bias[d] + Σ_k wt[k][d]·x[t - K + 1 + k][d],
+   taps before the sequence's first step lo left out. */
+static inline void SUF(conv_row)(const ConvArgs *a, const REAL *xb, i64 t, i64 lo, REAL *v) {
+    const i64 Dn = a->dim, K = a->K;
+    const REAL *wt = (const REAL *)a->wt, *bias = (const REAL *)a->bias;
+    for (i64 d = 0; d < Dn; d++) v[d] = bias ? bias[d] : 0;
+    for (i64 k = 0; k < K; k++) {
+        const i64 p = t - (K - 1) + k;
+        if (p < lo) continue;
+        const REAL *xp = xb + p * a->sx, *wk = wt + k * Dn;
+#pragma omp simd
+        for (i64 d = 0; d < Dn; d++) v[d] += wk[d] * xp[d];
+    }
+}
+
+/* Forward of the convolution (ConvArgs): rows (batch, step) split among the threads, channels
+   vectorised. */
+void SUF(conv_fwd)(const ConvArgs *a) {
+    const i64 L = a->length, Dn = a->dim, rows = a->batch * L;
+#pragma omp parallel for num_threads((int)a->nthreads) schedule(static) if (rows * Dn * a->K >= 65536)
+    for (i64 r = 0; r < rows; r++) {
+        const i64 b = r / L, t = r % L;
+        i64 lo, hi;
+        seq_bounds(a->cu_seqlens, a->nseq, L, t, &lo, &hi);
+        REAL *v = (REAL *)a->y + r * Dn;
+        SUF(conv_row)(a, (const REAL *)a->x + b * a->sxb, t, lo, v);
+        if (a->silu) {
+#pragma omp simd
+            for (i64 d = 0; d < Dn; d++) v[d] *= SUF(sigmoid)(v[d]);
+        }
+    }
+}
+
+/* Backward of the convolution. Each thread takes a contiguous block of rows and walks it from
+   its end, keeping the gradient of the pre-activation (g·silu'(v), v recomputed) of its last K
+   rows in a ring: d_x of row r needs rows r .. r+K-1 (those in r's sequence), so the K - 1 rows
+   past the block are recomputed rather than shared. d_wt and d_bias are summed per thread and
+   the threads' sums added in thread order (the same bits on every run with as many threads). */
+void SUF(conv_bwd)(const ConvArgs *a) {
+    const i64 L = a->length, Dn = a->dim, K = a->K, rows = a->batch * L;
+    const REAL *wt = (const REAL *)a->wt, *grad = (const REAL *)a->grad;
+    REAL *part = (REAL *)a->part;
+    i64 team = 1;
+#pragma omp parallel num_threads((int)a->nthreads)
+    {
+        const i64 nt = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp single
+        team = nt;
+        const i64 r0 = tid * rows / nt, r1 = (tid + 1) * rows / nt;
+        REAL *acc = part + tid * (K + 1) * Dn; /* d_wt (K, D), then d_bias (D) */
+        REAL *ring = part + a->nthreads * (K + 1) * Dn + tid * K * Dn;
+        for (i64 i = 0; i < (K + 1) * Dn; i++) acc[i] = 0;
+        const i64 top = r1 + K - 1 < rows ? r1 + K - 1 : rows;
+        for (i64 r = top - 1; r >= r0; r--) {
+            const i64 b = r / L, t = r % L;
+            i64 lo, hi;
+            seq_bounds(a->cu_seqlens, a->nseq, L, t, &lo, &hi);
+            const REAL *xb = (const REAL *)a->x + b * a->sxb, *gr = grad + r * Dn;
+            REAL *gv = ring + (r % K) * Dn;
+            if (a->silu) {
+                SUF(conv_row)(a, xb, t, lo, gv);
+#pragma omp simd
+                for (i64 d = 0; d < Dn; d++) {
+                    const REAL sg = SUF(sigmoid)(gv[d]);
+                    gv[d] = gr[d] * sg * (1 + gv[d] * (1 - sg));
+                }
+            } else {
+                for (i64 d = 0; d < Dn; d++) gv[d] = gr[d];
+            }
+            if (r >= r1) continue; /* a row past the block: only its gradient, for the rows before */
+            for (i64 k = 0; k < K; k++) {
+                const i64 p = t - (K - 1) + k;
+                if (p < lo) continue;
+                const REAL *xp = xb + p * a->sx;
+                REAL *ak = acc + k * Dn;
+#pragma omp simd
+                for (i64 d = 0; d < Dn; d++) ak[d] += gv[d] * xp[d];
+            }
+            REAL *ab = acc + K * Dn, *dx = (REAL *)a->d_x + r * Dn;
+#pragma omp simd
+            for (i64 d = 0; d < Dn; d++) {
+                ab[d] += gv[d];
+                dx[d] = wt[(K - 1) * Dn + d] * gv[d];
+            }
+            for (i64 j = 1; j < K && t + j < hi; j++) { /* row r + j's tap K-1-j read row r */
+                const REAL *gj = ring + ((r + j) % K) * Dn, *wj = wt + (K - 1 - j) * Dn;
+#pragma omp simd
+                for (i64 d = 0; d < Dn; d++) dx[d] += wj[d] * gj[d];
+            }
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (i64 i = 0; i < (K + 1) * Dn; i++) {
+            if (i >= K * Dn && !a->d_bias) continue;
+            REAL sum = 0;
+            for (i64 th = 0; th < team; th++) sum += part[th * (K + 1) * Dn + i];
+            if (i < K * Dn) ((REAL *)a->d_wt)[i] = sum;
+            else ((REAL *)a->d_bias)[i - K * Dn] = sum;
         }
     }
 }

@@ -52,3 +52,56 @@ def test_the_new_state_is_the_last_inputs_in_a_tensor_of_its_own():
     assert torch.equal(new_state, x[..., -4:])
     assert new_state.is_contiguous()
     assert new_state.untyped_storage().nbytes() == new_state.numel() * new_state.element_size()
+
+
+def packed_by_hand(x, weight, bias, cu_seqlens):
+    """by_hand on each packed sequence of x (1, D, L) alone: no tap crosses a boundary."""
+    cuts = cu_seqlens.tolist()
+    return torch.cat([by_hand(x[..., a:b], weight, bias, None) for a, b in zip(cuts, cuts[1:])], -1)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("case", ["plain", "packed", "no-bias", "K2", "strided-batch"], ids=lambda c: c)
+def test_the_channels_last_c_convolution(case, silu):
+    """causal_conv1d_cpu on x (B, L, D) as in_proj leaves it (a strided view of x and z side by
+    side): values against the loop above (per packed sequence alone), and its gradients of x,
+    weight and bias against finite differences (gradcheck, float64). L spans several of the
+    backward's row blocks per thread, so their recomputed edges are covered."""
+    from ssm.scan import cpu
+
+    if cpu.kernels() is None:
+        pytest.fail("the cpu kernels did not build: the C convolution is untested")
+    g = torch.Generator().manual_seed(1)
+    K = 2 if case == "K2" else 4
+    batch, L, D = (1, 23, 5) if case == "packed" else (3, 11, 5)
+    xz = torch.randn(batch, L, 2 * D, generator=g, dtype=torch.float64)
+    if case == "strided-batch":
+        xz = torch.randn(batch * 2, L, 2 * D, generator=g, dtype=torch.float64)[::2]
+    x = xz[..., :D].detach().requires_grad_()
+    weight = torch.randn(D, 1, K, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = None if case == "no-bias" else torch.randn(D, generator=g, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 4, 4, 5, 16, 23]) if case == "packed" else None
+
+    y = cpu.causal_conv1d_cpu(x, weight, bias, cu, silu=silu)
+    assert y is not None and y.shape == (batch, L, D) and y.is_contiguous()
+    xt = x.detach().transpose(1, 2)
+    want = packed_by_hand(xt, weight.detach(), bias, cu) if cu is not None else by_hand(xt, weight.detach(), bias, None)
+    if bias is not None:
+        want = want.detach()
+    if silu:
+        want = torch.nn.functional.silu(want)
+    torch.testing.assert_close(y, want.transpose(1, 2), rtol=1e-12, atol=1e-12)
+
+    inputs = (x, weight) + ((bias,) if bias is not None else ())
+    fn = lambda x, w, *b: cpu.causal_conv1d_cpu(x, w, b[0] if b else None, cu, silu=silu)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_the_channels_last_c_convolution_declines_what_it_does_not_run():
+    from ssm.scan import cpu
+
+    x = torch.randn(2, 6, 4)
+    w = torch.randn(4, 1, 4)
+    assert cpu.causal_conv1d_cpu(x.transpose(1, 2), torch.randn(6, 1, 4)) is None  # channels not contiguous
+    assert cpu.causal_conv1d_cpu(x.half(), w.half()) is None
+    assert cpu.causal_conv1d_cpu(x, w.double()) is None
