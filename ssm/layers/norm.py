@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..scan.cpu import rms_norm_cpu
+
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32, or as it is when wider (float64 models compute in float64)."""
@@ -21,8 +23,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's own rms_norm: the same formula in one call (decoding runs one per layer and token)
-        return F.rms_norm(upcast(x), (x.shape[-1],), upcast(self.weight), self.eps).to(x.dtype)
+        x32, w32 = upcast(x), upcast(self.weight)
+        # on the CPU one C pass forward and one backward; elsewhere torch's own rms_norm
+        y = rms_norm_cpu(x32, w32, self.eps) if x.device.type == "cpu" else None
+        if y is None:
+            y = F.rms_norm(x32, (x.shape[-1],), w32, self.eps)
+        return y.to(x.dtype)
 
 
 class RMSNormGated(nn.Module):

@@ -205,9 +205,17 @@ class _ConvArgs(ctypes.Structure):
     ]
 
 
-_ARGS = {"selective_step": _StepArgs, "mamba_blocks_step": _BlockStepArgs, "conv_fwd": _ConvArgs, "conv_bwd": _ConvArgs}
+class _NormArgs(ctypes.Structure):
+    """NormArgs of cpu_kernels.c, field for field."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "M", "nthreads")] + [("eps", ctypes.c_double)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("x", "w", "y", "rstd", "grad", "d_x", "d_w", "part")]
+
+
+_ARGS = {"selective_step": _StepArgs, "mamba_blocks_step": _BlockStepArgs}
+_ARGS |= {"conv_fwd": _ConvArgs, "conv_bwd": _ConvArgs, "rms_norm_fwd": _NormArgs, "rms_norm_bwd": _NormArgs}
 _KERNELS = ("selective_fwd", "selective_bwd", "linear_fwd", "linear_bwd", "selective_step", "mamba_blocks_step")
-_KERNELS += ("conv_fwd", "conv_bwd")
+_KERNELS += ("conv_fwd", "conv_bwd", "rms_norm_fwd", "rms_norm_bwd")
 _lock = threading.Lock()
 _built: dict[tuple, ctypes.CDLL | str] = {}  # build key -> the library, or why it failed
 _warned: set[tuple] = set()
@@ -779,6 +787,85 @@ def causal_conv1d_cpu(
         return None
     wt = weight[:, 0, :].t().contiguous()  # (K, D): a step's taps across channels are adjacent
     return _conv_fwd(x, wt, None if bias is None else bias.contiguous(), cu_seqlens, bool(silu))
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+def _norm_args(x: Tensor, w: Tensor, eps: float) -> _NormArgs:
+    a = _NormArgs()
+    a.M = w.shape[0]
+    a.rows, a.nthreads, a.eps = x.numel() // max(a.M, 1), _threads(), eps
+    a.x, a.w = x.data_ptr(), w.data_ptr()
+    return a
+
+
+@torch.library.custom_op("ssm::cpu_rms_norm_fwd", mutates_args=(), device_types="cpu")
+def _rms_norm_fwd(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """x (..., M) and w (M,) contiguous, of one dtype → (y like x, rstd (rows,))."""
+    a = _norm_args(x, w, eps)
+    y, rstd = torch.empty_like(x), x.new_empty(a.rows)
+    a.y, a.rstd = y.data_ptr(), rstd.data_ptr()
+    getattr(kernels(), "rms_norm_fwd" + _suffix(x))(ctypes.byref(a))
+    return y, rstd
+
+
+@_rms_norm_fwd.register_fake
+def _(x, w, eps):
+    return torch.empty_like(x), x.new_empty(x.numel() // max(w.shape[0], 1))
+
+
+@torch.library.custom_op("ssm::cpu_rms_norm_bwd", mutates_args=(), device_types="cpu")
+def _rms_norm_bwd(grad: Tensor, x: Tensor, w: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    a = _norm_args(x, w, 0.0)
+    d_x, d_w, part = torch.empty_like(x), torch.empty_like(w), x.new_empty(a.nthreads * a.M)
+    a.rstd, a.grad, a.d_x, a.d_w, a.part = (
+        rstd.data_ptr(),
+        grad.data_ptr(),
+        d_x.data_ptr(),
+        d_w.data_ptr(),
+        part.data_ptr(),
+    )
+    getattr(kernels(), "rms_norm_bwd" + _suffix(x))(ctypes.byref(a))
+    return d_x, d_w
+
+
+@_rms_norm_bwd.register_fake
+def _(grad, x, w, rstd):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, w, _ = inputs
+    ctx.save_for_backward(x, w, output[1])
+
+
+def _rms_norm_backward(ctx, grad, _grad_rstd):
+    x, w, rstd = ctx.saved_tensors
+    d_x, d_w = _rms_norm_bwd(grad.contiguous(), x, w, rstd)
+    return d_x, d_w, None
+
+
+_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """x / sqrt(mean(x², last dim) + eps) · weight in one pass, and its backward in one pass
+    (torch's eager backward of ``F.rms_norm`` is five elementwise operations, each a fresh
+    tensor); None where it does not apply and the caller takes ``F.rms_norm``: x and weight on
+    the CPU in one dtype (float32 or float64), x contiguous, kernels built."""
+    dtype = x.dtype
+    if (
+        dtype not in (torch.float32, torch.float64)
+        or x.device.type != "cpu"
+        or weight.device.type != "cpu"
+        or weight.dtype != dtype
+        or x.ndim == 0
+        or not x.is_contiguous()
+        or not _kernels_ready()
+    ):
+        return None
+    return _rms_norm_fwd(x, weight.contiguous(), float(eps))[0]
 
 
 # ----------------------------------------------------------------------------- without kernels

@@ -206,6 +206,18 @@ typedef struct {
     void *d_x, *d_wt, *d_bias, *part;
 } ConvArgs;
 
+/* Arguments of RMSNorm over the rows of x (rows, M) contiguous: y = x·rstd·w with rstd =
+   1/sqrt(mean(x²) + eps), kept (rows) for the backward; backward from grad (rows, M) contiguous:
+   d_x (rows, M), d_w (M); part: scratch of nthreads·M elements. */
+typedef struct {
+    i64 rows, M, nthreads;
+    double eps;
+    const void *x, *w;
+    void *y, *rstd;
+    const void *grad;
+    void *d_x, *d_w, *part;
+} NormArgs;
+
 /* The first and one-past-last steps of the sequence holding step t (the last sequence s with
    cu[s] <= t: it does not end before t, as empty sequences come before it). */
 static inline void seq_bounds(const i64 *cu, i64 S, i64 L, i64 t, i64 *lo, i64 *hi) {
@@ -1060,6 +1072,62 @@ void SUF(conv_bwd)(const ConvArgs *a) {
             for (i64 th = 0; th < team; th++) sum += part[th * (K + 1) * Dn + i];
             if (i < K * Dn) ((REAL *)a->d_wt)[i] = sum;
             else ((REAL *)a->d_bias)[i - K * Dn] = sum;
+        }
+    }
+}
+
+/* RMSNorm forward (NormArgs): a row per iteration. */
+void SUF(rms_norm_fwd)(const NormArgs *a) {
+    const i64 M = a->M;
+    const REAL *w = (const REAL *)a->w;
+#pragma omp parallel for num_threads((int)a->nthreads) schedule(static) if (a->rows * M >= 65536)
+    for (i64 r = 0; r < a->rows; r++) {
+        const REAL *x = (const REAL *)a->x + r * M;
+        REAL *y = (REAL *)a->y + r * M, ss = 0;
+#pragma omp simd reduction(+ : ss)
+        for (i64 m = 0; m < M; m++) ss += x[m] * x[m];
+        const REAL rs = 1 / sqrt(ss / M + (REAL)a->eps);
+        ((REAL *)a->rstd)[r] = rs;
+#pragma omp simd
+        for (i64 m = 0; m < M; m++) y[m] = x[m] * rs * w[m];
+    }
+}
+
+/* Its backward, with x̂ = x·rstd: d_x = rstd·(g·w - x̂·mean(g·w·x̂)), d_w = Σ_rows g·x̂. Each
+   thread sums d_w over its own block of rows; the blocks' sums are added in thread order (the
+   same bits on every run with as many threads). */
+void SUF(rms_norm_bwd)(const NormArgs *a) {
+    const i64 M = a->M, rows = a->rows;
+    const REAL *w = (const REAL *)a->w;
+    REAL *part = (REAL *)a->part;
+    i64 team = 1;
+#pragma omp parallel num_threads((int)a->nthreads)
+    {
+        const i64 nt = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp single
+        team = nt;
+        REAL *acc = part + tid * M;
+        for (i64 m = 0; m < M; m++) acc[m] = 0;
+        for (i64 r = tid * rows / nt; r < (tid + 1) * rows / nt; r++) {
+            const REAL *x = (const REAL *)a->x + r * M, *g = (const REAL *)a->grad + r * M;
+            REAL *dx = (REAL *)a->d_x + r * M, c = 0;
+            const REAL rs = ((const REAL *)a->rstd)[r];
+#pragma omp simd reduction(+ : c)
+            for (i64 m = 0; m < M; m++) c += g[m] * w[m] * x[m];
+            c *= rs / M;
+#pragma omp simd
+            for (i64 m = 0; m < M; m++) {
+                const REAL xh = x[m] * rs;
+                dx[m] = rs * (g[m] * w[m] - xh * c);
+                acc[m] += g[m] * xh;
+            }
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (i64 m = 0; m < M; m++) {
+            REAL sum = 0;
+            for (i64 th = 0; th < team; th++) sum += part[th * M + m];
+            ((REAL *)a->d_w)[m] = sum;
         }
     }
 }
