@@ -5,11 +5,18 @@ parallelism, and a sweep over L that keeps the state h in registers does O(L) wo
 (B, D, L, N) temporaries. The sweeps are written in plain C (cpu_kernels.c, next to this file):
 every thread takes whole channels (a work unit is one channel, or one block of columns of the
 linear scan) and walks all L steps of them alone, vectorised over N, so threads never wait on
-one another inside a sweep. The forwards hand units out dynamically, so a thread that shares its
-core with another busy process simply does fewer of them; the selective backward assigns
-channels statically, so that its per-thread sums of dB and dC are added in the same order on
-every run (bitwise-reproducible gradients for a given thread count). Softplus, the D·u skip and the silu(z)
-gate are fused into the sweep, and the backward writes every gradient in one reverse sweep.
+one another inside a sweep. Units are handed out dynamically, so a thread that shares its core
+with another busy process simply does fewer of them; the selective backward's units are blocks
+of channels, each summing its dB and dC into rows of its own, added up in block order
+(bitwise-reproducible gradients for a given thread count). Softplus, the D·u skip and the
+silu(z) gate are fused into the sweep, and the backward writes every gradient in one reverse
+sweep.
+
+The same library holds the rest of a Mamba-1 layer's CPU work that torch does poorly: the
+causal depthwise convolution with its SiLU on in_proj's output as it lies (B, L, D)
+(``causal_conv1d_cpu``), RMSNorm in one pass each way (``rms_norm_cpu``), and the decoding step
+of a whole stack of blocks in one call (``mamba_blocks_step_cpu``). They live here, beside the
+scans, because this is the one compiled library; the layers call them.
 
 Building: at first use the C file is compiled with the system C compiler (``$CC``, else cc,
 gcc or clang) as ``-O3 -march=native -fopenmp`` into a shared library in a user cache
@@ -26,7 +33,8 @@ at every call) asks for that path without building or warning. There is no other
 nothing is decided once for the process: a call that finds the library built uses it.
 
 The kernels are torch custom ops (``torch.ops.ssm.cpu_selective_scan_fwd`` / ``_bwd``,
-``cpu_linear_scan_fwd`` / ``_bwd``) with fake implementations and an autograd formula, so a
+``cpu_linear_scan_fwd`` / ``_bwd``, ``cpu_causal_conv_fwd`` / ``_bwd``, ``cpu_rms_norm_fwd`` /
+``_bwd``) with fake implementations and an autograd formula, so a
 user's ``torch.compile`` traces through them without graph breaks and calls the same kernels.
 No shape, dtype or option recompiles anything: one library serves every input.
 
