@@ -974,6 +974,18 @@ void SUF(mamba_blocks_step)(const BlockStepArgs *layers, i64 n, const HeadArgs *
     }
 }
 
+/* out[i] = Σ over threads th < team of part[th·stride + i], i < n: per-thread sums added in thread
+   order, so the same bits on every run with as many threads. Run by every thread of the parallel
+   region, after a barrier. */
+static inline void SUF(sum_parts)(const REAL *part, i64 team, i64 stride, i64 n, REAL *out) {
+#pragma omp for schedule(static)
+    for (i64 i = 0; i < n; i++) {
+        REAL sum = 0;
+        for (i64 th = 0; th < team; th++) sum += part[th * stride + i];
+        out[i] = sum;
+    }
+}
+
 /* One step's pre-activation of every channel: v[d] = bias[d] + Σ_k wt[k][d]·x[t - K + 1 + k][d],
    taps before the sequence's first step lo left out. */
 static inline void SUF(conv_row)(const ConvArgs *a, const REAL *xb, i64 t, i64 lo, REAL *v) {
@@ -1065,14 +1077,8 @@ void SUF(conv_bwd)(const ConvArgs *a) {
             }
         }
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (i64 i = 0; i < (K + 1) * Dn; i++) {
-            if (i >= K * Dn && !a->d_bias) continue;
-            REAL sum = 0;
-            for (i64 th = 0; th < team; th++) sum += part[th * (K + 1) * Dn + i];
-            if (i < K * Dn) ((REAL *)a->d_wt)[i] = sum;
-            else ((REAL *)a->d_bias)[i - K * Dn] = sum;
-        }
+        SUF(sum_parts)(part, team, (K + 1) * Dn, K * Dn, (REAL *)a->d_wt);
+        if (a->d_bias) SUF(sum_parts)(part + K * Dn, team, (K + 1) * Dn, Dn, (REAL *)a->d_bias);
     }
 }
 
@@ -1123,12 +1129,7 @@ void SUF(rms_norm_bwd)(const NormArgs *a) {
             }
         }
 #pragma omp barrier
-#pragma omp for schedule(static)
-        for (i64 m = 0; m < M; m++) {
-            REAL sum = 0;
-            for (i64 th = 0; th < team; th++) sum += part[th * M + m];
-            ((REAL *)a->d_w)[m] = sum;
-        }
+        SUF(sum_parts)(part, team, M, M, (REAL *)a->d_w);
     }
 }
 
