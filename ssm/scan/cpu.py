@@ -216,8 +216,9 @@ class _ConvArgs(ctypes.Structure):
 class _NormArgs(ctypes.Structure):
     """NormArgs of cpu_kernels.c, field for field."""
 
-    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "M", "nthreads")] + [("eps", ctypes.c_double)]
-    _fields_ += [(name, ctypes.c_void_p) for name in ("x", "w", "y", "rstd", "grad", "d_x", "d_w", "part")]
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "M", "group", "gate", "nthreads", "sz")]
+    _fields_ += [("eps", ctypes.c_double)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("x", "z", "w", "y", "rstd", "grad", "d_x", "d_z", "d_w", "part")]
 
 
 _ARGS = {"selective_step": _StepArgs, "mamba_blocks_step": _BlockStepArgs}
@@ -800,33 +801,40 @@ def causal_conv1d_cpu(
 # ----------------------------------------------------------------------------- RMSNorm
 
 
-def _norm_args(x: Tensor, w: Tensor, eps: float) -> _NormArgs:
+def _norm_args(x: Tensor, z: Tensor | None, w: Tensor, eps: float, group: int, gate: int) -> _NormArgs:
     a = _NormArgs()
-    a.M = w.shape[0]
+    a.M, a.group, a.gate = w.shape[0], group, gate
     a.rows, a.nthreads, a.eps = x.numel() // max(a.M, 1), _threads(), eps
-    a.x, a.w = x.data_ptr(), w.data_ptr()
+    a.x, a.z, a.w = x.data_ptr(), _ptr(z), w.data_ptr()
+    a.sz = 0 if z is None else z.stride(0)
     return a
 
 
 @torch.library.custom_op("ssm::cpu_rms_norm_fwd", mutates_args=(), device_types="cpu")
-def _rms_norm_fwd(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """x (..., M) and w (M,) contiguous, of one dtype → (y like x, rstd (rows,))."""
-    a = _norm_args(x, w, eps)
-    y, rstd = torch.empty_like(x), x.new_empty(a.rows)
+def _rms_norm_fwd(x: Tensor, z: Tensor | None, w: Tensor, eps: float, group: int, gate: int) -> tuple[Tensor, Tensor]:
+    """x (..., M) and w (M,) contiguous, z None or (rows, M) with its rows any stride apart, all
+    of one dtype → (y like x, rstd (rows, M / group)). gate: 0 none, 1 norm(x·silu(z)), 2
+    norm(x)·silu(z) (NormArgs in cpu_kernels.c)."""
+    a = _norm_args(x, z, w, eps, group, gate)
+    y, rstd = torch.empty_like(x), x.new_empty(a.rows, a.M // group)
     a.y, a.rstd = y.data_ptr(), rstd.data_ptr()
     getattr(kernels(), "rms_norm_fwd" + _suffix(x))(ctypes.byref(a))
     return y, rstd
 
 
 @_rms_norm_fwd.register_fake
-def _(x, w, eps):
-    return torch.empty_like(x), x.new_empty(x.numel() // max(w.shape[0], 1))
+def _(x, z, w, eps, group, gate):
+    return torch.empty_like(x), x.new_empty(x.numel() // max(w.shape[0], 1), w.shape[0] // group)
 
 
 @torch.library.custom_op("ssm::cpu_rms_norm_bwd", mutates_args=(), device_types="cpu")
-def _rms_norm_bwd(grad: Tensor, x: Tensor, w: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    a = _norm_args(x, w, 0.0)
+def _rms_norm_bwd(
+    grad: Tensor, x: Tensor, z: Tensor | None, w: Tensor, rstd: Tensor, group: int, gate: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of x, z (an empty tensor without one) and w."""
+    a = _norm_args(x, z, w, 0.0, group, gate)
     d_x, d_w, part = torch.empty_like(x), torch.empty_like(w), x.new_empty(a.nthreads * a.M)
+    d_z = torch.empty_like(z) if z is not None else x.new_empty(0)
     a.rstd, a.grad, a.d_x, a.d_w, a.part = (
         rstd.data_ptr(),
         grad.data_ptr(),
@@ -834,46 +842,63 @@ def _rms_norm_bwd(grad: Tensor, x: Tensor, w: Tensor, rstd: Tensor) -> tuple[Ten
         d_w.data_ptr(),
         part.data_ptr(),
     )
+    a.d_z = d_z.data_ptr() if z is not None else None
     getattr(kernels(), "rms_norm_bwd" + _suffix(x))(ctypes.byref(a))
-    return d_x, d_w
+    return d_x, d_z, d_w
 
 
 @_rms_norm_bwd.register_fake
-def _(grad, x, w, rstd):
-    return torch.empty_like(x), torch.empty_like(w)
+def _(grad, x, z, w, rstd, group, gate):
+    return torch.empty_like(x), torch.empty_like(z) if z is not None else x.new_empty(0), torch.empty_like(w)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, w, _ = inputs
-    ctx.save_for_backward(x, w, output[1])
+    x, z, w, _, group, gate = inputs
+    ctx.save_for_backward(x, z, w, output[1])
+    ctx.group, ctx.gate = group, gate
 
 
 def _rms_norm_backward(ctx, grad, _grad_rstd):
-    x, w, rstd = ctx.saved_tensors
-    d_x, d_w = _rms_norm_bwd(grad.contiguous(), x, w, rstd)
-    return d_x, d_w, None
+    x, z, w, rstd = ctx.saved_tensors
+    d_x, d_z, d_w = _rms_norm_bwd(grad.contiguous(), x, z, w, rstd, ctx.group, ctx.gate)
+    return d_x, (d_z if z is not None else None), d_w, None, None, None
 
 
 _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
-def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
-    """x / sqrt(mean(x², last dim) + eps) · weight in one pass, and its backward in one pass
-    (torch's eager backward of ``F.rms_norm`` is five elementwise operations, each a fresh
-    tensor); None where it does not apply and the caller takes ``F.rms_norm``: x and weight on
-    the CPU in one dtype (float32 or float64), x contiguous, kernels built."""
-    dtype = x.dtype
+def rms_norm_cpu(
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    z: Tensor | None = None,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+) -> Tensor | None:
+    """RMSNorm of x (..., M) over groups of ``group_size`` channels (default M), times
+    ``weight``, in one pass, and its backward in one pass (torch's eager backward of these
+    formulas is a handful of elementwise operations, each a fresh tensor). With ``z`` it is
+    Mamba-2's gated norm: norm(x·silu(z)), or norm(x)·silu(z) with ``norm_before_gate``.
+    None where it does not apply and the caller takes the tensor formulas: x, z and weight on
+    the CPU in one dtype (float32 or float64), x and z contiguous, kernels built."""
+    dtype, M = x.dtype, x.shape[-1] if x.ndim else 0
+    group = M if group_size is None else group_size
     if (
         dtype not in (torch.float32, torch.float64)
-        or x.device.type != "cpu"
-        or weight.device.type != "cpu"
-        or weight.dtype != dtype
         or x.ndim == 0
+        or group < 1
+        or M % group
+        or any(t is not None and (t.device.type != "cpu" or t.dtype != dtype) for t in (x, z, weight))
         or not x.is_contiguous()
+        or (z is not None and z.shape != x.shape)
         or not _kernels_ready()
     ):
         return None
-    return _rms_norm_fwd(x, weight.contiguous(), float(eps))[0]
+    if z is not None:  # rows of M a stride apart, as the kernels read it (a view where it can be)
+        z = z.reshape(-1, M)
+        z = z if z.stride(1) == 1 else z.contiguous()
+    gate = 0 if z is None else 2 if norm_before_gate else 1
+    return _rms_norm_fwd(x, z, weight.contiguous(), float(eps), group, gate)[0]
 
 
 # ----------------------------------------------------------------------------- without kernels

@@ -60,3 +60,35 @@ def test_the_c_rms_norm_declines_what_it_does_not_run():
     assert cpu.rms_norm_cpu(x.t(), torch.randn(4), 1e-5) is None  # not contiguous
     assert cpu.rms_norm_cpu(x.half(), w.half(), 1e-5) is None
     assert cpu.rms_norm_cpu(x, w.double(), 1e-5) is None
+
+
+def gated_by_formula(x, z, w, eps, group, norm_before_gate):
+    silu = z / (1 + torch.exp(-z))
+    v = x if norm_before_gate else x * silu
+    g = v.unflatten(-1, (-1, group))
+    y = (g / torch.sqrt((g * g).sum(-1, keepdim=True) / group + eps)).flatten(-2) * w
+    return y * silu if norm_before_gate else y
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+@pytest.mark.parametrize("group", [12, 4])
+def test_the_c_gated_rms_norm(group, norm_before_gate):
+    """Mamba-2's gated, grouped norm in C against the formula (float64), z a slice of a wider
+    tensor as in_proj leaves it (rows 20 apart), and its gradients of x, z and the weight by
+    gradcheck; 15 rows, split among the threads in the backward."""
+    from ssm.scan import cpu
+
+    if cpu.kernels() is None:
+        pytest.fail("the cpu kernels did not build: the C gated RMSNorm is untested")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    wide = torch.randn(3, 5, 20, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(12, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, wide, w):
+        return cpu.rms_norm_cpu(x, w, 1e-3, wide[..., 3:15], group, norm_before_gate)
+
+    torch.testing.assert_close(
+        fn(x, wide, w), gated_by_formula(x, wide[..., 3:15], w, 1e-3, group, norm_before_gate), rtol=1e-13, atol=1e-13
+    )
+    assert torch.autograd.gradcheck(fn, (x, wide, w))
