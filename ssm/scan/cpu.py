@@ -14,7 +14,8 @@ sweep.
 
 The same library holds the rest of a Mamba-1 layer's CPU work that torch does poorly: the
 causal depthwise convolution with its SiLU on in_proj's output as it lies (B, L, D)
-(``causal_conv1d_cpu``), RMSNorm in one pass each way (``rms_norm_cpu``), and the decoding step
+(``causal_conv1d_cpu``, Mamba-1's and Mamba-2's), RMSNorm and Mamba-2's gated, grouped RMSNorm
+in one pass each way (``rms_norm_cpu``), and the decoding step
 of a whole stack of blocks in one call (``mamba_blocks_step_cpu``). They live here, beside the
 scans, because this is the one compiled library; the layers call them.
 
