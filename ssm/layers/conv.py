@@ -15,18 +15,25 @@ import torch.nn.functional as F
 
 
 def causal_conv1d_silu(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None
-) -> torch.Tensor:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None = None,
+    transposed: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SiLU of the causal convolution of x (batch, L, D), channels last as in_proj leaves them
-    (e.g. x a view of in_proj's output), without history: (batch, L, D). On the CPU one C
-    kernel (``ssm.scan.cpu.causal_conv1d_cpu``: no copy of x, no padded copy, the SiLU fused,
-    the backward in the same pass); else ``causal_conv1d`` on x seen as (batch, D, L)."""
+    (e.g. x a view of in_proj's output), without history: (batch, L, D); with ``transposed``
+    also the same values as (batch, D, L), the scans' layout: (that, this). On the CPU one C
+    kernel writes them (``ssm.scan.cpu.causal_conv1d_cpu``: no copy of x, no padded or
+    transposed copies, the SiLU fused, the backward in one pass), each contiguous; else
+    ``causal_conv1d`` on x seen as (batch, D, L), and the first is a view of the second."""
     from ..scan.cpu import causal_conv1d_cpu
 
-    y = causal_conv1d_cpu(x, weight, bias, cu_seqlens, silu=True) if x.device.type == "cpu" else None
-    if y is None:
-        y = F.silu(causal_conv1d(x.transpose(1, 2), weight, bias, None, cu_seqlens)[0]).transpose(1, 2)
-    return y
+    out = causal_conv1d_cpu(x, weight, bias, cu_seqlens, True, transposed) if x.device.type == "cpu" else None
+    if out is None:
+        y = F.silu(causal_conv1d(x.transpose(1, 2), weight, bias, None, cu_seqlens)[0])
+        out = (y.transpose(1, 2), y) if transposed else y.transpose(1, 2)
+    return out
 
 
 def causal_conv1d(

@@ -106,19 +106,20 @@ class Mamba(nn.Module):
         if cache is not None:
             cache.check_batch(hidden_states.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1)
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (b, l, d) each
-        if cache is None:
-            x = causal_conv1d_silu(x, self.conv1d.weight, self.conv1d.bias, cu_seqlens)  # (b, l, d)
+        if cache is None:  # x (b, l, d) for x_proj and u (b, d, l) for the scan
+            x, u = causal_conv1d_silu(x, self.conv1d.weight, self.conv1d.bias, cu_seqlens, transposed=True)
         else:  # continuing from the cache's convolution state, and leaving the new one there
-            x, conv_state = causal_conv1d(
+            u, conv_state = causal_conv1d(
                 x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, cache.conv_state, cu_seqlens
             )
-            x = F.silu(x).transpose(1, 2)
+            u = F.silu(u)
+            x = u.transpose(1, 2)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], -1)
         # the scan's (b, d, l) and (b, n, l), as views
-        x, z, B, C = (t.transpose(1, 2) for t in (x, z, B, C))
+        z, B, C = (t.transpose(1, 2) for t in (z, B, C))
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)
         y, last_state = selective_scan(
-            x,
+            u,
             dt,
             -torch.exp(upcast(self.A_log)),
             B,

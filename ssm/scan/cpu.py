@@ -210,7 +210,7 @@ class _ConvArgs(ctypes.Structure):
         (name, ctypes.c_int64) for name in ("batch", "length", "dim", "K", "sxb", "sx", "nseq", "silu", "nthreads")
     ] + [
         (name, ctypes.c_void_p)
-        for name in ("x", "wt", "bias", "cu_seqlens", "y", "grad", "d_x", "d_wt", "d_bias", "part")
+        for name in ("x", "wt", "bias", "cu_seqlens", "y", "yT", "grad", "gradT", "d_x", "d_wt", "d_bias", "part")
     ]
 
 
@@ -722,67 +722,85 @@ def _conv_args(x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | 
 
 
 @torch.library.custom_op("ssm::cpu_causal_conv_fwd", mutates_args=(), device_types="cpu")
-def _conv_fwd(x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None, silu: bool) -> Tensor:
+def _conv_fwd(
+    x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None, silu: bool, transposed: bool
+) -> tuple[Tensor, Tensor]:
     """x (B, L, D) with its channels contiguous (any batch and step strides), wt (K, D) and bias
-    (D,) contiguous, all of one dtype → (silu of) the causal depthwise convolution, (B, L, D)."""
+    (D,) contiguous, all of one dtype → (silu of) the causal depthwise convolution, (B, L, D),
+    and with ``transposed`` the same values as (B, D, L) contiguous (else an empty tensor)."""
     a = _conv_args(x, wt, bias, cu_seqlens, silu)
     y = x.new_empty(x.shape)
-    a.y = y.data_ptr()
+    yT = x.new_empty(x.shape[0], x.shape[2], x.shape[1]) if transposed else x.new_empty(0)
+    a.y, a.yT = y.data_ptr(), (yT.data_ptr() if transposed else None)
     getattr(kernels(), "conv_fwd" + _suffix(x))(ctypes.byref(a))
-    return y
+    return y, yT
 
 
 @_conv_fwd.register_fake
-def _(x, wt, bias, cu_seqlens, silu):
-    return x.new_empty(x.shape)
+def _(x, wt, bias, cu_seqlens, silu, transposed):
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[2], x.shape[1]) if transposed else x.new_empty(0)
 
 
 @torch.library.custom_op("ssm::cpu_causal_conv_bwd", mutates_args=(), device_types="cpu")
 def _conv_bwd(
-    grad: Tensor, x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None, silu: bool
+    grad: Tensor | None,
+    gradT: Tensor | None,
+    x: Tensor,
+    wt: Tensor,
+    bias: Tensor | None,
+    cu_seqlens: Tensor | None,
+    silu: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of x (B, L, D) contiguous, wt and bias (an empty tensor without one) from
-    grad (B, L, D) contiguous."""
+    those of the two outputs, grad (B, L, D) and gradT (B, D, L), contiguous, either None."""
     a = _conv_args(x, wt, bias, cu_seqlens, silu)
     d_x, d_wt = x.new_empty(x.shape), torch.empty_like(wt)
     d_bias = x.new_empty(wt.shape[1] if bias is not None else 0)
-    part = x.new_empty(a.nthreads * (2 * a.K + 1) * a.dim)  # per thread: its sums, and its ring of rows
-    a.grad, a.d_x, a.d_wt, a.d_bias, a.part = grad.data_ptr(), d_x.data_ptr(), d_wt.data_ptr(), None, part.data_ptr()
-    if bias is not None:
-        a.d_bias = d_bias.data_ptr()
+    part = x.new_empty(a.nthreads * (2 * a.K + 2) * a.dim)  # per thread: its sums, its ring of rows, a row
+    a.grad, a.gradT, a.d_x, a.d_wt = _ptr(grad), _ptr(gradT), d_x.data_ptr(), d_wt.data_ptr()
+    a.d_bias, a.part = (d_bias.data_ptr() if bias is not None else None), part.data_ptr()
     getattr(kernels(), "conv_bwd" + _suffix(x))(ctypes.byref(a))
     return d_x, d_wt, d_bias
 
 
 @_conv_bwd.register_fake
-def _(grad, x, wt, bias, cu_seqlens, silu):
+def _(grad, gradT, x, wt, bias, cu_seqlens, silu):
     return x.new_empty(x.shape), torch.empty_like(wt), x.new_empty(wt.shape[1] if bias is not None else 0)
 
 
 def _conv_setup(ctx, inputs, output):
-    x, wt, bias, cu_seqlens, silu = inputs
+    x, wt, bias, cu_seqlens, silu, transposed = inputs
     ctx.save_for_backward(x, wt, bias, cu_seqlens)
-    ctx.silu = silu
+    ctx.silu, ctx.transposed = silu, transposed
 
 
-def _conv_backward(ctx, grad):
+def _conv_backward(ctx, grad, gradT):
     x, wt, bias, cu_seqlens = ctx.saved_tensors
-    d_x, d_wt, d_bias = _conv_bwd(grad.contiguous(), x, wt, bias, cu_seqlens, ctx.silu)
-    return d_x, d_wt, (d_bias if bias is not None else None), None, None
+    grad = None if grad is None else grad.contiguous()
+    gradT = None if gradT is None or not ctx.transposed else gradT.contiguous()
+    d_x, d_wt, d_bias = _conv_bwd(grad, gradT, x, wt, bias, cu_seqlens, ctx.silu)
+    return d_x, d_wt, (d_bias if bias is not None else None), None, None, None
 
 
 _conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 
 def causal_conv1d_cpu(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, cu_seqlens: Tensor | None = None, silu: bool = False
-) -> Tensor | None:
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    silu: bool = False,
+    transposed: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | None:
     """The causal depthwise convolution of x (B, L, D), channels last as a Mamba layer's in_proj
     leaves it (its channels contiguous; no copy of x), with weight (D, 1, K) and optional bias
     (D,), each step reading itself and the K - 1 steps before it in its sequence (zeros before
     a sequence's start; ``cu_seqlens`` (S + 1,) validated, int64, B = 1: packed sequences).
     With ``silu``, SiLU of it, fused: the pre-activation is recomputed in the backward, never
-    stored. Returns (B, L, D) contiguous.
+    stored. Returns (B, L, D) contiguous; with ``transposed``, (that, the same values as
+    (B, D, L) contiguous): the scans' layout, written by the same pass instead of a transposed
+    copy (and the gradients of both are added in the backward's pass).
 
     None when it does not apply, and the caller takes the tensor path: x, weight and bias on
     the CPU in one dtype (float32 or float64), x's channels contiguous, kernels built."""
@@ -796,7 +814,8 @@ def causal_conv1d_cpu(
     ):
         return None
     wt = weight[:, 0, :].t().contiguous()  # (K, D): a step's taps across channels are adjacent
-    return _conv_fwd(x, wt, None if bias is None else bias.contiguous(), cu_seqlens, bool(silu))
+    y, yT = _conv_fwd(x, wt, None if bias is None else bias.contiguous(), cu_seqlens, bool(silu), bool(transposed))
+    return (y, yT) if transposed else y
 
 
 # ----------------------------------------------------------------------------- RMSNorm

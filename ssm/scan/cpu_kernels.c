@@ -194,15 +194,17 @@ typedef struct {
    x (B, L, D), channels contiguous, batch rows sxb and steps sx elements apart (in_proj's x half);
    wt (K, D) the taps (tap K-1 on the current step); bias (D) or NULL; with cu_seqlens (S + 1,),
    B = 1 and no tap reaches before its sequence's start (zeros there, as at step 0).
-   Forward: y (B, L, D) contiguous = silu(conv) with silu, else conv.
-   Backward: from grad (B, L, D) contiguous (of y), d_x (B, L, D) contiguous, d_wt (K, D), d_bias
-   (D) or NULL; part: scratch of nthreads·(K + 1)·D + nthreads·K·D elements. */
+   Forward: y (B, L, D) contiguous = silu(conv) with silu, else conv; and when yT is not NULL the
+   same values in yT (B, D, L) contiguous, the layout the scans read (no transposed copy of y).
+   Backward: from grad (B, L, D) contiguous (of y; NULL: zeros) plus gradT (B, D, L) contiguous
+   (of yT; NULL: zeros), d_x (B, L, D) contiguous, d_wt (K, D), d_bias (D) or NULL; part:
+   scratch of nthreads·(2K + 2)·D elements. */
 typedef struct {
     i64 batch, length, dim, K, sxb, sx, nseq, silu, nthreads;
     const void *x, *wt, *bias;
     const i64 *cu_seqlens;
-    void *y;
-    const void *grad;
+    void *y, *yT;
+    const void *grad, *gradT;
     void *d_x, *d_wt, *d_bias, *part;
 } ConvArgs;
 
@@ -1019,6 +1021,10 @@ void SUF(conv_fwd)(const ConvArgs *a) {
 #pragma omp simd
             for (i64 d = 0; d < Dn; d++) v[d] *= SUF(sigmoid)(v[d]);
         }
+        if (a->yT) { /* consecutive rows of a thread fill consecutive elements of each yT row */
+            REAL *yT = (REAL *)a->yT + b * Dn * L + t;
+            for (i64 d = 0; d < Dn; d++) yT[d * L] = v[d];
+        }
     }
 }
 
@@ -1040,13 +1046,19 @@ void SUF(conv_bwd)(const ConvArgs *a) {
         const i64 r0 = tid * rows / nt, r1 = (tid + 1) * rows / nt;
         REAL *acc = part + tid * (K + 1) * Dn; /* d_wt (K, D), then d_bias (D) */
         REAL *ring = part + a->nthreads * (K + 1) * Dn + tid * K * Dn;
+        REAL *gsum = part + a->nthreads * (2 * K + 1) * Dn + tid * Dn; /* a row's grad + gradT */
         for (i64 i = 0; i < (K + 1) * Dn; i++) acc[i] = 0;
         const i64 top = r1 + K - 1 < rows ? r1 + K - 1 : rows;
         for (i64 r = top - 1; r >= r0; r--) {
             const i64 b = r / L, t = r % L;
             i64 lo, hi;
             seq_bounds(a->cu_seqlens, a->nseq, L, t, &lo, &hi);
-            const REAL *xb = (const REAL *)a->x + b * a->sxb, *gr = grad + r * Dn;
+            const REAL *xb = (const REAL *)a->x + b * a->sxb, *gr = grad ? grad + r * Dn : NULL;
+            if (a->gradT || !gr) { /* the row's gradient from both outputs */
+                const REAL *gT = a->gradT ? (const REAL *)a->gradT + b * Dn * L + t : NULL;
+                for (i64 d = 0; d < Dn; d++) gsum[d] = (gr ? gr[d] : 0) + (gT ? gT[d * L] : 0);
+                gr = gsum;
+            }
             REAL *gv = ring + (r % K) * Dn;
             if (a->silu) {
                 SUF(conv_row)(a, xb, t, lo, gv);

@@ -96,6 +96,14 @@ def test_the_channels_last_c_convolution(case, silu):
     fn = lambda x, w, *b: cpu.causal_conv1d_cpu(x, w, b[0] if b else None, cu, silu=silu)  # noqa: E731
     assert torch.autograd.gradcheck(fn, inputs)
 
+    # both layouts from one pass: the same values, and the gradients of both added
+    y2, yT = cpu.causal_conv1d_cpu(x, weight, bias, cu, silu=silu, transposed=True)
+    assert torch.equal(y2, y) and torch.equal(yT, y.transpose(1, 2)) and yT.is_contiguous()
+    both = lambda x, w, *b: cpu.causal_conv1d_cpu(x, w, b[0] if b else None, cu, silu=silu, transposed=True)  # noqa: E731
+    assert torch.autograd.gradcheck(both, inputs)
+    only_t = lambda x, w, *b: both(x, w, *b)[1]  # noqa: E731  (the first output unused: no gradient for it)
+    assert torch.autograd.gradcheck(only_t, inputs)
+
 
 def test_the_channels_last_c_convolution_declines_what_it_does_not_run():
     from ssm.scan import cpu
