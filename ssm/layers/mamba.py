@@ -117,7 +117,9 @@ class Mamba(nn.Module):
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], -1)
         # the scan's (b, d, l) and (b, n, l), as views
         z, B, C = (t.transpose(1, 2) for t in (z, B, C))
-        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)
+        # Δ = W·dt as (b, d, l), its steps adjacent as the scan reads them: no transposed copy of
+        # it, nor of its gradient for dt_proj's backward
+        dt = torch.bmm(self.dt_proj.weight.expand(dt.shape[0], -1, -1), dt.transpose(1, 2))
         y, last_state = selective_scan(
             u,
             dt,
