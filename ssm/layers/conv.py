@@ -82,7 +82,9 @@ class _DepthwiseConv(torch.autograd.Function):
         K, L = weight.shape[-1], grad.shape[-1]
         grad_h = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_h = F.conv1d(F.pad(grad, (K - 1, K - 1)), weight.flip(-1), groups=h.shape[1])
+            # in grad's dtype: under autocast the forward ran in bfloat16 on a float32 weight, and
+            # the backward runs outside autocast (autograd casts each gradient to its input's dtype)
+            grad_h = F.conv1d(F.pad(grad, (K - 1, K - 1)), weight.flip(-1).to(grad.dtype), groups=h.shape[1])
         if ctx.needs_input_grad[1]:
             taps = [(h[..., k : k + L] * grad).sum((0, 2)) for k in range(K)]
             grad_w = torch.stack(taps, -1)[:, None].to(weight.dtype)

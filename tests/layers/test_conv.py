@@ -113,3 +113,27 @@ def test_the_channels_last_c_convolution_declines_what_it_does_not_run():
     assert cpu.causal_conv1d_cpu(x.transpose(1, 2), torch.randn(6, 1, 4)) is None  # channels not contiguous
     assert cpu.causal_conv1d_cpu(x.half(), w.half()) is None
     assert cpu.causal_conv1d_cpu(x, w.double()) is None
+
+
+@pytest.mark.parametrize("kind", ["Mamba1", "Mamba2"])
+def test_training_under_cpu_autocast_bfloat16(kind):
+    """A model trained under torch.autocast("cpu", bfloat16) (Lightning's "bf16-mixed" on the
+    CPU): the conv then runs in bfloat16 on a float32 weight, and its backward, which runs
+    outside autocast, must still work. Gradients finite and near the float32 ones."""
+    from ssm import MambaConfig, MambaLM
+
+    cfg = {"layer": kind, "d_state": 16, **({"headdim": 16} if kind == "Mamba2" else {})}
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig(d_model=64, n_layer=2, vocab_size=50, ssm_cfg=cfg))
+    ids = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    def grads(autocast: bool):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids).float().logsumexp(-1).mean()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    low, full = grads(True), grads(False)
+    assert torch.isfinite(low).all()
+    assert (low - full).norm() < 0.05 * full.norm()
