@@ -18,22 +18,25 @@ def causal_conv1d_silu(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     transposed: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """SiLU of the causal convolution of x (batch, L, D), channels last as in_proj leaves them
-    (e.g. x a view of in_proj's output), without history: (batch, L, D); with ``transposed``
-    also the same values as (batch, D, L), the scans' layout: (that, this). On the CPU one C
+    (e.g. x a view of in_proj's output), continuing from ``state`` as ``causal_conv1d`` does.
+    Returns (out, the new state or None): out is (batch, L, D), or with ``transposed`` (that,
+    the same values as (batch, D, L), the scans' layout). Without a state, on the CPU, one C
     kernel writes them (``ssm.scan.cpu.causal_conv1d_cpu``: no copy of x, no padded or
     transposed copies, the SiLU fused, the backward in one pass), each contiguous; else
     ``causal_conv1d`` on x seen as (batch, D, L), and the first is a view of the second."""
     from ..scan.cpu import causal_conv1d_cpu
 
-    out = causal_conv1d_cpu(x, weight, bias, cu_seqlens, True, transposed) if x.device.type == "cpu" else None
-    if out is None:
-        y = F.silu(causal_conv1d(x.transpose(1, 2), weight, bias, None, cu_seqlens)[0])
-        out = (y.transpose(1, 2), y) if transposed else y.transpose(1, 2)
-    return out
+    out = None if state is not None else causal_conv1d_cpu(x, weight, bias, cu_seqlens, True, transposed)
+    if out is not None:
+        return out, None
+    y, new_state = causal_conv1d(x.transpose(1, 2), weight, bias, state, cu_seqlens)
+    y = F.silu(y)
+    return ((y.transpose(1, 2), y) if transposed else y.transpose(1, 2)), new_state
 
 
 def causal_conv1d(

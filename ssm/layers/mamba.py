@@ -10,7 +10,7 @@ from torch import nn
 
 from ..scan import selective_scan, selective_scan_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
-from .conv import causal_conv1d, causal_conv1d_silu, causal_conv1d_step
+from .conv import causal_conv1d_silu, causal_conv1d_step
 from .norm import RMSNorm, upcast
 
 
@@ -106,14 +106,10 @@ class Mamba(nn.Module):
         if cache is not None:
             cache.check_batch(hidden_states.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1)
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (b, l, d) each
-        if cache is None:  # x (b, l, d) for x_proj and u (b, d, l) for the scan
-            x, u = causal_conv1d_silu(x, self.conv1d.weight, self.conv1d.bias, cu_seqlens, transposed=True)
-        else:  # continuing from the cache's convolution state, and leaving the new one there
-            u, conv_state = causal_conv1d(
-                x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, cache.conv_state, cu_seqlens
-            )
-            u = F.silu(u)
-            x = u.transpose(1, 2)
+        # x (b, l, d) for x_proj and u (b, d, l) for the scan
+        (x, u), conv_state = causal_conv1d_silu(
+            x, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state, cu_seqlens, True
+        )
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], -1)
         # the scan's (b, d, l) and (b, n, l), as views
         z, B, C = (t.transpose(1, 2) for t in (z, B, C))

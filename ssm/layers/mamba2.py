@@ -9,7 +9,7 @@ from torch import nn
 
 from ..scan import ssd, ssd_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
-from .conv import causal_conv1d, causal_conv1d_silu, causal_conv1d_step
+from .conv import causal_conv1d_silu, causal_conv1d_step
 from .mamba import dt_bias_init, no_weight_decay
 from .norm import RMSNormGated, upcast
 
@@ -127,13 +127,9 @@ class Mamba2(nn.Module):
         if cache is not None:
             cache.check_batch(batch if cu_seqlens is None else cu_seqlens.numel() - 1)
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
-        if cache is None:
-            xBC = causal_conv1d_silu(xBC, self.conv1d.weight, self.conv1d.bias, cu_seqlens)  # (b, l, d)
-        else:  # continuing from the cache's convolution state, and leaving the new one there
-            xBC, conv_state = causal_conv1d(
-                xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, cache.conv_state, cu_seqlens
-            )
-            xBC = F.silu(xBC).transpose(1, 2)
+        xBC, conv_state = causal_conv1d_silu(
+            xBC, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state, cu_seqlens
+        )
         x, B, C = xBC.split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         x = rearrange(x, "b l (h p) -> b l h p", p=self.headdim)
         B, C = (rearrange(t, "b l (g n) -> b l g n", g=self.ngroups) for t in (B, C))

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32, w32 = upcast(x), upcast(self.weight)
         # on the CPU one C pass forward and one backward; elsewhere torch's own rms_norm
-        y = rms_norm_cpu(x32, w32, self.eps) if x.device.type == "cpu" else None
+        y = rms_norm_cpu(x32, w32, self.eps)
         if y is None:
             y = F.rms_norm(x32, (x.shape[-1],), w32, self.eps)
         return y.to(x.dtype)
@@ -56,17 +56,12 @@ class RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         x32 = upcast(x)
-        if x.device.type == "cpu":  # one C pass forward and one backward, where it applies
-            y = rms_norm_cpu(
-                x32,
-                upcast(self.weight),
-                self.eps,
-                None if z is None else upcast(z),
-                self.group_size,
-                self.norm_before_gate,
-            )
-            if y is not None:
-                return y.to(x.dtype)
+        # on the CPU one C pass forward and one backward; elsewhere the formulas below
+        y = rms_norm_cpu(
+            x32, upcast(self.weight), self.eps, None if z is None else upcast(z), self.group_size, self.norm_before_gate
+        )
+        if y is not None:
+            return y.to(x.dtype)
         if z is not None and not self.norm_before_gate:
             x32 = x32 * F.silu(upcast(z))
         groups = x32.unflatten(-1, (-1, self.group_size))  # (..., groups, group_size)
