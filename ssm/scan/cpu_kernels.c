@@ -979,10 +979,11 @@ void SUF(mamba_blocks_step)(const BlockStepArgs *layers, i64 n, const HeadArgs *
     }
 }
 
-/* out[i] = Σ over threads th < team of part[th·stride + i], i < n: per-thread sums added in thread
-   order, so the same bits on every run with as many threads. Run by every thread of the parallel
-   region, after a barrier. */
-static inline void SUF(sum_parts)(const REAL *part, i64 team, i64 stride, i64 n, REAL *out) {
+/* out[i] = Σ over the region's threads th of part[th·stride + i], i < n: per-thread sums added in
+   thread order, so the same bits on every run with as many threads. Run by every thread of the
+   parallel region, after a barrier. */
+static inline void SUF(sum_parts)(const REAL *part, i64 stride, i64 n, REAL *out) {
+    const i64 team = omp_get_num_threads();
 #pragma omp for schedule(static)
     for (i64 i = 0; i < n; i++) {
         REAL sum = 0;
@@ -1037,12 +1038,9 @@ void SUF(conv_bwd)(const ConvArgs *a) {
     const i64 L = a->length, Dn = a->dim, K = a->K, rows = a->batch * L;
     const REAL *wt = (const REAL *)a->wt, *grad = (const REAL *)a->grad;
     REAL *part = (REAL *)a->part;
-    i64 team = 1;
 #pragma omp parallel num_threads((int)a->nthreads)
     {
         const i64 nt = omp_get_num_threads(), tid = omp_get_thread_num();
-#pragma omp single
-        team = nt;
         const i64 r0 = tid * rows / nt, r1 = (tid + 1) * rows / nt;
         REAL *acc = part + tid * (K + 1) * Dn; /* d_wt (K, D), then d_bias (D) */
         REAL *ring = part + a->nthreads * (K + 1) * Dn + tid * K * Dn;
@@ -1092,8 +1090,8 @@ void SUF(conv_bwd)(const ConvArgs *a) {
             }
         }
 #pragma omp barrier
-        SUF(sum_parts)(part, team, (K + 1) * Dn, K * Dn, (REAL *)a->d_wt);
-        if (a->d_bias) SUF(sum_parts)(part + K * Dn, team, (K + 1) * Dn, Dn, (REAL *)a->d_bias);
+        SUF(sum_parts)(part, (K + 1) * Dn, K * Dn, (REAL *)a->d_wt);
+        if (a->d_bias) SUF(sum_parts)(part + K * Dn, (K + 1) * Dn, Dn, (REAL *)a->d_bias);
     }
 }
 
@@ -1137,12 +1135,9 @@ void SUF(rms_norm_bwd)(const NormArgs *a) {
     const i64 M = a->M, G = a->group, ng = M / G, rows = a->rows;
     const REAL *w = (const REAL *)a->w;
     REAL *part = (REAL *)a->part;
-    i64 team = 1;
 #pragma omp parallel num_threads((int)a->nthreads)
     {
         const i64 nt = omp_get_num_threads(), tid = omp_get_thread_num();
-#pragma omp single
-        team = nt;
         REAL *acc = part + tid * M;
         for (i64 m = 0; m < M; m++) acc[m] = 0;
         for (i64 r = tid * rows / nt; r < (tid + 1) * rows / nt; r++)
@@ -1174,7 +1169,7 @@ void SUF(rms_norm_bwd)(const NormArgs *a) {
                 }
             }
 #pragma omp barrier
-        SUF(sum_parts)(part, team, M, M, (REAL *)a->d_w);
+        SUF(sum_parts)(part, M, M, (REAL *)a->d_w);
     }
 }
 
