@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from .scan._buffers import pool
+
 
 def saved_bytes(run: Callable[[], object]) -> tuple[int, object]:
     """(Bytes of the distinct storages autograd keeps for the backward of ``run()``, its result)."""
@@ -28,7 +30,7 @@ def saved_bytes(run: Callable[[], object]) -> tuple[int, object]:
 def extra_peak_bytes(run: Callable[[], object], device: torch.device | str) -> tuple[int, object]:
     """Run ``run()`` once; return the most memory it held at once beyond what was allocated
     before it started, and its result. On CUDA from the allocator's peak statistics; on the CPU
-    from the profiler's allocation events."""
+    from the profiler's allocation events, with the CPU kernels' buffer pool off."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -38,8 +40,14 @@ def extra_peak_bytes(run: Callable[[], object], device: torch.device | str) -> t
         torch.cuda.synchronize(device)
         return max(torch.cuda.max_memory_allocated(device) - before, 0), result
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = run()
+    # The CPU kernels' buffer pool hands out storage allocated before the run, which the
+    # profiler would not see: it is off while the run is counted.
+    enabled, pool.enabled = pool.enabled, False
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = run()
+    finally:
+        pool.enabled = enabled
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)

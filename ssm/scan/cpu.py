@@ -68,6 +68,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ._buffers import pool
 from ._checks import compute_dtype
 from ._common import ssd_delta
 
@@ -391,6 +392,13 @@ def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def _empty(shape: Sequence[int], like: Tensor) -> Tensor:
+    """A contiguous output or scratch of a kernel, in ``like``'s dtype, from the buffer pool (storage
+    reused once nothing refers to it: see ssm/scan/_buffers.py). Only the custom ops' own
+    implementations call it, never code that torch.compile traces."""
+    return pool.empty(shape, like.dtype)
+
+
 def _suffix(x: Tensor) -> str:
     return "_f64" if x.dtype == torch.float64 else "_f32"
 
@@ -439,9 +447,9 @@ def _selective_fwd(
     (B, ceil(L / T), D, N) when ``keep_states`` (else an empty tensor)."""
     batch, dim, length = u.shape
     a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
-    out = u.new_empty(batch, dim, length)
-    last = u.new_empty(a.nseq, dim, A.shape[1])
-    ckpt = u.new_empty(batch, -(-length // CHUNK), dim, A.shape[1]) if keep_states else u.new_empty(0)
+    out = _empty((batch, dim, length), u)
+    last = _empty((a.nseq, dim, A.shape[1]), u)
+    ckpt = _empty((batch, -(-length // CHUNK), dim, A.shape[1]) if keep_states else (0,), u)
     a.out, a.last, a.ckpt = out.data_ptr(), last.data_ptr(), (ckpt.data_ptr() if keep_states else None)
     getattr(kernels(), "selective_fwd" + _suffix(u))(ctypes.byref(a))
     return out, last, ckpt
@@ -477,13 +485,13 @@ def _selective_bwd(
     batch, dim, length = u.shape
     a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
     a.ckpt, a.grad_out, a.grad_last, a.sgo = ckpt.data_ptr(), grad_out.data_ptr(), _ptr(grad_last), grad_out.stride()
-    d_u, d_delta = u.new_empty(u.shape), u.new_empty(u.shape)
-    d_z = u.new_empty(u.shape if z is not None else 0)  # (an empty tensor stands for an absent input's)
-    d_A, d_B, d_C = torch.empty_like(A), u.new_empty(B.shape), u.new_empty(C.shape)
+    d_u, d_delta = _empty(u.shape, u), _empty(u.shape, u)
+    d_z = _empty(u.shape if z is not None else (0,), u)  # (an empty tensor stands for an absent input's)
+    d_A, d_B, d_C = torch.empty_like(A), _empty(B.shape, u), _empty(C.shape, u)
     d_D, d_bias = (u.new_empty(dim if x is not None else 0) for x in (D, delta_bias))
     d_h0 = u.new_empty(h0.shape if h0 is not None else 0)
     a.nparts = min(dim, 4 * a.nthreads)  # channel blocks: 4 per thread, to share out under load
-    parts = [u.new_empty(a.nparts, *M.shape) if M.ndim == 4 else None for M in (B, C)]
+    parts = [_empty((a.nparts, *M.shape), u) if M.ndim == 4 else None for M in (B, C)]
     a.d_u, a.d_delta, a.d_A, a.d_B, a.d_C = (x.data_ptr() for x in (d_u, d_delta, d_A, d_B, d_C))
     a.d_z, a.d_D, a.d_delta_bias, a.d_h0 = (
         x.data_ptr() if p is not None else None for x, p in ((d_z, z), (d_D, D), (d_bias, delta_bias), (d_h0, h0))
@@ -512,6 +520,7 @@ def _selective_setup(ctx, inputs, output):
     u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, _ = inputs
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, h0, cu_seqlens, output[2])
     ctx.softplus = softplus
+    ctx.set_materialize_grads(False)  # no zero tensors for the gradients of unused outputs (the states)
 
 
 def _selective_backward(ctx, grad_out, grad_last, _grad_ckpt):
@@ -628,7 +637,7 @@ def _linear_fwd(gates: Tensor, inputs: Tensor, h0: Tensor | None, cu_seqlens: Te
     """gates, inputs (E, L, F) contiguous, one dtype; h0 (E, F), or (S, F) with cu_seqlens
     (E = 1). Returns every state, (E, L, F)."""
     p = _linear_args(gates, inputs, h0, cu_seqlens, reverse)
-    states = torch.empty_like(inputs)
+    states = _empty(inputs.shape, inputs)
     p.states = states.data_ptr()
     getattr(kernels(), "linear_fwd" + _suffix(inputs))(ctypes.byref(p))
     return states
@@ -646,7 +655,7 @@ def _linear_bwd(
     """The gradients of gates, inputs and h0 (empty when h0 is None) from grad (E, L, F)."""
     p = _linear_args(gates, states, h0, cu_seqlens, reverse)
     grad = grad.contiguous()
-    d_gates, d_inputs = torch.empty_like(gates), torch.empty_like(gates)
+    d_gates, d_inputs = _empty(gates.shape, gates), _empty(gates.shape, gates)
     d_h0 = torch.empty_like(h0) if h0 is not None else gates.new_empty(0)
     p.states, p.grad, p.d_gates, p.d_inputs = (
         states.data_ptr(),
@@ -729,8 +738,8 @@ def _conv_fwd(
     (D,) contiguous, all of one dtype → (silu of) the causal depthwise convolution, (B, L, D),
     and with ``transposed`` the same values as (B, D, L) contiguous (else an empty tensor)."""
     a = _conv_args(x, wt, bias, cu_seqlens, silu)
-    y = x.new_empty(x.shape)
-    yT = x.new_empty(x.shape[0], x.shape[2], x.shape[1]) if transposed else x.new_empty(0)
+    y = _empty(x.shape, x)
+    yT = _empty((x.shape[0], x.shape[2], x.shape[1]) if transposed else (0,), x)
     a.y, a.yT = y.data_ptr(), (yT.data_ptr() if transposed else None)
     getattr(kernels(), "conv_fwd" + _suffix(x))(ctypes.byref(a))
     return y, yT
@@ -754,9 +763,9 @@ def _conv_bwd(
     """The gradients of x (B, L, D) contiguous, wt and bias (an empty tensor without one) from
     those of the two outputs, grad (B, L, D) and gradT (B, D, L), contiguous, either None."""
     a = _conv_args(x, wt, bias, cu_seqlens, silu)
-    d_x, d_wt = x.new_empty(x.shape), torch.empty_like(wt)
+    d_x, d_wt = _empty(x.shape, x), torch.empty_like(wt)
     d_bias = x.new_empty(wt.shape[1] if bias is not None else 0)
-    part = x.new_empty(a.nthreads * (2 * a.K + 2) * a.dim)  # per thread: its sums, its ring of rows, a row
+    part = _empty((a.nthreads * (2 * a.K + 2) * a.dim,), x)  # per thread: its sums, its ring of rows, a row
     a.grad, a.gradT, a.d_x, a.d_wt = _ptr(grad), _ptr(gradT), d_x.data_ptr(), d_wt.data_ptr()
     a.d_bias, a.part = (d_bias.data_ptr() if bias is not None else None), part.data_ptr()
     getattr(kernels(), "conv_bwd" + _suffix(x))(ctypes.byref(a))
@@ -836,7 +845,7 @@ def _rms_norm_fwd(x: Tensor, z: Tensor | None, w: Tensor, eps: float, group: int
     of one dtype → (y like x, rstd (rows, M / group)). gate: 0 none, 1 norm(x·silu(z)), 2
     norm(x)·silu(z) (NormArgs in cpu_kernels.c)."""
     a = _norm_args(x, z, w, eps, group, gate)
-    y, rstd = torch.empty_like(x), x.new_empty(a.rows, a.M // group)
+    y, rstd = _empty(x.shape, x), _empty((a.rows, a.M // group), x)
     a.y, a.rstd = y.data_ptr(), rstd.data_ptr()
     getattr(kernels(), "rms_norm_fwd" + _suffix(x))(ctypes.byref(a))
     return y, rstd
@@ -853,8 +862,8 @@ def _rms_norm_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of x, z (an empty tensor without one) and w."""
     a = _norm_args(x, z, w, 0.0, group, gate)
-    d_x, d_w, part = torch.empty_like(x), torch.empty_like(w), x.new_empty(a.nthreads * a.M)
-    d_z = torch.empty_like(z) if z is not None else x.new_empty(0)
+    d_x, d_w, part = _empty(x.shape, x), torch.empty_like(w), _empty((a.nthreads * a.M,), x)
+    d_z = _empty(z.shape, z) if z is not None else x.new_empty(0)
     a.rstd, a.grad, a.d_x, a.d_w, a.part = (
         rstd.data_ptr(),
         grad.data_ptr(),
