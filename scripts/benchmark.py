@@ -478,6 +478,8 @@ def parse_args(argv):
         unknown = set(args.peers) - {"transformers", "mambapy"}
         if unknown:
             parser.error(f"unknown peers {sorted(unknown)}: choose from transformers, mambapy")
+        if args.no_peer:
+            args.peers = []
         return args
     if args.op == "cold-start":
         return args

@@ -213,3 +213,15 @@ def test_tie_gap_reads_the_first_difference_of_each_differing_row():
     b[2, 2] = 7  # at 2: position 1, tokens 0 and 7; row 1 the same
     gap = tie_gap(Stub(), a, b)
     assert math.isclose(gap, max(table[3, 9] - table[3, 5], table[1, 7] - table[1, 0]))
+
+
+def test_train_step_without_peers_times_only_ssm(capsys):
+    """--no-peer holds for --op train-step too: no compiling of transformers' model on the side."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    tiny = ["--d-model", "16", "--layers", "1", "--batch", "2", "--length", "16", "--repeats", "1", "--warmup", "0"]
+
+    assert main(["--op", "train-step", *tiny, "--no-peer"]) == 0
+
+    out = capsys.readouterr().out
+    assert "ssm MambaLM (eager)" in out
+    assert "transformers" not in out and "mambapy" not in out
