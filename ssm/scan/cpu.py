@@ -483,6 +483,10 @@ def _selective_bwd(
     """The gradients of u, delta, A, B, C, D, z, delta_bias, h0 (an empty tensor for each absent
     one) from those of out (any strides) and of the last states (contiguous, or None)."""
     batch, dim, length = u.shape
+    if grad_out.stride(-1) != 1:
+        # e.g. out_proj's gradient, (B, L, D) seen as (B, D, L): one transposing copy costs less
+        # than the sweeps' reading it a step apart (a cache line a step and channel).
+        grad_out = _empty(grad_out.shape, u).copy_(grad_out)
     a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
     a.ckpt, a.grad_out, a.grad_last, a.sgo = ckpt.data_ptr(), grad_out.data_ptr(), _ptr(grad_last), grad_out.stride()
     d_u, d_delta = _empty(u.shape, u), _empty(u.shape, u)

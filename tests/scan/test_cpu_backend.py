@@ -15,12 +15,13 @@ import warnings
 import pytest
 import torch
 
-from ssm.scan import cpu, linear_scan
+from ssm.scan import cpu, linear_scan, selective_scan
 from ssm.scan.linear import BACKENDS as LINEAR_BACKENDS
 from ssm.scan.reference import linear_scan_ref, selective_scan_ref
 from ssm.scan.selective import BACKENDS as SELECTIVE_BACKENDS
 from tests.helpers import (
     REFERENCE_TOLERANCES,
+    as_float64,
     assert_relative,
     check_linear,
     check_selective,
@@ -76,6 +77,22 @@ def test_linear_strided_inputs():
     }
     assert not x["gates"].is_contiguous()
     check_linear(x, "cpu", 1, True)
+
+
+@needs_kernels
+def test_selective_upstream_gradient_in_a_layers_layout():
+    """out's gradient as a Mamba layer hands it back, (B, L, D) seen as (B, D, L): the backward
+    copies it to its own layout first; the gradients must be the reference's."""
+    x = selective_inputs(2 * T + 3, batch=2, B_form="varying", wide_delta=True, initial_state=False)
+    g = torch.Generator().manual_seed(7)
+    upstream = torch.randn(2, 2 * T + 3, x["u"].shape[1], generator=g, dtype=torch.float64).transpose(1, 2)
+    x64 = as_float64(x)
+    want = torch.autograd.grad(selective_scan(**x64, delta_softplus=True, backend="ref"), list(x64.values()), upstream)
+    out = selective_scan(**x, delta_softplus=True, backend="cpu")
+    got = torch.autograd.grad(out, list(x.values()), upstream.to(out.dtype))
+    assert not upstream.is_contiguous()
+    for name, w, h in zip(x, want, got):
+        assert_relative(h, w, REFERENCE_TOLERANCES[torch.float32][1], f"d {name}")
 
 
 # ----------------------------------------------------------------------------- packed sequences
