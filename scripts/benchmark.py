@@ -639,6 +639,13 @@ def benchmark_decoding(args) -> int:
         f"({params / 1e6:.1f} M parameters, {4 * params / 1e6:.0f} MB in float32), {describe_device(device)}; "
         f"{args.new_tokens} new tokens after a {args.prompt_length}-token prompt"
     )
+    read_s, read_bytes = weight_read_seconds(model, device)
+    ceiling = 1 / read_s
+    print(
+        f"reading the weights' bytes once (torch's sum over them as one tensor, median of 9): "
+        f"{read_s * 1e3:.1f} ms, {read_bytes / read_s / 1e9:.1f} GB/s: {ceiling:.1f} tokens/s at batch 1 if a "
+        "token cost only its weight reads at that rate (caches can hold part of them between tokens)"
+    )
     print(f"{'batch':>5s} {'ssm tok/s':>10s} {'transformers tok/s':>19s} {'ratio':>6s}  same tokens")
     exact = None  # the model in float64, built when the two disagree
     g = torch.Generator().manual_seed(args.seed)
@@ -675,11 +682,35 @@ def benchmark_decoding(args) -> int:
             f"{rate['ssm'] / peer if peer else float('nan'):5.2f}x  {verdict}"
         )
         results.append({"batch": batch, "tokens_per_s": rate, "same_tokens": same, "tie_gap": gap})
+    if 1 in args.decode_batches:
+        at_one = results[args.decode_batches.index(1)]["tokens_per_s"]["ssm"]
+        print(f"batch 1: ssm decodes at {at_one / ceiling:.0%} of that rate")
     if args.json:
         with open(args.json, "w") as f:
             config = {k: v for k, v in vars(args).items() if k != "json"}
-            json.dump({"config": config, "parameters": params, "results": results}, f, indent=2)
+            report = {"config": config, "parameters": params, "weight_read_s": read_s, "results": results}
+            json.dump(report, f, indent=2)
     return 0 if ok else 1
+
+
+def weight_read_seconds(model: torch.nn.Module, device: torch.device, repeats: int = 9) -> tuple[float, int]:
+    """(seconds, bytes) for torch's ``sum`` to read as many bytes as ``model``'s weights hold (a
+    tied one once), laid out as one contiguous tensor: the memory traffic a batch-1 decoding
+    step cannot avoid, at the rate torch streams memory: 1 / seconds is the tokens/s such a
+    step would reach if nothing else cost (more when caches hold part of the weights between
+    tokens). Median of ``repeats`` after one warm-up."""
+    weights = {p.data_ptr(): p.detach() for p in model.parameters()}.values()
+    flat = torch.cat([w.flatten() for w in weights])
+
+    def read() -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        flat.sum()
+        synchronize(device)
+        return time.perf_counter() - start
+
+    read()
+    return statistics.median(read() for _ in range(repeats)), flat.numel() * flat.element_size()
 
 
 # Greedy tokens of two float32 runs may part where the two best logits are closer than float32's

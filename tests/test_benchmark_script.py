@@ -174,6 +174,7 @@ def test_decode_mode_reports_tokens_per_second_per_batch(tmp_path):
     assert main(args) == 0
     report = json.loads(path.read_text())
     assert report["config"]["layers"] == 2 and report["parameters"] > 0
+    assert report["weight_read_s"] > 0
     assert [r["batch"] for r in report["results"]] == [1, 3]
     for r in report["results"]:
         assert r["tokens_per_s"]["ssm"] > 0
