@@ -33,8 +33,13 @@ MIN_BYTES = 128 << 10  # below this malloc keeps freed blocks in its heap anyway
 MAX_PER_SIZE = 64  # storages of one size tracked at once; beyond that, plain allocations
 
 
+# How many tensors and storage objects share a storage: a private torch function, so a torch
+# without it gets no pool (plain allocations), not a guess.
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _use_count(storage: torch.UntypedStorage) -> int:
-    return torch._C._storage_Use_Count(storage._cdata)
+    return _storage_use_count(storage._cdata)
 
 
 def _python_refs_in_a_list() -> int:
@@ -60,7 +65,7 @@ def _idle(storages: list[torch.UntypedStorage]):
 class BufferPool:
     def __init__(self, max_idle_bytes: int = 1 << 30):
         self.max_idle_bytes = max_idle_bytes
-        self.enabled = os.environ.get("SSM_CPU_BUFFER_POOL", "1") != "0"
+        self.enabled = _storage_use_count is not None and os.environ.get("SSM_CPU_BUFFER_POOL", "1") != "0"
         self._lock = threading.Lock()
         self._by_size: dict[int, list[torch.UntypedStorage]] = {}
 

@@ -120,3 +120,13 @@ def test_a_training_step_gives_the_same_bits_with_and_without_the_pool(monkeypat
     assert pool.idle_bytes() > 0  # the pool was used
     assert torch.equal(loss_plain, loss_pooled)
     assert all(torch.equal(a, b) for a, b in zip(grads_plain, grads_pooled, strict=True))
+
+
+def test_no_pool_without_torchs_use_count(monkeypatch):
+    """The idle test rests on a private torch function: without it the pool stays off."""
+    monkeypatch.setattr(_buffers, "_storage_use_count", None)
+    pool = BufferPool()
+    assert not pool.enabled
+    a = pool.empty(SHAPE, torch.float32)
+    assert a.shape == SHAPE and a.is_contiguous()
+    assert not pool._by_size  # a plain allocation: nothing tracked
