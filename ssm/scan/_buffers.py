@@ -86,9 +86,6 @@ class BufferPool:
                 storages.append(storage)
             return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
-    def zeros(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> Tensor:
-        return self.empty(shape, dtype).zero_()
-
     def idle_bytes(self) -> int:
         """Bytes of storage the pool holds that no tensor refers to."""
         with self._lock:
