@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The cpu backend's C kernels are built on a machine's first run (then cached): build them
     # while Lightning is imported and the run is set up, not when the first step needs them.
-    from ssm.scan.cpu import build_in_background
+    from ssm.native import build_in_background
 
     build_in_background()
     from ssm.training import CheckpointError, ConfigError, load_config, train

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from .scan._buffers import pool
+from .native import pool
 
 
 def saved_bytes(run: Callable[[], object]) -> tuple[int, object]:

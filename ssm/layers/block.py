@@ -33,8 +33,9 @@ class Block(nn.Module):
     to the final norm), as in mamba-ssm. The residual stream is kept in float32 when
     ``residual_in_fp32``. Submodules: norm, mixer, and optionally norm2, mlp.
 
-    ``step_tensors(cache)``: what a C decoding step of this block needs (see the model's
-    backbone), or None where there is none (an MLP, a mixer without one).
+    ``step_weights(cache)``: what the fused decoding step of this block needs
+    (``ssm.ops.MambaBlockWeights``, see the model's backbone), or None where there is none (an
+    MLP, a mixer without one).
     """
 
     def __init__(
@@ -53,10 +54,10 @@ class Block(nn.Module):
             self.mlp = None
         self.residual_in_fp32 = residual_in_fp32
 
-    def step_tensors(self, cache: LayerCache) -> dict | None:
-        if self.mlp is not None or not hasattr(self.mixer, "block_step_tensors"):
+    def step_weights(self, cache: LayerCache):
+        if self.mlp is not None or not hasattr(self.mixer, "step_weights"):
             return None
-        return self.mixer.block_step_tensors(self.norm, cache)
+        return self.mixer.step_weights(self.norm, cache)
 
     def _add(self, hidden, residual):
         residual = hidden if residual is None else hidden + residual

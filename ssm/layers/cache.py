@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 
+class _StateTensors:
+    """What every layer cache offers the layers above it, whatever its fields: its tensors as a
+    list, the same cache with other tensors in their places, and ``map``."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def replace(self, tensors: list[torch.Tensor]):
+        raise NotImplementedError
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]):
+        """A cache of the same kind holding ``fn(t)`` for each of this one's tensors ``t``
+        (e.g. moved to a device, detached, a subset of the batch rows); this one is unchanged."""
+        return self.replace([fn(t) for t in self.tensors()])
+
+
 @dataclass
-class LayerCache:
+class LayerCache(_StateTensors):
     """conv_state: the last K inputs of the causal convolution (batch, channels, K);
     ssm_state: the SSM state h, float32 — (batch, D, N) for Mamba, (batch, H, P, N) for Mamba2.
     Both keep their size however many tokens have been seen: decoding is O(1) per token."""
@@ -30,6 +47,12 @@ class LayerCache:
     @property
     def batch_size(self) -> int:
         return self.conv_state.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.conv_state, self.ssm_state]
+
+    def replace(self, tensors: list[torch.Tensor]) -> LayerCache:
+        return LayerCache(*tensors)
 
     def check_batch(self, batch: int) -> None:
         if batch != self.batch_size:
@@ -68,7 +91,7 @@ def check_token(name: str, x: torch.Tensor, d_model: int) -> torch.Tensor:
 
 
 @dataclass
-class Mamba3Cache:
+class Mamba3Cache(_StateTensors):
     """The recurrent state of a Mamba-3 mixer: ``state`` is a TrapezoidalState (phase
     (batch, H, M) kept modulo 2π, ssm (batch, H, P, N), the last rotated key (batch, H, N) or
     (batch, R, H, N) with MIMO, the last input x (batch, H, P)), all float32 (float64 for a
@@ -79,6 +102,12 @@ class Mamba3Cache:
     @property
     def batch_size(self) -> int:
         return self.state[1].shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.state)
+
+    def replace(self, tensors: list[torch.Tensor]) -> Mamba3Cache:
+        return Mamba3Cache(type(self.state)(*tensors))
 
     def check_batch(self, batch: int) -> None:
         if batch != self.batch_size:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import MambaBlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import selective_scan, selective_scan_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
-from .conv import causal_conv1d_silu, causal_conv1d_step
 from .norm import RMSNorm, upcast
 
 
@@ -159,29 +159,29 @@ class Mamba(nn.Module):
         out = self.out_proj(y)
         return out if hidden_states.ndim == 2 else out[:, None]
 
-    def block_step_tensors(self, norm: nn.Module, cache: LayerCache) -> dict | None:
-        """What ``ssm.scan.cpu.mamba_blocks_step_cpu`` needs to run the decoding step of a block
-        around this mixer (residual, ``norm``, this mixer's step, which updates ``cache`` in
-        place) in C, or None where it cannot (a norm other than RMSNorm). The model's backbone
-        collects these from every block and steps the whole stack in one call."""
+    def step_weights(self, norm: nn.Module, cache: LayerCache) -> MambaBlockWeights | None:
+        """What ``ssm.ops.mamba_blocks_step`` needs to run the decoding step of a block around
+        this mixer (residual, ``norm``, this mixer's step, which updates ``cache`` in place) in
+        C, or None where it cannot (a norm other than RMSNorm). The model's backbone collects
+        these from every block and steps the whole stack in one call."""
         if not isinstance(norm, RMSNorm):
             return None
-        return dict(
-            norm_w=norm.weight,
-            eps=norm.eps,
-            in_w=self.in_proj.weight,
-            in_b=self.in_proj.bias,
-            conv_w=self.conv1d.weight,
-            conv_b=self.conv1d.bias,
+        return MambaBlockWeights(
+            norm_weight=norm.weight,
+            norm_eps=norm.eps,
+            in_proj_weight=self.in_proj.weight,
+            in_proj_bias=self.in_proj.bias,
+            conv_weight=self.conv1d.weight,
+            conv_bias=self.conv1d.bias,
             conv_state=cache.conv_state,
-            x_w=self.x_proj.weight,
-            dt_w=self.dt_proj.weight,
-            dt_b=self.dt_proj.bias,
+            x_proj_weight=self.x_proj.weight,
+            dt_proj_weight=self.dt_proj.weight,
+            dt_proj_bias=self.dt_proj.bias,
             A=self._decay(),
-            Dskip=self.D,
+            D=self.D,
             ssm_state=cache.ssm_state,
-            out_w=self.out_proj.weight,
-            out_b=self.out_proj.bias,
+            out_proj_weight=self.out_proj.weight,
+            out_proj_bias=self.out_proj.bias,
         )
 
     def _decay(self) -> torch.Tensor:

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..ops import causal_conv1d_silu, causal_conv1d_step
 from ..scan import ssd, ssd_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
-from .conv import causal_conv1d_silu, causal_conv1d_step
 from .mamba import dt_bias_init, no_weight_decay
 from .norm import RMSNormGated, upcast
 

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..scan.cpu import rms_norm_cpu
+from ..ops import rms_norm
+from ..ops.norm import upcast
 
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float32, or as it is when wider (float64 models compute in float64)."""
-    return x if x.dtype == torch.float64 else x.float()
+__all__ = ["RMSNorm", "RMSNormGated", "upcast"]
 
 
 class RMSNorm(nn.Module):
@@ -23,12 +20,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32, w32 = upcast(x), upcast(self.weight)
         # on the CPU one C pass forward and one backward; elsewhere torch's own rms_norm
-        y = rms_norm_cpu(x32, w32, self.eps)
-        if y is None:
-            y = F.rms_norm(x32, (x.shape[-1],), w32, self.eps)
-        return y.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RMSNormGated(nn.Module):
@@ -55,18 +48,5 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        x32 = upcast(x)
-        # on the CPU one C pass forward and one backward; elsewhere the formulas below
-        y = rms_norm_cpu(
-            x32, upcast(self.weight), self.eps, None if z is None else upcast(z), self.group_size, self.norm_before_gate
-        )
-        if y is not None:
-            return y.to(x.dtype)
-        if z is not None and not self.norm_before_gate:
-            x32 = x32 * F.silu(upcast(z))
-        groups = x32.unflatten(-1, (-1, self.group_size))  # (..., groups, group_size)
-        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        y = y * upcast(self.weight)
-        if z is not None and self.norm_before_gate:
-            y = y * F.silu(upcast(z))
-        return y.to(x.dtype)
+        # on the CPU one C pass forward and one backward; elsewhere the formulas written out
+        return rms_norm(x, self.weight, self.eps, z, self.group_size, self.norm_before_gate)

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from ..layers import Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, RMSNorm
-from ..scan import mamba_blocks_step_cpu
-from ..scan.cpu import MambaBlocksStep
+from ..ops import LMHeadWeights, MambaBlocksStep, mamba_blocks_step
 from .config import MambaConfig
 
 _MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}
@@ -32,6 +31,17 @@ class InferenceCache:
 
     def __post_init__(self):
         self.batch_size = self.layers[0].batch_size if self.layers else 0
+
+    def map(self, fn) -> InferenceCache:
+        """A new cache holding ``fn(t)`` for each state tensor ``t`` of every layer (moved,
+        detached, some batch rows of it...), with the same ``seqlen_offset``; this one is
+        unchanged. What code above the model (training, serving) uses instead of a layer's fields."""
+        return InferenceCache([layer.map(fn) for layer in self.layers], self.seqlen_offset)
+
+    def tensors(self) -> list[list[torch.Tensor]]:
+        """Every layer's state tensors, e.g. to save them; ``MambaLM.inference_cache_from`` takes
+        them back."""
+        return [layer.tensors() for layer in self.layers]
 
 
 def _make_mixer(config: MambaConfig, layer_idx: int, backend: str, **kw) -> nn.Module:
@@ -88,12 +98,12 @@ class MambaBackbone(nn.Module):
     def fused_step(self, input_ids, cache: InferenceCache, lm_head: nn.Linear):
         """``lm_head(forward(input_ids, cache, step=True))`` in one C call — every block, the final
         norm and ``lm_head`` — where it applies (Mamba-1 blocks without an MLP, RMSNorms, on the
-        CPU, without gradients: ``ssm.scan.cpu.mamba_blocks_step_cpu``); else None, and the
+        CPU, without gradients: ``ssm.ops.mamba_blocks_step``); else None, and the
         caller steps the blocks one by one. Same numbers either way."""
         if input_ids.ndim != 1:
             return None
         parts = self._fused_parts(cache, lm_head, input_ids.shape[0])
-        return None if parts is None else mamba_blocks_step_cpu(self.embedding(input_ids), *parts)
+        return None if parts is None else mamba_blocks_step(self.embedding(input_ids), *parts)
 
     def prepare_fused_step(self, cache: InferenceCache, lm_head: nn.Linear):
         """``fused_step`` with its C arguments built once: a function input_ids (batch,) →
@@ -115,18 +125,18 @@ class MambaBackbone(nn.Module):
         return run
 
     def _fused_parts(self, cache: InferenceCache, lm_head: nn.Linear, batch: int):
-        """The blocks' and the head's tensors for ``mamba_blocks_step_cpu``, or None where a
+        """The blocks' and the head's weights for ``ssm.ops.mamba_blocks_step``, or None where a
         block or the head does not fit it."""
         if not isinstance(self.norm_f, RMSNorm) or lm_head.bias is not None:
             return None
         blocks = []
         for layer, layer_cache in zip(self.layers, cache.layers):
-            tensors = layer.step_tensors(layer_cache)
-            if tensors is None:
+            weights = layer.step_weights(layer_cache)
+            if weights is None:
                 return None
             layer_cache.check_batch(batch)
-            blocks.append(tensors)
-        return blocks, dict(norm_w=self.norm_f.weight, eps=self.norm_f.eps, weight=lm_head.weight)
+            blocks.append(weights)
+        return blocks, LMHeadWeights(norm_weight=self.norm_f.weight, norm_eps=self.norm_f.eps, weight=lm_head.weight)
 
 
 class MambaLM(nn.Module):
@@ -201,6 +211,15 @@ class MambaLM(nn.Module):
             raise ValueError(
                 f"cache was allocated for batch size {cache.batch_size}, but {what} has batch size {batch}"
             )
+
+    def inference_cache_from(self, tensors: list[list[torch.Tensor]], seqlen_offset: int = 0) -> InferenceCache:
+        """A cache holding ``tensors`` (from ``InferenceCache.tensors()``, e.g. a checkpoint's),
+        each layer's in the kind of cache this model's layers use."""
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.backbone.layers):
+            got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+            raise ValueError(f"tensors must hold one list per layer ({len(self.backbone.layers)}), got {got}")
+        template = self.allocate_inference_cache(1, device="meta")
+        return InferenceCache([c.replace(list(t)) for c, t in zip(template.layers, tensors)], seqlen_offset)
 
     def allocate_inference_cache(self, batch_size: int, dtype=None, device=None) -> InferenceCache:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

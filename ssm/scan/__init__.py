@@ -5,8 +5,6 @@
     ssd(x, dt, A, B, C, ...)                 Mamba-2 / SSD: a scalar decay per head (ssd.py)
     trapezoidal_scan(x, dt, A, B, C, ...)    Mamba-3: trapezoidal rule, rotary state, MIMO (trapezoidal.py)
     selective_scan_step, ssd_step            one step of each, for recurrent inference (step.py)
-    mamba_blocks_step_cpu(hidden, blocks)    a stack of Mamba-1 blocks' decoding step, and the LM
-                                             head, in one C call on the CPU, or None (cpu.py)
     scan(fn, init, xs, checkpoint=...)       any step fn over pytrees (jax.lax.scan), O(√L) backward
     associative_scan(fn, elems, dim=...)     parallel prefix of any associative fn (generic.py)
 
@@ -17,7 +15,7 @@ Each op's module owns its backend table (``BACKENDS``: the backends and the orde
 tries them on each device type); ``backends(op, device)`` lists them:
     "ref"      sequential loop, the ground truth (reference.py)
     "pscan"    parallel scan in pure PyTorch with its own backward (pscan.py)
-    "cpu"      chunked sequential sweeps compiled to C++, with a reverse-sweep backward (cpu.py)
+    "cpu"      chunked sequential sweeps in C (ssm/native), with a reverse-sweep backward (cpu.py)
     "triton"   fused Triton kernels for CUDA; on the CPU only under TRITON_INTERPRET=1 (triton/)
     "chunked"  the chunked SSD algorithm, for ssd (chunked.py) and trapezoidal_scan (trapezoidal_chunked.py)
     "auto"     the best one for the inputs' device
@@ -28,7 +26,6 @@ from . import selective as _selective
 from . import ssd as _ssd
 from . import trapezoidal as _trapezoidal
 from ._common_trapezoidal import TrapezoidalState
-from .cpu import mamba_blocks_step_cpu
 from .generic import associative_scan, scan
 from .linear import linear_scan
 from .reference import linear_scan_ref, selective_scan_ref, ssd_ref, trapezoidal_scan_ref
@@ -36,6 +33,21 @@ from .selective import selective_scan
 from .ssd import ssd
 from .step import selective_scan_step, ssd_step, trapezoidal_scan_step
 from .trapezoidal import trapezoidal_scan
+
+_MOVED = {"mamba_blocks_step_cpu": "ssm.ops.mamba_blocks_step"}
+
+
+def __getattr__(name: str):
+    """Names that moved out of the scan core: a warning, then the new one."""
+    if name in _MOVED:
+        import warnings
+
+        from .. import ops
+
+        warnings.warn(f"ssm.scan.{name} moved to {_MOVED[name]}", DeprecationWarning, stacklevel=2)
+        return ops.mamba_blocks_step
+    raise AttributeError(f"module 'ssm.scan' has no attribute {name!r}")
+
 
 _TABLES = {table.op: table for table in (_selective.BACKENDS, _linear.BACKENDS, _ssd.BACKENDS, _trapezoidal.BACKENDS)}
 
@@ -58,7 +70,6 @@ __all__ = [
     "selective_scan_step",
     "ssd_step",
     "trapezoidal_scan_step",
-    "mamba_blocks_step_cpu",
     "scan",
     "associative_scan",
     "backends",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .._backends import BackendTable
 from . import triton
-from ._backends import BackendTable
 from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor
 from .cpu import linear_scan_cpu
 from .pscan import linear_scan_pscan

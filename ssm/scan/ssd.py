@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._backends import BackendTable
+from .._backends import BackendTable
 from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
 from .chunked import ssd_chunked
 from .cpu import ssd_cpu

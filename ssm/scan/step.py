@@ -54,7 +54,7 @@ def selective_scan_step(
             check_tensor(name, v, ndim=1)
             check_shape(name, v, (dim,), "(dim,)")
     fused = selective_step_cpu(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
-    if fused is not None:  # CPU, no gradient: the same formulas in one C call (ssm/scan/cpu_kernels.c)
+    if fused is not None:  # CPU, no gradient: the same formulas in one C call (ssm/native/selective.c)
         return fused
     dtype = compute_dtype(state, u, delta, A, B, C, D, z, delta_bias)
     B, C = (_per_channel_step(n, M, batch, dim, N, dtype) for n, M in (("B", B), ("C", C)))

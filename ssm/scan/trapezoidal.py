@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .._backends import BackendTable
 from . import triton
-from ._backends import BackendTable
 from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
 from ._common_trapezoidal import TrapezoidalState
 from .reference import trapezoidal_scan_ref

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import LayerCache
 from ..models import InferenceCache, MambaLM
 from .config import OptimSection
 from .data import IGNORE
@@ -63,9 +62,9 @@ def forward_rows(
     if resets is None:  # rows are plain sequences
         if state is None:
             return model(inputs), None
-        state = InferenceCache([LayerCache(c.conv_state, c.ssm_state) for c in state.layers])  # not in place
+        state = state.map(lambda t: t)  # a cache of its own: the rows' state is not changed in place
         logits = model(inputs, cache=state)
-        return logits, _detached(state.layers, slice(None))
+        return logits, state.map(lambda t: t.detach())
     cu_seqlens = sequence_boundaries(resets)
     flat = inputs.reshape(1, batch * length)
     if state is None:
@@ -80,15 +79,9 @@ def forward_rows(
         rows = rows * keep.view(-1, *[1] * (rows.ndim - 1)).to(rows.dtype)
         return rows.new_zeros(num_seqs, *rows.shape[1:]).index_copy(0, first, rows)
 
-    per_sequence = InferenceCache(
-        [LayerCache(per_sequence_state(c.conv_state), per_sequence_state(c.ssm_state)) for c in state.layers]
-    )
+    per_sequence = state.map(per_sequence_state)
     logits = model(flat, cache=per_sequence, cu_seqlens=cu_seqlens).view(batch, length, -1)
-    return logits, _detached(per_sequence.layers, last)
-
-
-def _detached(layers, rows) -> InferenceCache:
-    return InferenceCache([LayerCache(c.conv_state[rows].detach(), c.ssm_state[rows].detach()) for c in layers])
+    return logits, per_sequence.map(lambda t: t[last].detach())
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -130,9 +123,7 @@ class LanguageModelTask(pl.LightningModule):
             if state is None:
                 state = self.model.allocate_inference_cache(inputs.shape[0], device=inputs.device)
             else:  # (from a checkpoint, it arrives on the CPU)
-                state = InferenceCache(
-                    [LayerCache(c.conv_state.to(inputs.device), c.ssm_state.to(inputs.device)) for c in state.layers]
-                )
+                state = state.map(lambda t: t.to(inputs.device))
         logits, state = forward_rows(self.model, inputs, resets, state)
         if slot is not None:
             self.carried[slot] = state
@@ -165,13 +156,11 @@ class LanguageModelTask(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.stateful:
-            checkpoint["carried_state"] = {
-                slot: [[c.conv_state, c.ssm_state] for c in state.layers] for slot, state in self.carried.items()
-            }
+            checkpoint["carried_state"] = {slot: state.tensors() for slot, state in self.carried.items()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.carried = {
-            int(slot): InferenceCache([LayerCache(conv, ssm) for conv, ssm in layers])
+            int(slot): self.model.inference_cache_from(layers)
             for slot, layers in checkpoint.get("carried_state", {}).items()
         }
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ssm import Mamba, Mamba2
-from ssm.layers.conv import causal_conv1d
+from ssm.ops import causal_conv1d
 from ssm.scan import backends, cpu
 from tests.helpers import REFERENCE_TOLERANCES, assert_relative, cu_seqlens_of, packed_lengths
 

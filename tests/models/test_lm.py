@@ -88,12 +88,13 @@ def test_generation_runs_the_c_step_prepared_once(monkeypatch):
     """``generate`` on the CPU prepares the blocks' C step once and runs it for every token
     after the first (its arguments are not looked up again); the tokens are still those of
     repeated full forwards (which share none of its code), also past a sequence's first steps."""
-    from ssm.scan import cpu
+    from ssm.native import library
+    from ssm.ops import decode
 
-    if cpu.kernels() is None:
+    if library() is None:
         pytest.fail("the cpu kernels did not build: the prepared step is untested")
     calls, prepared = [], []
-    run, prepare = cpu.MambaBlocksStep.__call__, cpu.MambaBlocksStep.prepare.__func__
+    run, prepare = decode.MambaBlocksStep.__call__, decode.MambaBlocksStep.prepare.__func__
 
     def spy_prepare(cls, *args, **kwargs):
         prepared.append(1)
@@ -103,8 +104,8 @@ def test_generation_runs_the_c_step_prepared_once(monkeypatch):
         calls.append(1)
         return run(self)
 
-    monkeypatch.setattr(cpu.MambaBlocksStep, "prepare", classmethod(spy_prepare))
-    monkeypatch.setattr(cpu.MambaBlocksStep, "__call__", spy_run)
+    monkeypatch.setattr(decode.MambaBlocksStep, "prepare", classmethod(spy_prepare))
+    monkeypatch.setattr(decode.MambaBlocksStep, "__call__", spy_run)
     model = tiny("mamba1")
     ids = torch.randint(0, 45, (3, 5), generator=torch.Generator().manual_seed(4))
     out = model.generate(ids, 12, temperature=0)
@@ -210,9 +211,9 @@ def test_the_blocks_step_in_one_c_call_equals_the_tensor_path(kind, dtype, monke
     buffers."""
     import ssm.models.lm as lm_module
     import ssm.scan.step as step_module
-    from ssm.scan import cpu
+    from ssm.native import library
 
-    if cpu.kernels() is None:
+    if library() is None:
         pytest.fail("the cpu kernels did not build: the fused block step is untested")
     cfg = FUSED_CONFIGS[kind]
     torch.manual_seed(0)
@@ -223,7 +224,7 @@ def test_the_blocks_step_in_one_c_call_equals_the_tensor_path(kind, dtype, monke
                 p.normal_(generator=torch.Generator().manual_seed(len(name)))
     ids = torch.randint(0, 45, (3, 12), generator=torch.Generator().manual_seed(1))
     taken = []
-    fused_step, c_step = lm_module.mamba_blocks_step_cpu, step_module.selective_step_cpu
+    fused_step, c_step = lm_module.mamba_blocks_step, step_module.selective_step_cpu
 
     def spy(*args, **kwargs):
         out = fused_step(*args, **kwargs)
@@ -231,7 +232,7 @@ def test_the_blocks_step_in_one_c_call_equals_the_tensor_path(kind, dtype, monke
         return out
 
     def decode(fused: bool):
-        monkeypatch.setattr(lm_module, "mamba_blocks_step_cpu", spy if fused else lambda *a, **k: None)
+        monkeypatch.setattr(lm_module, "mamba_blocks_step", spy if fused else lambda *a, **k: None)
         monkeypatch.setattr(step_module, "selective_step_cpu", c_step if fused else lambda *a: None)
         cache = model.allocate_inference_cache(3, dtype=dtype)
         with torch.no_grad():
@@ -256,14 +257,14 @@ def test_the_fused_blocks_step_is_not_taken_where_it_does_not_apply(monkeypatch)
     import ssm.models.lm as lm_module
 
     calls = []
-    fused_step = lm_module.mamba_blocks_step_cpu
+    fused_step = lm_module.mamba_blocks_step
 
     def spy(*args, **kwargs):
         out = fused_step(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(lm_module, "mamba_blocks_step_cpu", spy)
+    monkeypatch.setattr(lm_module, "mamba_blocks_step", spy)
     ids = torch.randint(0, 45, (2, 6), generator=torch.Generator().manual_seed(1))
     for kind, grad in (("layernorm-fp16-residual", False), ("mamba1", True)):
         model = tiny(kind)

@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+from ssm import native
 from ssm.scan import cpu, linear_scan, selective_scan
 from ssm.scan.linear import BACKENDS as LINEAR_BACKENDS
 from ssm.scan.reference import linear_scan_ref, selective_scan_ref
@@ -32,7 +33,7 @@ from tests.helpers import (
 )
 
 T = cpu.CHUNK
-needs_kernels = pytest.mark.skipif(cpu.kernels() is None, reason="the C kernels could not be built here")
+needs_kernels = pytest.mark.skipif(native.library() is None, reason="the C kernels could not be built here")
 
 
 def test_auto_picks_cpu_for_cpu_tensors():
@@ -308,16 +309,16 @@ def test_without_a_compiler_warns_once_and_runs_pscan(monkeypatch, tmp_path):
     working compiler (another CC) is used again at once: nothing sticks for the process."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("SSM_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.warns(RuntimeWarning, match="could not build its C kernels") as record:
+    with pytest.warns(RuntimeWarning, match="could not build them") as record:
         check_selective(selective_inputs(T + 3), "cpu")
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no second warning
         check_selective(selective_inputs(2 * T + 1, seed=2), "cpu")
         check_linear(linear_inputs((2, T + 1, 3), 1), "cpu", 1, False)
-    assert cpu.kernels() is None
+    assert native.library() is None
     monkeypatch.delenv("CC")
-    if cpu.kernels() is not None:  # a compiler is installed here: back on the kernels
+    if native.library() is not None:  # a compiler is installed here: back on the kernels
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             check_selective(selective_inputs(T + 3), "cpu")
@@ -344,14 +345,14 @@ def test_build_is_cached_on_disk_and_reused(tmp_path):
     """A fresh process with an empty cache directory builds the library there (one file, no
     temporaries left); a second process loads it without building it again."""
     code = (
-        "import torch; from ssm.scan import cpu, selective_scan; "
+        "import torch; from ssm import native; from ssm.scan import selective_scan; "
         "u = torch.randn(1, 4, 9); selective_scan(u, u, -torch.ones(4, 2), torch.randn(4, 2), torch.randn(4, 2)); "
-        "assert cpu.kernels() is not None"
+        "assert native.library() is not None"
     )
     env = {**os.environ, "SSM_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": "error::RuntimeWarning"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     built = sorted(tmp_path.iterdir())
-    assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so", built
+    assert len(built) == 1 and built[0].name.startswith("ssm_kernels-") and built[0].suffix == ".so", built
     stamp = built[0].stat().st_mtime_ns
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     assert sorted(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
@@ -362,10 +363,11 @@ def test_a_background_build_leaves_the_library_for_the_first_scan(tmp_path):
     """build_in_background in a fresh process with an empty cache: the thread builds the
     library, and the scan after it loads that library (no second build, no temporaries)."""
     code = (
-        "import torch; from ssm.scan import cpu, selective_scan; "
-        "thread = cpu.build_in_background(); assert thread is not None; thread.join(); "
+        "import torch; from ssm import native; from ssm.scan import selective_scan; "
+        "thread = native.build_in_background(); assert thread is not None; thread.join(); "
         "import os; assert len(os.listdir(os.environ['SSM_CACHE_DIR'])) == 1; "
-        "key = cpu._build_key(); assert cpu._built[key] is not None and not isinstance(cpu._built[key], str); "
+        "from ssm.native import build; built = build._built[build._build_key()]; "
+        "assert built is not None and not isinstance(built, str); "
         "u = torch.randn(1, 4, 9); selective_scan(u, u, -torch.ones(4, 2), torch.randn(4, 2), torch.randn(4, 2)); "
         "assert len(os.listdir(os.environ['SSM_CACHE_DIR'])) == 1"
     )
@@ -376,7 +378,7 @@ def test_a_background_build_leaves_the_library_for_the_first_scan(tmp_path):
 
 def test_no_background_build_when_the_kernels_are_switched_off(monkeypatch):
     monkeypatch.setenv("SSM_CPU_KERNEL", "0")
-    assert cpu.build_in_background() is None
+    assert native.build_in_background() is None
 
 
 # ----------------------------------------------------------------------------- torch.compile

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssm.layers.conv import causal_conv1d
+from ssm.ops import causal_conv1d
 
 
 def by_hand(x, weight, bias, state):
@@ -67,9 +67,10 @@ def test_the_channels_last_c_convolution(case, silu):
     side): values against the loop above (per packed sequence alone), and its gradients of x,
     weight and bias against finite differences (gradcheck, float64). L spans several of the
     backward's row blocks per thread, so their recomputed edges are covered."""
-    from ssm.scan import cpu
+    from ssm.native import library
+    from ssm.ops import cpu
 
-    if cpu.kernels() is None:
+    if library() is None:
         pytest.fail("the cpu kernels did not build: the C convolution is untested")
     g = torch.Generator().manual_seed(1)
     K = 2 if case == "K2" else 4
@@ -106,7 +107,7 @@ def test_the_channels_last_c_convolution(case, silu):
 
 
 def test_the_channels_last_c_convolution_declines_what_it_does_not_run():
-    from ssm.scan import cpu
+    from ssm.ops import cpu
 
     x = torch.randn(2, 6, 4)
     w = torch.randn(4, 1, 4)

@@ -1,4 +1,4 @@
-"""The CPU kernels' buffer pool (ssm/scan/_buffers.py): storage is handed out again only when no
+"""The CPU kernels' buffer pool (ssm/native/_buffers.py): storage is handed out again only when no
 tensor can see it, and whole training steps give the same bits with and without it."""
 
 import threading
@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from ssm.scan import _buffers
-from ssm.scan._buffers import BufferPool
+from ssm.native import _buffers
+from ssm.native._buffers import BufferPool
 
 SHAPE = (64, 1024)  # 256 KiB in float32: above the pool's lower bound
 

@@ -5,7 +5,7 @@ glibc serves a block above its mmap threshold with fresh pages from the kernel a
 free. The threshold is at most 32 MiB by default (and 128 KiB where ``MALLOC_MMAP_THRESHOLD_`` is
 set so), so at a real model's size every activation and gradient is faulted in page by page on
 each step: at (8, 512, 1024) fp32 a fresh tensor costs about four times the arithmetic that fills
-it. A training step asks for the same sizes on every step; the CPU kernels (``ssm.scan.cpu``)
+it. A training step asks for the same sizes on every step; the CPU kernels (``ssm.native``)
 therefore take the storage of their outputs and scratch from ``pool``, which keeps each storage it
 made and hands it out again when nothing but the pool refers to it: no tensor, view or autograd
 graph (the storage's use count is the pool's one) and no Python reference to the storage object

@@ -16,9 +16,10 @@ def by_formula(x, w, eps):
 def test_the_c_rms_norm(shape):
     """rms_norm_cpu against the formula (float64), and its gradients of x and the weight by
     gradcheck; 21 and 1 rows (the backward's rows split among the threads, and not)."""
-    from ssm.scan import cpu
+    from ssm.native import library
+    from ssm.ops import cpu
 
-    if cpu.kernels() is None:
+    if library() is None:
         pytest.fail("the cpu kernels did not build: the C RMSNorm is untested")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
@@ -31,11 +32,15 @@ def test_the_c_rms_norm(shape):
 def test_the_module_takes_the_c_kernel_on_the_cpu_and_agrees_with_torch(monkeypatch):
     """RMSNorm's forward and backward in float32 match torch's F.rms_norm (its path elsewhere),
     and the C kernel is what ran."""
-    from ssm.layers import norm as norm_module
+    from ssm.ops import norm as norm_module
 
     calls = []
-    c_norm = norm_module.rms_norm_cpu
-    monkeypatch.setattr(norm_module, "rms_norm_cpu", lambda *a: calls.append(1) or c_norm(*a))
+    c_norm = norm_module.BACKENDS._backends["cpu"]
+    monkeypatch.setitem(
+        norm_module.BACKENDS._backends,
+        "cpu",
+        c_norm.__class__("cpu", lambda *a: calls.append(1) or c_norm.fn(*a), c_norm.devices),
+    )
     torch.manual_seed(0)
     layer = RMSNorm(64)
     with torch.no_grad():
@@ -54,7 +59,7 @@ def test_the_module_takes_the_c_kernel_on_the_cpu_and_agrees_with_torch(monkeypa
 
 
 def test_the_c_rms_norm_declines_what_it_does_not_run():
-    from ssm.scan import cpu
+    from ssm.ops import cpu
 
     x, w = torch.randn(4, 6), torch.randn(6)
     assert cpu.rms_norm_cpu(x.t(), torch.randn(4), 1e-5) is None  # not contiguous
@@ -76,9 +81,10 @@ def test_the_c_gated_rms_norm(group, norm_before_gate):
     """Mamba-2's gated, grouped norm in C against the formula (float64), z a slice of a wider
     tensor as in_proj leaves it (rows 20 apart), and its gradients of x, z and the weight by
     gradcheck; 15 rows, split among the threads in the backward."""
-    from ssm.scan import cpu
+    from ssm.native import library
+    from ssm.ops import cpu
 
-    if cpu.kernels() is None:
+    if library() is None:
         pytest.fail("the cpu kernels did not build: the C gated RMSNorm is untested")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 12, generator=g, dtype=torch.float64, requires_grad=True)

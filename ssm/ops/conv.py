@@ -1,17 +1,51 @@
 """The causal depthwise convolution of the Mamba mixers, over a sequence and one step at a time.
 
-The convolution state is the last K inputs (K = kernel size), most recent last: (batch, D, K),
-as in mamba-ssm's inference cache. A zero state means "no history".
+    causal_conv1d_silu(x, weight, bias, state, cu_seqlens, transposed, backend=...)
+        SiLU(conv) of x (B, L, D) as in_proj leaves it: what the Mamba-1 and Mamba-2 layers call.
+        Backends: "cpu" (one C pass each way, ops/cpu.py), "torch" (the tensor code below).
+    causal_conv1d(x, weight, bias, state, cu_seqlens)   the conv of x (B, D, L), tensor code
+    causal_conv1d_step(x, weight, bias, state)          one token
+
+The convolution state is the last K inputs (K = kernel size), most recent last: (B, D, K), as in
+mamba-ssm's inference cache. A zero state means "no history".
 
 Packed sequences (``cu_seqlens``, batch 1): the convolution never reads across a boundary. A
 sequence's first K - 1 outputs read, for the taps before its start, its own history (that
 sequence's row of ``state``, (S, D, K)) or zeros, exactly as if it were run alone.
+``reference.causal_conv1d_ref`` is the plain loop every path is tested against.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .._backends import BackendTable
+from .cpu import causal_conv1d_cpu
+
+ConvOut = tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]
+
+
+def _silu_cpu(x, weight, bias, state, cu_seqlens, transposed) -> ConvOut | None:
+    """The C kernel, or None where it does not apply (a state to continue from, another device
+    or dtype, x's channels not contiguous, no library)."""
+    if state is not None:
+        return None
+    out = causal_conv1d_cpu(x, weight, bias, cu_seqlens, True, transposed)
+    return None if out is None else (out, None)
+
+
+def _silu_torch(x, weight, bias, state, cu_seqlens, transposed) -> ConvOut:
+    y, new_state = causal_conv1d(x.transpose(1, 2), weight, bias, state, cu_seqlens)
+    y = F.silu(y)
+    return ((y.transpose(1, 2), y) if transposed else y.transpose(1, 2)), new_state
+
+
+# Backends take the public arguments less ``backend``; "cpu" returns None where it does not
+# apply, and "auto" then runs "torch".
+BACKENDS = BackendTable("causal_conv1d_silu", auto={"cpu": ("cpu", "torch"), "*": ("torch",)})
+BACKENDS.add("torch", _silu_torch)
+BACKENDS.add("cpu", _silu_cpu, devices=("cpu",))
 
 
 def causal_conv1d_silu(
@@ -21,22 +55,31 @@ def causal_conv1d_silu(
     state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     transposed: bool = False,
-) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """SiLU of the causal convolution of x (batch, L, D), channels last as in_proj leaves them
-    (e.g. x a view of in_proj's output), continuing from ``state`` as ``causal_conv1d`` does.
-    Returns (out, the new state or None): out is (batch, L, D), or with ``transposed`` (that,
-    the same values as (batch, D, L), the scans' layout). Without a state, on the CPU, one C
-    kernel writes them (``ssm.scan.cpu.causal_conv1d_cpu``: no copy of x, no padded or
-    transposed copies, the SiLU fused, the backward in one pass), each contiguous; else
-    ``causal_conv1d`` on x seen as (batch, D, L), and the first is a view of the second."""
-    from ..scan.cpu import causal_conv1d_cpu
+    backend: str = "auto",
+) -> ConvOut:
+    """SiLU of the causal convolution of x (B, L, D), channels last as in_proj leaves them
+    (e.g. x a view of in_proj's output), with weight (D, 1, K) and bias (D,) or None,
+    continuing from ``state`` (B, D, K) as ``causal_conv1d`` does. Returns (out, the new state
+    or None): out is (B, L, D), or with ``transposed`` (that, the same values as (B, D, L), the
+    scans' layout).
 
-    out = None if state is not None else causal_conv1d_cpu(x, weight, bias, cu_seqlens, True, transposed)
-    if out is not None:
-        return out, None
-    y, new_state = causal_conv1d(x.transpose(1, 2), weight, bias, state, cu_seqlens)
-    y = F.silu(y)
-    return ((y.transpose(1, 2), y) if transposed else y.transpose(1, 2)), new_state
+    ``backend="auto"`` takes the C kernel on the CPU where it applies (no state; float32 or
+    float64; x's channels contiguous): no copy of x, no padded or transposed copies, the SiLU
+    fused, each output contiguous, the backward in one pass. Elsewhere, or with
+    ``backend="torch"``, ``causal_conv1d`` on x seen as (B, D, L), the first output a view of
+    the second. ``backend="cpu"`` where the kernel does not apply is an error."""
+    chosen = BACKENDS.resolve(backend, x.device)
+    out = chosen.fn(x, weight, bias, state, cu_seqlens, transposed)
+    if out is None:
+        if backend != "auto":
+            raise ValueError(
+                f"backend {backend!r} of causal_conv1d_silu does not take these inputs: it needs no state, "
+                f"float32 or float64 CPU tensors and x's channels contiguous (got state "
+                f"{'given' if state is not None else 'None'}, x {x.dtype} on {x.device} with strides {x.stride()}); "
+                "use backend='auto' or 'torch'"
+            )
+        out = _silu_torch(x, weight, bias, state, cu_seqlens, transposed)
+    return out
 
 
 def causal_conv1d(

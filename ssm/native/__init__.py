@@ -1,0 +1,33 @@
+"""The compiled CPU kernels of ssm: C sources by op family and the one module that builds, caches
+and loads them (build.py).
+
+    library.c       the one translation unit: includes every family twice (float, double)
+    common.h        C headers, fast exp / log1p, packed-sequence bounds, scheduling helpers
+    common_real.h   softplus, sigmoid and the per-thread sums, for each REAL
+    selective.c     the selective scan's sweeps and its one-token step  (bound in ssm/scan/cpu.py)
+    linear.c        the first-order linear scan                         (ssm/scan/cpu.py)
+    conv.c          the causal depthwise conv with SiLU                 (ssm/ops/cpu.py)
+    norm.c          RMSNorm and the gated, grouped RMSNorm              (ssm/ops/cpu.py)
+    decode.c        a stack of Mamba-1 blocks' decoding step            (ssm/ops/decode.py)
+    _buffers.py     the pool the kernels' large outputs come from
+
+Nothing here knows a layer or a model: the kernels take pointers, sizes and strides in
+argument structs, which the binding modules mirror with ctypes.
+"""
+
+from ._buffers import pool
+from .build import build_in_background, cache_dir, declare, empty, kernel, library, ptr, ready, strides3, threads
+
+__all__ = [
+    "build_in_background",
+    "cache_dir",
+    "declare",
+    "empty",
+    "kernel",
+    "library",
+    "pool",
+    "ptr",
+    "ready",
+    "strides3",
+    "threads",
+]

@@ -1,0 +1,42 @@
+/* The one compiled library of ssm's CPU kernels (ssm/native/build.py compiles this file and
+   loads it through ctypes): plain C11 + OpenMP, no Python or torch headers.
+
+   Each family of kernels lives in its own file (selective.c, linear.c, conv.c, norm.c,
+   decode.c) over common.h; this file includes every family twice, REAL = float then double,
+   so that every kernel exists as name_f32 and name_f64. One library keeps start-up to one
+   compile and one load per process. */
+
+#include "common.h"
+
+#define REAL float
+#define SUF(name) name##_f32
+#define EXP exp_f32
+#define LOG1P log1p_f32
+#include "common_real.h"
+#include "selective.c"
+#include "linear.c"
+#include "conv.c"
+#include "norm.c"
+#include "decode.c"
+#undef REAL
+#undef SUF
+#undef EXP
+#undef LOG1P
+
+#define REAL double
+#define SUF(name) name##_f64
+#define EXP exp_f64
+#define LOG1P log1p_f64
+#include "common_real.h"
+#include "selective.c"
+#include "linear.c"
+#include "conv.c"
+#include "norm.c"
+#include "decode.c"
+#undef REAL
+#undef SUF
+#undef EXP
+#undef LOG1P
+
+/* The version of the argument structs (ssm/native/build.py checks it at load). */
+int ssm_kernels_abi(void) { return 7; }

@@ -1,0 +1,48 @@
+"""The non-scan ops the layers need, each one public function with a backend table like the
+scans' (``backend="auto"`` picks per device; a named backend that cannot take the inputs is an
+error, never a silent fallback), and a plain reference that every backend is tested against.
+
+    causal_conv1d_silu(x, weight, bias, ...)   SiLU(causal depthwise conv) of x (B, L, D)  (conv.py)
+    causal_conv1d(x, weight, bias, ...)        the causal depthwise conv of x (B, D, L)    (conv.py)
+    causal_conv1d_step(x, weight, bias, state) its one-token step                          (conv.py)
+    rms_norm(x, weight, eps, z=None, ...)      RMSNorm, grouped and gated (Mamba-2)         (norm.py)
+    mamba_blocks_step(hidden, blocks, head)    a stack of Mamba-1 blocks' decoding step and
+                                               the LM head in one C call, or None           (decode.py)
+    MambaBlockWeights, LMHeadWeights           what a layer and a model hand that step      (decode.py)
+
+Backends: "cpu" (C kernels from ssm.native, bound in cpu.py and decode.py) and "torch" (tensor
+code, any device). References: reference.py.
+"""
+
+from .conv import BACKENDS as _CONV
+from .conv import causal_conv1d, causal_conv1d_silu, causal_conv1d_step
+from .decode import LMHeadWeights, MambaBlocksStep, MambaBlockWeights, mamba_blocks_step
+from .norm import BACKENDS as _NORM
+from .norm import rms_norm
+from .reference import causal_conv1d_ref, mamba_blocks_step_ref, rms_norm_ref
+
+_TABLES = {table.op: table for table in (_CONV, _NORM)}
+
+
+def backends(op: str, device=None) -> list[str]:
+    """Names of the backends of ``op`` ("causal_conv1d_silu" or "rms_norm"); with ``device``,
+    only those that run there. ``"auto"`` is always accepted as well."""
+    if op not in _TABLES:
+        raise ValueError(f"unknown op {op!r}; expected one of {list(_TABLES)}")
+    return _TABLES[op].names(device)
+
+
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_silu",
+    "causal_conv1d_step",
+    "rms_norm",
+    "mamba_blocks_step",
+    "MambaBlocksStep",
+    "MambaBlockWeights",
+    "LMHeadWeights",
+    "backends",
+    "causal_conv1d_ref",
+    "rms_norm_ref",
+    "mamba_blocks_step_ref",
+]

@@ -1,0 +1,147 @@
+"""References of the non-scan ops: plain loops and formulas in float64, written to be read, the
+ground truth that every backend of ssm.ops is tested against. Nothing here imports the code it
+checks, and it imports nothing from here.
+
+Shape symbols: B batch, L length, D channels, K the conv's width, M a row's width (d_model),
+N state size, R dt_rank, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def causal_conv1d_ref(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, state: Tensor | None = None, cu_seqlens: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """y[b, d, t] = bias[d] + Σ_k weight[d, 0, k] · v[b, d, t - (K - 1) + k] for x (B, D, L), where
+    v is x within t's sequence and, before the sequence's start, its history (state (B or S, D, K),
+    most recent last) or zeros. With cu_seqlens (S + 1,) (B = 1) each sequence on its own.
+    Returns (y (B, D, L) float64, the new state (the last K inputs of each sequence) or None)."""
+    x, weight = x.double(), weight.double()
+    B, D, L = x.shape
+    K = weight.shape[-1]
+    cuts = [0, L] if cu_seqlens is None else [int(c) for c in cu_seqlens]
+    y = torch.zeros(B, D, L, dtype=torch.float64)
+    new_state = None if state is None else torch.zeros(state.shape, dtype=torch.float64)
+    for b in range(B):
+        for s in range(len(cuts) - 1):
+            row = b if cu_seqlens is None else s
+            lo, hi = cuts[s], cuts[s + 1]
+            history = [torch.zeros(D, dtype=torch.float64) for _ in range(K)]
+            if state is not None:
+                history = [state[row, :, k].double() for k in range(K)]
+            steps = history + [x[b, :, t] for t in range(lo, hi)]  # the sequence's inputs after its history
+            for t in range(lo, hi):
+                i = K + (t - lo)  # index of step t in ``steps``
+                acc = torch.zeros(D, dtype=torch.float64) if bias is None else bias.double().clone()
+                for k in range(K):
+                    acc = acc + weight[:, 0, k] * steps[i - (K - 1) + k]
+                y[b, :, t] = acc
+            if new_state is not None:
+                new_state[row] = torch.stack(steps[-K:], -1)
+    return y, new_state
+
+
+def rms_norm_ref(
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    z: Tensor | None = None,
+    group_size: int | None = None,
+    norm_before_gate=False,
+) -> Tensor:
+    """RMSNorm of x (..., M) over groups of ``group_size`` channels, times weight (M,), in
+    float64; with z, norm(x·silu(z)), or norm(x)·silu(z) with ``norm_before_gate``."""
+    x, weight = x.double(), weight.double()
+    M = x.shape[-1]
+    group = M if group_size is None else group_size
+
+    def silu(v):
+        return v / (1 + torch.exp(-v))
+
+    v = x if z is None or norm_before_gate else x * silu(z.double())
+    out = torch.empty_like(v)
+    for g in range(M // group):
+        part = v[..., g * group : (g + 1) * group]
+        mean_square = (part * part).sum(-1, keepdim=True) / group
+        out[..., g * group : (g + 1) * group] = part / torch.sqrt(mean_square + eps)
+    out = out * weight
+    return out * silu(z.double()) if z is not None and norm_before_gate else out
+
+
+def mamba_blocks_step_ref(hidden: Tensor, blocks, head=None):
+    """The decoding step of a stack of Mamba-1 blocks (``ssm.ops.MambaBlockWeights``, read by
+    field), one token per batch row, in float64, written out channel by channel:
+
+        residual = hidden + residual;  x = rmsnorm(residual)
+        (xi, z) = in_proj x;  conv_state ← [conv_state[1:], xi];  xc = silu(Σ_k w_k·conv_state_k + b)
+        (dt, Bt, Ct) = x_proj xc;  Δ = softplus(dt_proj dt + dt_b)
+        h ← exp(Δ·A)·h + Δ·xc·Bt;  y = (Ct·h + D·xc)·silu(z);  hidden = out_proj y
+
+    Returns (hidden, residual), or with ``head`` the logits weight · rmsnorm(hidden + residual).
+    The states are not changed; the new ones are returned as well: (out, conv_states, ssm_states)."""
+
+    def silu(v):
+        return v / (1 + math.exp(-v))
+
+    def rms(v, w, eps):
+        scale = 1 / math.sqrt(sum(e * e for e in v) / len(v) + eps)
+        return [e * scale * float(wi) for e, wi in zip(v, w)]
+
+    def matvec(W, v, bias=None):
+        W = W.double()
+        out = [float(torch.dot(W[r], torch.tensor(v, dtype=torch.float64))) for r in range(W.shape[0])]
+        return out if bias is None else [o + float(b) for o, b in zip(out, bias)]
+
+    batch = hidden.shape[0]
+    hid = [[float(e) for e in hidden[b]] for b in range(batch)]
+    res = [None] * batch
+    conv_states, ssm_states = [], []
+    for blk in blocks:
+        conv_w = blk.conv_weight.double().reshape(blk.conv_weight.shape[0], -1)  # (D, K)
+        D, K = conv_w.shape
+        N = blk.A.shape[1]
+        R = blk.dt_proj_weight.shape[1]
+        new_conv = blk.conv_state.double().clone()
+        new_ssm = blk.ssm_state.double().clone()
+        for b in range(batch):
+            r = hid[b] if res[b] is None else [h + e for h, e in zip(hid[b], res[b])]
+            res[b] = r
+            x = rms(r, blk.norm_weight, blk.norm_eps)
+            xz = matvec(blk.in_proj_weight, x, blk.in_proj_bias)
+            xi, z = xz[:D], xz[D:]
+            new_conv[b] = torch.cat([new_conv[b, :, 1:], torch.tensor(xi, dtype=torch.float64)[:, None]], -1)
+            xc = []
+            for d in range(D):
+                acc = sum(float(conv_w[d, k]) * float(new_conv[b, d, k]) for k in range(K))
+                xc.append(silu(acc + (0.0 if blk.conv_bias is None else float(blk.conv_bias[d]))))
+            proj = matvec(blk.x_proj_weight, xc)
+            dt, Bt, Ct = proj[:R], proj[R : R + N], proj[R + N :]
+            delta = matvec(blk.dt_proj_weight, dt, blk.dt_proj_bias)
+            y = []
+            for d in range(D):
+                step = delta[d] if delta[d] > 20 else math.log1p(math.exp(delta[d]))
+                acc = 0.0
+                for n in range(N):
+                    h = math.exp(step * float(blk.A[d, n])) * float(new_ssm[b, d, n]) + step * xc[d] * Bt[n]
+                    new_ssm[b, d, n] = h
+                    acc += Ct[n] * h
+                if blk.D is not None:
+                    acc += float(blk.D[d]) * xc[d]
+                y.append(acc * silu(z[d]))
+            hid[b] = matvec(blk.out_proj_weight, y, blk.out_proj_bias)
+        conv_states.append(new_conv)
+        ssm_states.append(new_ssm)
+    hidden_out = torch.tensor(hid, dtype=torch.float64)
+    residual_out = torch.tensor(res, dtype=torch.float64)
+    if head is None:
+        return (hidden_out, residual_out), conv_states, ssm_states
+    logits = []
+    for b in range(batch):
+        r = [h + e for h, e in zip(hid[b], res[b])]
+        logits.append(matvec(head.weight, rms(r, head.norm_weight, head.norm_eps)))
+    return torch.tensor(logits, dtype=torch.float64), conv_states, ssm_states
