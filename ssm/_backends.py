@@ -29,6 +29,21 @@ import torch
 
 AUTO = "auto"
 
+
+def lister(tables: Iterable[BackendTable]) -> Callable[..., list[str]]:
+    """The ``backends(op, device=None)`` function of a package whose ops own ``tables``."""
+    by_op = {table.op: table for table in tables}
+
+    def backends(op: str, device=None) -> list[str]:
+        """Names of the backends of ``op``; with ``device``, only those that run there now.
+        ``"auto"`` is always accepted as well."""
+        if op not in by_op:
+            raise ValueError(f"unknown op {op!r}; expected one of {list(by_op)}")
+        return by_op[op].names(device)
+
+    return backends
+
+
 Devices = Callable[[], Iterable[str]]
 
 
@@ -80,6 +95,21 @@ class BackendTable:
             return sorted(self._backends)
         device = torch.device(device)
         return sorted(name for name, b in self._backends.items() if b.runs_on(device))
+
+    def run(self, name: str, device: torch.device, args: tuple, *, fallback: str, needs: str):
+        """Resolve ``name`` and call the backend on ``args``. A backend that declines the inputs
+        (returns None, as a C kernel does for a dtype or layout it does not read) is replaced by
+        ``fallback`` under ``"auto"``; asked for by name, it is an error saying what it
+        ``needs``."""
+        out = self.resolve(name, device).fn(*args)
+        if out is not None:
+            return out
+        if name != AUTO:
+            raise ValueError(
+                f"backend {name!r} of {self.op} does not take these inputs: it needs {needs}; "
+                f"use backend='auto' or '{fallback}'"
+            )
+        return self._backends[fallback].fn(*args)
 
     def resolve(self, name: str, device: torch.device) -> Backend:
         """The backend to run, given the requested ``name`` and the inputs' device."""

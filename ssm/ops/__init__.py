@@ -14,6 +14,7 @@ Backends: "cpu" (C kernels from ssm.native, bound in cpu.py and decode.py) and "
 code, any device). References: reference.py.
 """
 
+from .._backends import lister
 from .conv import BACKENDS as _CONV
 from .conv import causal_conv1d, causal_conv1d_silu, causal_conv1d_step
 from .decode import LMHeadWeights, MambaBlocksStep, MambaBlockWeights, mamba_blocks_step
@@ -21,15 +22,9 @@ from .norm import BACKENDS as _NORM
 from .norm import rms_norm
 from .reference import causal_conv1d_ref, mamba_blocks_step_ref, rms_norm_ref
 
-_TABLES = {table.op: table for table in (_CONV, _NORM)}
-
-
-def backends(op: str, device=None) -> list[str]:
-    """Names of the backends of ``op`` ("causal_conv1d_silu" or "rms_norm"); with ``device``,
-    only those that run there. ``"auto"`` is always accepted as well."""
-    if op not in _TABLES:
-        raise ValueError(f"unknown op {op!r}; expected one of {list(_TABLES)}")
-    return _TABLES[op].names(device)
+# backends(op, device=None): the names of the backends of "causal_conv1d_silu" or "rms_norm";
+# with a device, only those that run there ("auto" is always accepted).
+backends = lister((_CONV, _NORM))
 
 
 __all__ = [

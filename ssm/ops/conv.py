@@ -68,18 +68,13 @@ def causal_conv1d_silu(
     fused, each output contiguous, the backward in one pass. Elsewhere, or with
     ``backend="torch"``, ``causal_conv1d`` on x seen as (B, D, L), the first output a view of
     the second. ``backend="cpu"`` where the kernel does not apply is an error."""
-    chosen = BACKENDS.resolve(backend, x.device)
-    out = chosen.fn(x, weight, bias, state, cu_seqlens, transposed)
-    if out is None:
-        if backend != "auto":
-            raise ValueError(
-                f"backend {backend!r} of causal_conv1d_silu does not take these inputs: it needs no state, "
-                f"float32 or float64 CPU tensors and x's channels contiguous (got state "
-                f"{'given' if state is not None else 'None'}, x {x.dtype} on {x.device} with strides {x.stride()}); "
-                "use backend='auto' or 'torch'"
-            )
-        out = _silu_torch(x, weight, bias, state, cu_seqlens, transposed)
-    return out
+    needs = (
+        f"no state, float32 or float64 CPU tensors and x's channels contiguous (got state "
+        f"{'given' if state is not None else 'None'}, x {x.dtype} on {x.device} with strides {x.stride()})"
+    )
+    return BACKENDS.run(
+        backend, x.device, (x, weight, bias, state, cu_seqlens, transposed), fallback="torch", needs=needs
+    )
 
 
 def causal_conv1d(

@@ -68,14 +68,6 @@ def rms_norm(
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
     x32, w32, z32 = upcast(x), upcast(weight), None if z is None else upcast(z)
-    chosen = BACKENDS.resolve(backend, x.device)
-    y = chosen.fn(x32, w32, eps, z32, group, norm_before_gate)
-    if y is None:
-        if backend != "auto":
-            raise ValueError(
-                f"backend {backend!r} of rms_norm does not take these inputs: it needs CPU tensors, x "
-                f"contiguous (got x {x.dtype} on {x.device}, contiguous {x.is_contiguous()}); "
-                "use backend='auto' or 'torch'"
-            )
-        y = _rms_norm_torch(x32, w32, eps, z32, group, norm_before_gate)
-    return y.to(x.dtype)
+    needs = f"CPU tensors and x contiguous (got x {x.dtype} on {x.device}, contiguous {x.is_contiguous()})"
+    args = (x32, w32, eps, z32, group, norm_before_gate)
+    return BACKENDS.run(backend, x.device, args, fallback="torch", needs=needs).to(x.dtype)

@@ -21,6 +21,7 @@ tries them on each device type); ``backends(op, device)`` lists them:
     "auto"     the best one for the inputs' device
 """
 
+from .._backends import lister
 from . import linear as _linear
 from . import selective as _selective
 from . import ssd as _ssd
@@ -49,16 +50,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ssm.scan' has no attribute {name!r}")
 
 
-_TABLES = {table.op: table for table in (_selective.BACKENDS, _linear.BACKENDS, _ssd.BACKENDS, _trapezoidal.BACKENDS)}
-
-
-def backends(op: str, device=None) -> list[str]:
-    """Names of the backends of ``op`` ("selective_scan", "linear_scan", "ssd" or
-    "trapezoidal_scan"); with
-    ``device``, only those that run there now. ``"auto"`` is always accepted as well."""
-    if op not in _TABLES:
-        raise ValueError(f"unknown op {op!r}; expected one of {list(_TABLES)}")
-    return _TABLES[op].names(device)
+# backends(op, device=None): the names of the backends of "selective_scan", "linear_scan", "ssd"
+# or "trapezoidal_scan"; with a device, only those that run there now ("auto" is always accepted).
+backends = lister((_selective.BACKENDS, _linear.BACKENDS, _ssd.BACKENDS, _trapezoidal.BACKENDS))
 
 
 __all__ = [
