@@ -17,13 +17,19 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: train test lint
+.PHONY: train test lint gpu-check
 
 train: $(VENV)/.installed-train
 	$(PY) scripts/train.py $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(ARGS)
+
+# Every GPU path proved and timed in one command (scripts/gpu_check.py): on a machine with CUDA,
+# with that machine's own python3 and no install step; without CUDA, the same plan as a dry run.
+GPU_CHECK_OUT ?= gpu-check
+gpu-check:
+	PYTHONPATH=. $(PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT) $(ARGS)
 
 # Lint and format check (ruff, configured in pyproject.toml); CI runs it before the tests.
 lint: $(VENV)/.installed-lint
