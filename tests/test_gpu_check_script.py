@@ -56,10 +56,13 @@ def test_pytest_outcome_reads_counts_and_failed_ids(tmp_path):
     )
     outcome = script()["pytest_outcome"](log)
     assert outcome["counts"] == {"failed": 1, "passed": 3, "skipped": 1, "error": 1}
+    assert outcome["summary"] == "1 failed, 3 passed, 1 skipped, 1 error in 2.00s"
     assert outcome["failed"] == [
         "tests/scan/test_triton.py::test_linear_shapes[a]",
         "tests/scan/test_triton.py::test_selective_lengths[19]",
     ]
+    log.write_text("$ python -m pytest -q ...\n...............\n15 passed, 2 deselected in 54.60s\n")  # under -q
+    assert script()["pytest_outcome"](log)["counts"] == {"passed": 15, "deselected": 2}
 
 
 def test_the_summary_shows_each_form_of_result():
