@@ -59,6 +59,22 @@ _BWD_FLAGS = {
 
 
 @triton.jit
+def _BC_setup(
+    M_ptr, pid_b, segment_start, d, n, dn_mask, stride_0, stride_1, PER_GROUP,
+    VARYING: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """B or C for the whole program: time-varying, a base pointer into this program's group
+    (and a zero tile, unused); fixed, the pointer itself and the loaded (BLOCK_D, BLOCK_N) tile."""
+    if VARYING:
+        base = M_ptr + pid_b * stride_0 + (segment_start // PER_GROUP) * stride_1
+        fixed = tl.zeros([BLOCK_D, BLOCK_N], dtype=COMPUTE)
+    else:
+        base = M_ptr
+        fixed = tl.load(M_ptr + d[:, None] * stride_0 + n[None, :] * stride_1, mask=dn_mask, other=0.0).to(COMPUTE)
+    return base, fixed
+
+
+@triton.jit
 def _prologue(
     A_ptr, D_ptr, delta_bias_ptr, B_ptr, C_ptr,
     N, SEGMENT, stride_B0, stride_B1, stride_C0, stride_C1, B_PER_GROUP, C_PER_GROUP,
@@ -86,18 +102,14 @@ def _prologue(
         delta_bias = tl.load(delta_bias_ptr + d, mask=d_mask, other=0.0).to(COMPUTE)
     else:
         delta_bias = tl.zeros([BLOCK_D], dtype=COMPUTE)
-    if B_VARYING:
-        B_base = B_ptr + pid_b * stride_B0 + (segment_start // B_PER_GROUP) * stride_B1
-        B_fixed = tl.zeros([BLOCK_D, BLOCK_N], dtype=COMPUTE)
-    else:
-        B_base = B_ptr
-        B_fixed = tl.load(B_ptr + d[:, None] * stride_B0 + n[None, :] * stride_B1, mask=dn_mask, other=0.0).to(COMPUTE)
-    if C_VARYING:
-        C_base = C_ptr + pid_b * stride_C0 + (segment_start // C_PER_GROUP) * stride_C1
-        C_fixed = tl.zeros([BLOCK_D, BLOCK_N], dtype=COMPUTE)
-    else:
-        C_base = C_ptr
-        C_fixed = tl.load(C_ptr + d[:, None] * stride_C0 + n[None, :] * stride_C1, mask=dn_mask, other=0.0).to(COMPUTE)
+    B_base, B_fixed = _BC_setup(
+        B_ptr, pid_b, segment_start, d, n, dn_mask, stride_B0, stride_B1, B_PER_GROUP,
+        B_VARYING, COMPUTE, BLOCK_D, BLOCK_N,
+    )  # fmt: skip
+    C_base, C_fixed = _BC_setup(
+        C_ptr, pid_b, segment_start, d, n, dn_mask, stride_C0, stride_C1, C_PER_GROUP,
+        C_VARYING, COMPUTE, BLOCK_D, BLOCK_N,
+    )  # fmt: skip
     return pid_b, d, d_mask, n, n_mask, dn_mask, A, D_skip, delta_bias, B_base, B_fixed, C_base, C_fixed
 
 

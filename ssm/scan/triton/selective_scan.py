@@ -101,6 +101,34 @@ def _BC_args(name: str, M: Tensor, dim: int) -> dict:
     return args
 
 
+def _kernel_args(u, delta, A, B, C, D, z, delta_bias, delta_softplus: bool, cu_seqlens, cfg: Config) -> dict:
+    """The arguments both kernels take: the forward's inputs (the caller makes u, delta, A, D,
+    z, delta_bias contiguous), the sequence of each packed step, sizes, B's and C's strides and
+    channels per group, the options and block sizes."""
+    dim, length = u.shape[1:]
+    return dict(
+        u_ptr=u,
+        delta_ptr=delta,
+        A_ptr=A,
+        B_ptr=B,
+        C_ptr=C,
+        D_ptr=D,
+        z_ptr=z,
+        delta_bias_ptr=delta_bias,
+        seq_ptr=sequence_of_steps(cu_seqlens, length),
+        dim=dim,
+        L=length,
+        N=A.shape[1],
+        **_BC_args("B", B, dim),
+        **_BC_args("C", C, dim),
+        SEGMENT=cfg.segment,
+        SOFTPLUS=bool(delta_softplus),
+        BLOCK_D=cfg.block_d,
+        BLOCK_N=cfg.block_n,
+        CHUNK=cfg.chunk,
+    )
+
+
 def _per_sequence_or_zeros(state: Tensor | None, num_seqs: int, dim: int, N: int, like: Tensor, dtype) -> Tensor:
     """A (S, D, N) state to be overwritten for every non-empty sequence: for the empty ones it
     is ``state`` (their initial state, or dLoss/d(last state)) or 0."""
@@ -146,30 +174,12 @@ def _selective_scan_fwd(
         return out, last_state, chunk_states.zero_()
     check_launchable(u)
     _selective_scan_fwd_kernel[cfg.grid(batch, dim)](
-        u_ptr=u,
-        delta_ptr=delta,
-        A_ptr=A,
-        B_ptr=B,
-        C_ptr=C,
-        D_ptr=D,
-        z_ptr=z,
-        delta_bias_ptr=delta_bias,
+        **_kernel_args(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens, cfg),
         initial_state_ptr=initial_state,
-        seq_ptr=sequence_of_steps(cu_seqlens, length),
         out_ptr=out,
         last_state_ptr=last_state,
         chunk_states_ptr=chunk_states,
-        dim=dim,
-        L=length,
-        N=N,
         n_chunks=n_chunks,
-        **_BC_args("B", B, dim),
-        **_BC_args("C", C, dim),
-        SEGMENT=cfg.segment,
-        SOFTPLUS=bool(delta_softplus),
-        BLOCK_D=cfg.block_d,
-        BLOCK_N=cfg.block_n,
-        CHUNK=cfg.chunk,
         num_warps=cfg.num_warps,
     )
     return out, last_state, chunk_states
@@ -226,17 +236,9 @@ def _selective_scan_bwd(
     if u.numel():
         check_launchable(u)
         _selective_scan_bwd_kernel[cfg.grid(batch, dim)](
-            u_ptr=u,
-            delta_ptr=delta,
-            A_ptr=A,
-            B_ptr=B,
-            C_ptr=C,
-            D_ptr=D,
-            z_ptr=z,
-            delta_bias_ptr=delta_bias,
+            **_kernel_args(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cu_seqlens, cfg),
             chunk_states_ptr=chunk_states,
             initial_state_ptr=initial_state if cu_seqlens is not None else None,
-            seq_ptr=sequence_of_steps(cu_seqlens, length),
             dout_ptr=dout,
             dlast_ptr=dlast,
             du_ptr=du,
@@ -248,18 +250,8 @@ def _selective_scan_bwd(
             ddelta_bias_part_ptr=ddelta_bias_part,
             dB_part_ptr=dB_part,
             dC_part_ptr=dC_part,
-            dim=dim,
-            L=length,
-            N=N,
             n_chunks=chunk_states.shape[2],
             n_blocks=n_blocks,
-            **_BC_args("B", B, dim),
-            **_BC_args("C", C, dim),
-            SEGMENT=cfg.segment,
-            SOFTPLUS=bool(delta_softplus),
-            BLOCK_D=cfg.block_d,
-            BLOCK_N=cfg.block_n,
-            CHUNK=cfg.chunk,
             num_warps=cfg.num_warps_bwd,
         )
     else:

@@ -405,86 +405,25 @@ def _(
 ):
     rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     dH_init = a.new_empty(rows, x.shape[2], x.shape[3], B.shape[4])
-    return (
-        fake_like(x, x),
-        fake_like(B, x),
-        fake_like(C, x),
-        fake_like(B_bias, x),
-        fake_like(C_bias, x),
-        fake_like(mimo_x, x),
-        fake_like(z, x),
-        fake_like(mimo_z, x),
-        fake_like(mimo_o, x),
-        fake_like(D, x),
-        fake_like(a, x),
-        fake_like(sigma, x),
-        fake_like(c, x),
-        fake_like(cos, x),
-        fake_like(sin, x),
-        dH_init,
-    )
+    inputs = (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
+    return (*(fake_like(t, x) for t in inputs), dH_init)
 
 
 def _setup_context(ctx, inputs, output):
-    (
-        x,
-        B,
-        C,
-        B_bias,
-        C_bias,
-        mimo_x,
-        z,
-        mimo_z,
-        mimo_o,
-        D,
-        a,
-        sigma,
-        c,
-        cos,
-        sin,
-        H_init,
-        cu_seqlens,
-        halved,
-        _save,
-    ) = inputs
+    *tensors, H_init, cu_seqlens, halved, _save = inputs  # tensors: the forward's inputs, _INPUTS
     ctx.mark_non_differentiable(output[2])
-    ctx.save_for_backward(
-        x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, cu_seqlens, output[2]
-    )
+    ctx.save_for_backward(*tensors, cu_seqlens, output[2])
     ctx.halved = halved
     ctx.H_init_dtype = None if H_init is None else H_init.dtype
 
 
 def _backward(ctx, dout, dH_last, _dchunk_states):
-    x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, cu_seqlens, chunk_states = (
-        ctx.saved_tensors
-    )
+    *inputs, cu_seqlens, chunk_states = ctx.saved_tensors
+    x, B, mimo_o = inputs[0], inputs[1], inputs[_INPUTS.index("mimo_o")]
     if dout is None:
         rank_shape = () if mimo_o is not None else (B.shape[2],)
         dout = x.new_zeros(*x.shape[:2], *rank_shape, *x.shape[2:])
-    grads = trapezoidal_scan_bwd(
-        dout,
-        dH_last,
-        x,
-        B,
-        C,
-        B_bias,
-        C_bias,
-        mimo_x,
-        z,
-        mimo_z,
-        mimo_o,
-        D,
-        a,
-        sigma,
-        c,
-        cos,
-        sin,
-        cu_seqlens,
-        ctx.halved,
-        chunk_states,
-    )
-    inputs = (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
+    grads = trapezoidal_scan_bwd(dout, dH_last, *inputs, cu_seqlens, ctx.halved, chunk_states)
     result = [None if t is None else g for t, g in zip(inputs, grads)]
     dH_init = None if ctx.H_init_dtype is None else grads[-1].to(ctx.H_init_dtype)
     return (*result, dH_init, None, None, None)  # cu_seqlens, halved, save_chunk_states
@@ -503,27 +442,7 @@ def _core(
     the chunked backend's, not used here (the kernels scan CHUNK steps at a time)."""
     tensors = (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init)
     save = needs_backward(*tensors)  # chunk states are only for a backward
-    out, H_last, _ = trapezoidal_scan_fwd(
-        x,
-        B,
-        C,
-        B_bias,
-        C_bias,
-        mimo_x,
-        z,
-        mimo_z,
-        mimo_o,
-        D,
-        a,
-        sigma,
-        c,
-        cos,
-        sin,
-        H_init,
-        cu_seqlens,
-        rotary == "halved",
-        save,
-    )
+    out, H_last, _ = trapezoidal_scan_fwd(*tensors, cu_seqlens, rotary == "halved", save)
     return out, H_last
 
 
