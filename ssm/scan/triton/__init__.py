@@ -1,9 +1,12 @@
-"""Backend "triton": fused GPU kernels, one file per op.
+"""Backend "triton": fused GPU kernels, one entry module per op.
 
-    selective_scan.py   kernels, launchers, custom ops with autograd, selective_scan_triton
-    linear_scan.py      the same for linear_scan
-    trapezoidal_scan.py the same for trapezoidal_scan (Mamba-3)
-    _jit.py             the @triton.jit helpers both use
+    selective_scan.py        launchers, custom ops with autograd, selective_scan_triton
+    _selective_kernels.py    its forward and backward kernels, with the @triton.jit helpers they share
+    linear_scan.py           kernel, launchers, custom ops with autograd, linear_scan_triton
+    trapezoidal_scan.py      launchers, custom ops with autograd, trapezoidal_scan_triton (Mamba-3)
+    _trapezoidal_kernels.py  its forward and backward kernels
+    _trapezoidal_jit.py      the @triton.jit helpers those two kernels share
+    _jit.py                  what the ops share: @triton.jit helpers, launcher checks, custom-op plumbing
 
 triton is optional: importing ``ssm`` does not import it. An op module (and with it triton) is
 imported on the first call of its backend; without triton the backend is not offered for any

@@ -1,4 +1,5 @@
-"""The @triton.jit helpers that the Triton ops share, and the conversions their launchers share.
+"""What the Triton ops share: @triton.jit helpers of their kernels, and the checks, conversions
+and custom-op plumbing of their launchers.
 
 Imports triton: only the op modules import this, and only when a Triton kernel is launched.
 """
@@ -43,6 +44,41 @@ def tl_dtype(dtype: torch.dtype):
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def contiguous(*tensors) -> list:
+    """The tensors made contiguous, as the kernels index them; None stays None."""
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+def sequence_of_steps(cu_seqlens: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """(L,) int32: the packed sequence each step belongs to (None when not packed)."""
+    if cu_seqlens is None:
+        return None
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    steps = torch.arange(lengths.numel(), device=cu_seqlens.device, dtype=torch.int32)
+    return torch.repeat_interleave(steps, lengths, output_size=length)
+
+
+def needs_backward(*tensors) -> bool:
+    """Whether a backward can follow a forward on these inputs: what the chunk states are saved
+    for, so they are not written when none can follow (inference)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# Custom ops cannot return None: a backward returns an empty placeholder of this shape for an
+# absent input's gradient, and the autograd formula turns it back into None.
+NONE = (0,)
+
+
+def placeholders(grads, like: torch.Tensor) -> tuple:
+    """``grads`` with the placeholder (on ``like``'s device and dtype) for each None."""
+    return tuple(like.new_empty(NONE) if g is None else g for g in grads)
+
+
+def fake_like(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A fake backward's gradient of input ``t``: a tensor like it, or the placeholder."""
+    return like.new_empty(NONE) if t is None else torch.empty_like(t)
 
 
 @triton.jit

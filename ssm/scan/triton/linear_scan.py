@@ -27,7 +27,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._jit import check_launchable, compute_dtype, first_order_combine, next_power_of_2, tl_dtype
+from ._jit import (
+    NONE,
+    check_launchable,
+    compute_dtype,
+    first_order_combine,
+    next_power_of_2,
+    sequence_of_steps,
+    tl_dtype,
+)
 
 # ----------------------------------------------------------------------------- launch heuristics
 
@@ -172,15 +180,6 @@ def _linear_scan_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _sequence_of_steps(cu_seqlens: Tensor | None, length: int) -> Tensor | None:
-    """(L,) int32: the packed sequence each step belongs to (None when not packed)."""
-    if cu_seqlens is None:
-        return None
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    steps = torch.arange(lengths.numel(), device=cu_seqlens.device, dtype=torch.int32)
-    return torch.repeat_interleave(steps, lengths, output_size=length)
-
-
 def _launch(gates, inputs, initial_state, out, states, dgates, reverse: bool, cu_seqlens=None):
     E, L, F = out.shape
     cfg = config(L, F)
@@ -193,7 +192,7 @@ def _launch(gates, inputs, initial_state, out, states, dgates, reverse: bool, cu
         out_ptr=out,
         states_ptr=states,
         dgates_ptr=dgates,
-        seq_ptr=_sequence_of_steps(cu_seqlens, L),
+        seq_ptr=sequence_of_steps(cu_seqlens, L),
         L=L,
         F=F,
         n_f_blocks=n_f_blocks,
@@ -242,8 +241,6 @@ def _linear_scan_bwd(grad, gates, states, initial_state, reverse: bool, cu_seqle
 
 # ----------------------------------------------------------------------------- custom ops
 
-_NONE = (0,)  # shape of the placeholder a custom op returns for an absent optional input
-
 
 @torch.library.custom_op("ssm::linear_scan_fwd", mutates_args=())
 def linear_scan_fwd(
@@ -268,14 +265,14 @@ def linear_scan_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     dgates, dinputs, dinitial_state = _linear_scan_bwd(grad, gates, states, initial_state, reverse, cu_seqlens)
     if dinitial_state is None:
-        dinitial_state = states.new_empty(_NONE, dtype=dgates.dtype)
+        dinitial_state = states.new_empty(NONE, dtype=dgates.dtype)
     return dgates, dinputs, dinitial_state
 
 
 @linear_scan_bwd.register_fake
 def _(grad, gates, states, initial_state, reverse, cu_seqlens=None):
     dtype = compute_dtype(gates, states, initial_state)
-    dinitial_state = states.new_empty(_NONE if initial_state is None else initial_state.shape, dtype=dtype)
+    dinitial_state = states.new_empty(NONE if initial_state is None else initial_state.shape, dtype=dtype)
     return states.new_empty(states.shape, dtype=dtype), states.new_empty(states.shape, dtype=dtype), dinitial_state
 
 
