@@ -121,11 +121,15 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
 
 
 def plot(result: dict, path: str) -> None:
+    report.save(figure(result), path)
+
+
+def figure(result: dict):
     """Decoding tokens/s of one step at batch 1 against the position it is taken at."""
     plt = report.pyplot()
     positions = [int(p) for p in result["step_ms"]]
     rate = [1e3 / ms for ms in result["step_ms"].values()]
-    figure, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(positions, rate, marker="o", label="ssm MambaLM.step")
     ax.set_xscale("log")
     ax.set_ylim(0, 1.15 * max(rate))
@@ -135,4 +139,4 @@ def plot(result: dict, path: str) -> None:
     ax.set_title(f"decoding, MambaLM d_model {c['d_model']}, {c['layers']} layers, {c['device']}")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    report.save(figure, path)
+    return fig

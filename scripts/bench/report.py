@@ -71,9 +71,8 @@ def pyplot():
 
 
 def save(figure, path: str | os.PathLike) -> None:
+    """Write ``figure`` as a PNG (the folders made if need be) and free it."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    import matplotlib.pyplot as plt
-
-    plt.close(figure)
+    figure.savefig(path, dpi=120, metadata={"Software": None})  # no version stamp: stable bytes
+    pyplot().close(figure)

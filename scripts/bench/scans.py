@@ -359,12 +359,16 @@ def markdown(result: dict, args, op: str) -> tuple[str, str, str]:
 
 
 def plot(result: dict, path: str, op: str) -> None:
+    report.save(figure(result, op), path)
+
+
+def figure(result: dict, op: str):
     """Forward and forward+backward time against length, log-log, one line per implementation."""
     plt = report.pyplot()
     runs = runs_of(result)
     lengths = [one["config"]["length"] for one in runs]
     names = [r["name"] for r in runs[0]["results"]]
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, (key, label) in zip(axes, (("forward_ms", "forward"), ("fwd_bwd_ms", "forward + backward"))):
         for name in names:
             ms = [next(r[key] for r in one["results"] if r["name"] == name) for one in runs]
@@ -377,5 +381,5 @@ def plot(result: dict, path: str, op: str) -> None:
     axes[0].set_ylabel("ms (median)")
     axes[1].legend()
     c = runs[0]["config"]
-    figure.suptitle(f"{op}, batch {c['batch']}, dim {c['dim']}, N {c['state']}, {c['dtype']}, {c['device']}")
-    report.save(figure, path)
+    fig.suptitle(f"{op}, batch {c['batch']}, dim {c['dim']}, N {c['state']}, {c['dtype']}, {c['device']}")
+    return fig

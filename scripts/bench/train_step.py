@@ -210,11 +210,15 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
 
 
 def plot(result: dict, path: str) -> None:
+    report.save(figure(result), path)
+
+
+def figure(result: dict):
     """Median step time of each row, as horizontal bars (ssm's mixers first, then the peers)."""
     plt = report.pyplot()
     names = list(result["rows"])
     seconds = [statistics.median(result["rows"][n]["step_s"]) for n in names]
-    figure, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
     colors = ["tab:blue" if n.startswith("ssm") else "tab:gray" for n in names]
     ax.barh(names[::-1], seconds[::-1], color=colors[::-1])
     for y, s in enumerate(seconds[::-1]):
@@ -223,4 +227,4 @@ def plot(result: dict, path: str) -> None:
     ax.set_xlabel("seconds per training step (median)")
     c = result["config"]
     ax.set_title(f"training step, d_model {c['d_model']}, {c['layers']} layers, batch {c['batch']}, L {c['length']}")
-    report.save(figure, path)
+    return fig
