@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         module.plot(result, args.plot)
     if args.markdown:
         key, title, body = module.markdown(result, args)
+        key = f"{key}-{args.device}"  # a GPU run and a CPU run of an op each keep their section
         picture = report.relative_picture(args.plot, args.markdown)
         report.write_section(
             args.markdown, key, report.section(key, title, body, common.run_header(args, argv), picture)

@@ -86,7 +86,7 @@ def test_selective_sweep_writes_json_markdown_and_picture(tmp_path):
     report = json.loads(out.read_text())
     assert report["lengths"] == [9, 17] and [r["config"]["length"] for r in report["runs"]] == [9, 17]
     text = md.read_text()
-    assert "<!-- bench:selective_scan-lengths -->" in text and "![" in text and "(docs/sel.png)" in text
+    assert "<!-- bench:selective_scan-lengths-cpu -->" in text and "![" in text and "(docs/sel.png)" in text
     for run in report["runs"]:
         for row in run["results"]:
             assert (
@@ -175,3 +175,25 @@ def test_device_cuda_without_cuda_is_a_clear_error(op, capsys):
     with pytest.raises(SystemExit) as exit:
         main(["--op", op, "--device", "cuda"])
     assert exit.value.code == 2 and "--device cuda, but CUDA is not available" in capsys.readouterr().err
+
+
+def test_commit_is_dirty_only_for_changes_other_than_the_runs_outputs(tmp_path, monkeypatch):
+    """A run writing BENCHMARKS.md must not call the next run's commit dirty because of it."""
+    import subprocess
+
+    common = bench("common")
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "B.md").write_text("a\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    (tmp_path / "B.md").write_text("b\n")
+    assert not common.commit((str(tmp_path / "B.md"), None)).endswith("-dirty")
+    assert common.commit(()).endswith("-dirty")
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert common.commit((str(tmp_path / "B.md"), None)).endswith("-dirty")

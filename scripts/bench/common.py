@@ -160,12 +160,19 @@ def git(*command: str) -> str:
     return out.stdout.strip()
 
 
-def commit() -> str:
+def commit(outputs: tuple[str | None, ...] = ()) -> str:
     """The repository's commit, with ``-dirty`` when the work tree has uncommitted changes to
-    tracked files; ``unknown`` outside a git checkout."""
+    tracked files other than ``outputs`` (the markdown file and picture a run writes, so that
+    the second op written into BENCHMARKS.md still names a clean commit); ``unknown`` outside
+    a git checkout."""
+    excluded = []
+    for path in filter(None, outputs):
+        relative = os.path.relpath(Path(path).resolve(), ROOT)
+        if not relative.startswith(".."):
+            excluded.append(f":(exclude){relative}")
     try:
         head = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", *excluded)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")
@@ -192,6 +199,6 @@ def run_header(args: argparse.Namespace, argv: list[str] | None) -> dict[str, st
     return {
         "machine": machine(torch.device(args.device)),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit(),
+        "commit": commit((args.markdown, args.plot)),
         "command": command_line(argv),
     }
