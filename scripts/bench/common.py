@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -194,10 +195,21 @@ def command_line(argv: list[str] | None) -> str:
     return shlex.join(["python", "scripts/benchmark.py", *kept])
 
 
+def peer_versions() -> str:
+    """The installed peers' versions, e.g. "mambapy 1.2.0, transformers 5.24.0"."""
+    found = []
+    for package in ("mambapy", "mamba_ssm", "transformers"):
+        try:
+            found.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found) or "none installed"
+
+
 def run_header(args: argparse.Namespace, argv: list[str] | None) -> dict[str, str]:
     """Machine, date (UTC), commit and command of this run, for the markdown sections."""
     return {
-        "machine": machine(torch.device(args.device)),
+        "machine": f"{machine(torch.device(args.device))} (peers: {peer_versions()})",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit((args.markdown, args.plot)),
         "command": command_line(argv),

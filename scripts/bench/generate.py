@@ -132,6 +132,8 @@ def figure(result: dict):
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(positions, rate, marker="o", label="ssm MambaLM.step")
     ax.set_xscale("log")
+    ax.set_xticks(positions, [str(p) for p in positions], minor=False)
+    ax.xaxis.set_minor_locator(plt.NullLocator())
     ax.set_ylim(0, 1.15 * max(rate))
     ax.set_xlabel("position (tokens already in the cache)")
     ax.set_ylabel("tokens/s (batch 1)")

@@ -375,6 +375,8 @@ def figure(result: dict, op: str):
             ax.plot(lengths, ms, marker="o", label=name.removesuffix(" (peer)"))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks(lengths, [str(length) for length in lengths], minor=False)
+        ax.xaxis.set_minor_locator(plt.NullLocator())
         ax.set_xlabel("sequence length L")
         ax.set_title(label)
         ax.grid(True, which="both", alpha=0.3)
