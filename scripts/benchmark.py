@@ -2,6 +2,7 @@
 
     selective   the selective scan, every backend and mambapy (the default op; --lengths sweeps)
     linear      the linear scan, every backend and mambapy
+    trapezoidal Mamba-3's scan, every backend
     ssd         Mamba-2's scan, every fast backend
     layer       whole mixer layers (Mamba-1, -2, -3 SISO and MIMO) and transformers' Mamba2 mixer
     train-step  a language model's training step against transformers (compiled) and mambapy

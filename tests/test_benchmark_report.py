@@ -33,6 +33,7 @@ def test_every_op_has_a_module_that_runs():
     assert set(ops) == {
         "selective",
         "linear",
+        "trapezoidal",
         "ssd",
         "generate",
         "decode",
@@ -197,3 +198,20 @@ def test_commit_is_dirty_only_for_changes_other_than_the_runs_outputs(tmp_path, 
     assert common.commit(()).endswith("-dirty")
     (tmp_path / "code.py").write_text("x = 2\n")
     assert common.commit((str(tmp_path / "B.md"), None)).endswith("-dirty")
+
+
+def test_trapezoidal_op_checks_every_backend_against_ref(tmp_path):
+    """--op trapezoidal, added as one module over the scan harness: a row per backend, each
+    output and gradient within tolerance of ref's, and no peer (mambapy has no such scan)."""
+    from ssm.scan import backends
+
+    out = tmp_path / "t.json"
+    argv = ["--op", "trapezoidal", "--batch", "1", "--dim", "8", "--headdim", "4", "--state", "4", "--length", "9"]
+    argv += ["--repeats", "1", "--warmup", "0", "--device", "cpu", "--copy-mib", "1", "--json", str(out)]
+    assert main(argv) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == set(backends("trapezoidal_scan", "cpu")) and "ref" in rows
+    for name, row in rows.items():
+        assert row["fwd_bwd_ms"] > 0 and not row["is_peer"]
+        if name != "ref":
+            assert row["max_grad_rel_diff"]["ref"] < 1e-4

@@ -8,6 +8,7 @@ add ``add_arguments(parser)``, ``check(args, parser)``, ``markdown(report, args)
 OPS = {
     "selective": "selective",
     "linear": "linear",
+    "trapezoidal": "trapezoidal",
     "ssd": "ssd",
     "generate": "generate",
     "decode": "decode",

@@ -19,11 +19,11 @@ from .common import ROOT, config_of, describe_device
 
 
 def command(run_dir: str, device: str) -> list[str]:
-    """scripts/train.py for two steps, logging each, into ``run_dir``; on the GPU with --device cuda."""
+    """scripts/train.py for two steps, logging each, into ``run_dir``; on the CPU, or the GPU with --device cuda."""
     command = [sys.executable, str(ROOT / "scripts" / "train.py"), "trainer.max_steps=2"]
     command += ["log_every=1", "progress_bar=false", f"run_dir={run_dir}"]
-    if device == "cuda":
-        command.append("trainer.accelerator=gpu")
+    # explicit either way: the default ("auto") would take a GPU when there is one
+    command.append("trainer.accelerator=" + ("gpu" if device == "cuda" else "cpu"))
     return command
 
 

@@ -206,10 +206,19 @@ def peer_versions() -> str:
     return ", ".join(found) or "none installed"
 
 
+def load() -> str:
+    """The machine's 1-minute load average as the run ends, when the system reports one: the
+    other work that shared the machine with the run (above the core count, every timing slows)."""
+    try:
+        return f"; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores as the run ended"
+    except (AttributeError, OSError):
+        return ""
+
+
 def run_header(args: argparse.Namespace, argv: list[str] | None) -> dict[str, str]:
     """Machine, date (UTC), commit and command of this run, for the markdown sections."""
     return {
-        "machine": f"{machine(torch.device(args.device))} (peers: {peer_versions()})",
+        "machine": f"{machine(torch.device(args.device))} (peers: {peer_versions()}){load()}",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit((args.markdown, args.plot)),
         "command": command_line(argv),

@@ -106,7 +106,7 @@ def run(args) -> tuple[int, dict]:
 def markdown(result: dict, args) -> tuple[str, str, str]:
     c, step_ms = result["config"], result["step_ms"]
     first = next(iter(step_ms))
-    rows = [[str(p), f"{ms:.3f}", f"{1e3 / ms:.0f}", f"{ms / step_ms[first]:.2f}"] for p, ms in step_ms.items()]
+    rows = [[str(p), f"{ms:.3f}", f"{1e3 / ms:.3g}", f"{ms / step_ms[first]:.2f}"] for p, ms in step_ms.items()]
     body = report.table(["position", "step ms", "tokens/s", f"x position {first}'s time"], rows)
     gen = result["generate_s"]
     rows = [[name, f"{s:.2f}", f"{c['new_tokens'] / s:.1f}"] for name, s in gen.items()]

@@ -48,6 +48,8 @@ def scan_peers(op: str, device: torch.device) -> list[tuple[str, Callable[..., t
     """(name, fn, swapped) of each peer of scan ``op`` that is installed and runs on ``device``;
     ``swapped``: fn takes and returns the (batch, L, dim, ...) layout instead of ours."""
     found = []
+    if op not in ("selective_scan", "linear_scan"):
+        return found
     try:
         from mambapy.pscan import pscan
     except ImportError:

@@ -1,4 +1,4 @@
-"""The harness of the scan ops (selective, linear): every backend of ``ssm.scan.backends`` that
+"""The harness of the scan ops (selective, linear, trapezoidal): every backend of ``ssm.scan.backends`` that
 runs on the device and every installed peer, on the same inputs, each timed forward and
 forward+backward, its extra peak memory measured, its output and gradients checked against
 ``ref``'s and each peer's, and its achieved bandwidth computed; ``--lengths`` repeats the whole
@@ -56,7 +56,7 @@ class Result:
 
 
 def add_arguments(parser) -> None:
-    group = parser.add_argument_group("--op selective and --op linear")
+    group = parser.add_argument_group("--op selective, linear and trapezoidal")
     group.add_argument(
         "--copy-mib",
         type=int,

@@ -218,7 +218,7 @@ def figure(result: dict):
     plt = report.pyplot()
     names = list(result["rows"])
     seconds = [statistics.median(result["rows"][n]["step_s"]) for n in names]
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
     colors = ["tab:blue" if n.startswith("ssm") else "tab:gray" for n in names]
     ax.barh(names[::-1], seconds[::-1], color=colors[::-1])
     for y, s in enumerate(seconds[::-1]):
