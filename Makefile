@@ -48,6 +48,7 @@ bench-run:
 	    --plot $(PICTURES)/selective-scan-vs-length-$(BENCH_DEVICE).png
 	$(BENCH) --op selective
 	$(BENCH) --op linear
+	$(BENCH) --op trapezoidal
 	$(BENCH) --op ssd
 	$(BENCH) --op layer
 	$(BENCH) --op train-step --mixers Mamba1,Mamba2,Mamba3 --repeats 3 --warmup 1 \
