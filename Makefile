@@ -32,7 +32,8 @@ lint: $(VENV)/.installed-lint
 
 # BENCHMARKS.md's tables and pictures, measured again on this machine: each command replaces its own
 # section of BENCHMARKS.md (the device's: a GPU run keeps the CPU sections) and draws its picture
-# under docs/bench/. About 20 minutes on a 2-core CPU (the peers take most of it). BENCH_DEVICE
+# under docs/bench/. Its run time on a quiet machine is not yet measured (on a loaded 2-core CPU the
+# first seven commands took 40 minutes, most of it the peers' training steps). BENCH_DEVICE
 # (cuda when nvidia-smi sees a GPU, else cpu) and BENCH_ARGS (e.g. --repeats 9) go to every command;
 # `make bench-run` runs the commands without the install step.
 BENCH_DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
@@ -48,7 +49,7 @@ bench-run:
 	    --plot $(PICTURES)/selective-scan-vs-length-$(BENCH_DEVICE).png
 	$(BENCH) --op selective
 	$(BENCH) --op linear
-	$(BENCH) --op trapezoidal
+	$(BENCH) --op trapezoidal --length 256 --repeats 3 --warmup 1
 	$(BENCH) --op ssd
 	$(BENCH) --op layer
 	$(BENCH) --op train-step --mixers Mamba1,Mamba2,Mamba3 --repeats 3 --warmup 1 \
