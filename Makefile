@@ -17,7 +17,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: train test lint gpu-check
+.PHONY: train test lint gpu-check bench bench-run
 
 train: $(VENV)/.installed-train
 	$(PY) scripts/train.py $(ARGS)
@@ -35,6 +35,36 @@ gpu-check:
 lint: $(VENV)/.installed-lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# BENCHMARKS.md's tables and pictures, measured again on this machine: each command replaces its own
+# section of BENCHMARKS.md (the device's: a GPU run keeps the CPU sections) and draws its picture
+# under docs/bench/. Its run time on a quiet machine is not yet measured (on a loaded 2-core CPU the
+# first seven commands took 40 minutes, most of it the peers' training steps). BENCH_DEVICE
+# (cuda when nvidia-smi sees a GPU, else cpu) and BENCH_ARGS (e.g. --repeats 9) go to every command;
+# `make bench-run` runs the commands without the install step.
+BENCH_DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+BENCH_ARGS ?=
+BENCH = $(PY) scripts/benchmark.py --device $(BENCH_DEVICE) --markdown BENCHMARKS.md $(BENCH_ARGS)
+PICTURES = docs/bench
+
+bench: $(VENV)/.installed-train $(VENV)/.installed-bench
+	@$(MAKE) --no-print-directory bench-run
+
+bench-run:
+	$(BENCH) --op selective --skip ref --lengths 256,512,1024,2048,4096 --repeats 3 --warmup 1 \
+	    --plot $(PICTURES)/selective-scan-vs-length-$(BENCH_DEVICE).png
+	$(BENCH) --op selective
+	$(BENCH) --op linear
+	$(BENCH) --op trapezoidal --length 256 --repeats 3 --warmup 1
+	$(BENCH) --op ssd
+	$(BENCH) --op layer
+	$(BENCH) --op train-step --mixers Mamba1,Mamba2,Mamba3 --repeats 3 --warmup 1 \
+	    --plot $(PICTURES)/train-step-per-mixer-$(BENCH_DEVICE).png
+	$(BENCH) --op generate --d-model 768 --layers 24 --positions 1,16,128,1024,4096 --new-tokens 32 \
+	    --plot $(PICTURES)/decode-vs-position-$(BENCH_DEVICE).png
+	$(BENCH) --op decode
+	$(BENCH) --op packed
+	$(BENCH) --op cold-start
 
 # The package, editable, with the extras the command needs (test includes train). It also brings
 # the dependencies of torch when torch came from a wheel on disk without them.

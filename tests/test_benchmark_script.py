@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
 import runpy
+import sys
 from pathlib import Path
 
 from ssm.scan import backends
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
+
+
+def bench(module: str):
+    """scripts/bench/<module>.py, the op modules behind the script."""
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
+    return importlib.import_module(f"bench.{module}")
 
 
 def test_benchmark_script_writes_a_row_per_backend(tmp_path):
@@ -68,11 +77,12 @@ def test_bandwidth_columns(tmp_path):
     import torch
 
     script = runpy.run_path(str(SCRIPT))
+    scans = bench("scans")
     u = torch.zeros(2, 3, 5)  # 120 bytes
     A = torch.zeros(3, 4, dtype=torch.float64)  # 96 bytes
     out = torch.zeros(2, 3, 5, dtype=torch.bfloat16)  # 60 bytes
-    assert script["required_bytes"]((u, A), out) == (120 + 96 + 60, 276 + 2 * 216 + 60)
-    assert script["copy_bandwidth_gbps"](torch.device("cpu"), 1 << 20, warmup=0, repeats=1) > 0
+    assert scans.required_bytes((u, A), out) == (120 + 96 + 60, 276 + 2 * 216 + 60)
+    assert scans.copy_bandwidth_gbps(torch.device("cpu"), 1 << 20, warmup=0, repeats=1) > 0
 
     path = tmp_path / "b.json"
     tiny = ["--batch", "1", "--dim", "4", "--state", "2", "--length", "9", "--device", "cpu"]
@@ -197,7 +207,7 @@ def test_tie_gap_reads_the_first_difference_of_each_differing_row():
     against logits written by hand: a model stub whose logits at position t are row t of a table."""
     import torch
 
-    tie_gap = runpy.run_path(str(SCRIPT))["tie_gap"]
+    tie_gap = bench("decode").tie_gap
     table = torch.arange(60, dtype=torch.float64).reshape(6, 10) ** 1.5 / 10
 
     class Stub(torch.nn.Module):

@@ -21,7 +21,7 @@ BACKENDS.add("chunked", ssd_chunked)
 BACKENDS.add("cpu", ssd_cpu, devices=("cpu",))
 # "auto" on the CPU: the sweeps of "cpu" walk every state element at every step, while "chunked"
 # shares each B·C product among a head's P channels in matrix products. Measured fwd+bwd at
-# L 1024 (BENCHMARKS.md, "SSD on the CPU"): the op alone is 4.5-7x faster with cpu at P·N = 512
+# L 1024 (docs/benchmarks-history/2026-11.md, "SSD on the CPU"): the op alone is 4.5-7x faster with cpu at P·N = 512
 # and 2048, 2.1x at 4096, 1.3-1.8x above; but the whole Mamba2 layer at mamba2-130m's width
 # (P 64, N 128) takes as long with either (231 vs 239 ms). So auto takes "cpu" up to 4096.
 CPU_SWEEP_MAX_HEAD_STATE = 4096

@@ -1,0 +1,164 @@
+"""--op decode: greedy decoding throughput of a language model at a real size (mamba-130m's by
+default: d_model 768, 24 layers, vocabulary 50280, float32), ssm against transformers'
+MambaForCausalLM holding the same weights, at each of ``--decode-batches``, beside the rate at
+which torch reads as many bytes as the weights hold. The tokens must be the same, or part only at
+a tie: where the float64 model finds the two tokens' logits closer than ``TIE`` (exit status 1
+otherwise)."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from . import peers, report
+from .common import comma_ints, config_of, describe_device, synchronize
+
+# Greedy tokens of two float32 runs may part where the two best logits are closer than float32's
+# rounding leaves them apart (random weights over 50280 tokens: such ties come every few hundred
+# tokens). Logits of our float32 step differ from float64's by up to 0.013 over 256 steps
+# (measured at mamba-130m size), so a float64 gap below 0.05 is a tie, not an error.
+TIE = 0.05
+
+
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("--op decode (also --d-model, --layers, --new-tokens, --prompt-length)")
+    group.add_argument("--vocab", type=int, default=50280, help="vocabulary size (mamba-130m's by default)")
+    group.add_argument("--decode-batches", type=comma_ints, default=[1, 8], help="batch sizes to decode")
+
+
+def check(args, parser) -> None:
+    args.d_model = args.d_model or 768
+    if min(args.d_model, args.layers, args.vocab, args.new_tokens, args.prompt_length, *args.decode_batches) < 1:
+        parser.error(
+            "--d-model, --layers, --vocab, --new-tokens, --prompt-length and --decode-batches must be positive"
+        )
+
+
+def run(args) -> tuple[int, dict]:
+    device = torch.device(args.device)
+    hf_model = None if args.no_peer else peers.transformers_mamba(args, device, vocab_size=args.vocab)
+    if hf_model is not None:
+        hf_model.eval()
+        hf_model.generation_config.eos_token_id = None  # every row decodes --new-tokens tokens
+        hf_model.generation_config.pad_token_id = 0
+    model = peers.ssm_lm(args, hf_model, device, vocab_size=args.vocab).eval()
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"greedy decoding, MambaLM d_model={args.d_model} n_layer={args.layers} vocab={args.vocab} "
+        f"({params / 1e6:.1f} M parameters, {4 * params / 1e6:.0f} MB in float32), {describe_device(device)}; "
+        f"{args.new_tokens} new tokens after a {args.prompt_length}-token prompt"
+    )
+    read_s, read_bytes = weight_read_seconds(model, device)
+    ceiling = 1 / read_s
+    print(
+        f"reading the weights' bytes once (torch's sum over them as one tensor, median of 9): "
+        f"{read_s * 1e3:.1f} ms, {read_bytes / read_s / 1e9:.1f} GB/s: {ceiling:.1f} tokens/s at batch 1 if a "
+        "token cost only its weight reads at that rate (caches can hold part of them between tokens)"
+    )
+    print(f"{'batch':>5s} {'ssm tok/s':>10s} {'transformers tok/s':>19s} {'ratio':>6s}  same tokens")
+    exact = None  # the model in float64, built when the two disagree
+    g = torch.Generator().manual_seed(args.seed)
+    results, ok = [], True
+    for batch in args.decode_batches:
+        prompt = torch.randint(0, args.vocab, (batch, args.prompt_length), generator=g).to(device)
+        runs = {"ssm": lambda: model.generate(prompt, args.new_tokens, temperature=0)}
+        if hf_model is not None:
+            runs["transformers"] = lambda: hf_model.generate(
+                prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False
+            )
+        seconds, tokens = {}, {}
+        with torch.no_grad():
+            for name, fn in runs.items():
+                fn()  # warm-up (first-call allocations, lazy kernel builds)
+                synchronize(device)
+                start = time.perf_counter()
+                tokens[name] = fn()
+                synchronize(device)
+                seconds[name] = time.perf_counter() - start
+        rate = {name: batch * args.new_tokens / s for name, s in seconds.items()}
+        same = torch.equal(*tokens.values()) if len(tokens) == 2 else None
+        gap = None
+        if same is False:
+            exact = exact or copy.deepcopy(model).double()
+            gap = tie_gap(exact, *tokens.values())
+        ok = ok and (same is not False or gap < TIE)
+        peer = rate.get("transformers")
+        verdict = "-" if same is None else "True" if same else f"False, at a tie (float64 gap {gap:.1e})"
+        if gap is not None and gap >= TIE:
+            verdict = f"False: float64 gap {gap:.1e} at the first difference, not a tie"
+        print(
+            f"{batch:5d} {rate['ssm']:10.1f} {peer or float('nan'):19.1f} "
+            f"{rate['ssm'] / peer if peer else float('nan'):5.2f}x  {verdict}"
+        )
+        results.append({"batch": batch, "tokens_per_s": rate, "same_tokens": same, "tie_gap": gap})
+    if 1 in args.decode_batches:
+        at_one = results[args.decode_batches.index(1)]["tokens_per_s"]["ssm"]
+        print(f"batch 1: ssm decodes at {at_one / ceiling:.0%} of that rate")
+    result = {"config": config_of(args), "parameters": params, "weight_read_s": read_s, "results": results}
+    return (0 if ok else 1), result
+
+
+def weight_read_seconds(model: torch.nn.Module, device: torch.device, repeats: int = 9) -> tuple[float, int]:
+    """(seconds, bytes) for torch's ``sum`` to read as many bytes as ``model``'s weights hold (a
+    tied one once), laid out as one contiguous tensor: the memory traffic a batch-1 decoding
+    step cannot avoid, at the rate torch streams memory: 1 / seconds is the tokens/s such a
+    step would reach if nothing else cost (more when caches hold part of the weights between
+    tokens). Median of ``repeats`` after one warm-up."""
+    weights = {p.data_ptr(): p.detach() for p in model.parameters()}.values()
+    flat = torch.cat([w.flatten() for w in weights])
+
+    def read() -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        flat.sum()
+        synchronize(device)
+        return time.perf_counter() - start
+
+    read()
+    return statistics.median(read() for _ in range(repeats)), flat.numel() * flat.element_size()
+
+
+def tie_gap(exact, a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest float64 logit gap, over the rows where token sequences a and b (batch, L)
+    differ, between the two tokens chosen at the row's first difference, computed by ``exact``
+    (the model in float64) on the tokens both runs share before it."""
+    gaps = []
+    with torch.no_grad():
+        for r in (a != b).any(1).nonzero()[:, 0].tolist():
+            j = int((a[r] != b[r]).nonzero()[0])
+            logits = exact(a[r : r + 1, :j].to(exact.lm_head.weight.device))[0, -1]
+            gaps.append(abs(float(logits[a[r, j]] - logits[b[r, j]])))
+    return max(gaps)
+
+
+def markdown(result: dict, args) -> tuple[str, str, str]:
+    c = result["config"]
+    rows = []
+    for r in result["results"]:
+        rate = r["tokens_per_s"]
+        peer = rate.get("transformers")
+        same = "-" if r["same_tokens"] is None else "yes" if r["same_tokens"] else f"at a tie ({r['tie_gap']:.1e})"
+        rows.append(
+            [
+                str(r["batch"]),
+                f"{rate['ssm']:.1f}",
+                f"{peer:.1f}" if peer else "-",
+                f"{rate['ssm'] / peer:.2f}" if peer else "-",
+                same,
+            ]
+        )
+    body = report.table(["batch", "ssm tokens/s", "transformers tokens/s", "ratio", "same tokens"], rows)
+    body += (
+        f"\n\nGreedy decoding of {c['new_tokens']} tokens after a {c['prompt_length']}-token prompt, both "
+        f"models holding the same weights, float32. Reading the weights' bytes once takes "
+        f"{result['weight_read_s'] * 1e3:.1f} ms here (torch's `sum` over them): "
+        f"{1 / result['weight_read_s']:.1f} tokens/s at batch 1 if a token cost only its weight reads."
+    )
+    title = (
+        f"decoding: MambaLM d_model {c['d_model']}, {c['layers']} layers, vocabulary {c['vocab']} "
+        f"({result['parameters'] / 1e6:.0f} M parameters), {c['device']}"
+    )
+    return "decode", title, body
