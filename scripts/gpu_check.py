@@ -13,7 +13,9 @@ budget of its own, each failure recorded and the next step run anyway:
    every gradient, torch.compile of the layers), with the failures listed per test;
 3. speed: scripts/benchmark.py on the device for the selective scan at mamba-ssm's benchmark
    shapes (batch 8, D 1536, N 16, L 2048 and 8192; bf16 and fp32; forward and forward +
-   backward), the linear scan and ssd, every backend that runs there, with peak memory;
+   backward), the linear scan, ssd and Mamba-3's trapezoidal scan, every backend that runs there
+   (the Triton kernels, the pure-PyTorch pscan / chunked paths), with peak memory, and at L 2048
+   fp32 a loop of ``torch.compile``'d reference steps beside them;
 4. training: scripts/train.py, the default config and a Mamba-2 byte-level text model, in
    bf16-mixed for a few hundred steps (tokens/s, final loss), and the first steps of the default
    config on the CPU beside it, so that the losses can be compared;
@@ -67,7 +69,9 @@ SCAN_CASES = [
     ("linear float32 L 2048", ["--op", "linear", "--batch", "8", "--dim", "1536", "--state", "16", "--length", "2048",
                                "--skip", "ref"]),
     ("ssd float32 L 2048", ["--op", "ssd", "--batch", "8", "--length", "2048"]),
+    ("trapezoidal float32 L 2048", ["--op", "trapezoidal", "--batch", "8", "--length", "2048", "--skip", "ref"]),
 ]  # fmt: skip
+SCAN_CASES[2][1].append("--compiled-step")  # fp32 L 2048: beside a loop of torch.compile'd reference steps
 DRY_SHAPE = {"--batch": "1", "--dim": "8", "--length": "64", "--state": "4"}
 
 # Step 4: (label, train.py overrides).
@@ -158,7 +162,7 @@ def step_tests(args, out: Path, env: dict) -> dict:
 
 def with_dry_shape(argv: list[str]) -> list[str]:
     argv = list(argv)
-    shape = DRY_SHAPE | ({"--headdim": "4"} if argv[1] == "ssd" else {})
+    shape = DRY_SHAPE | ({"--headdim": "4"} if argv[1] in ("ssd", "trapezoidal") else {})
     for flag, value in shape.items():
         if flag in argv:
             argv[argv.index(flag) + 1] = value

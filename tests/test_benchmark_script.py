@@ -236,3 +236,16 @@ def test_train_step_without_peers_times_only_ssm(capsys):
     out = capsys.readouterr().out
     assert "ssm MambaLM (eager)" in out
     assert "transformers" not in out and "mambapy" not in out
+
+
+def test_the_compiled_step_loop_row_computes_the_selective_scan(tmp_path):
+    """--compiled-step: a loop of torch.compile(selective_scan_step) is timed beside the backends
+    and checked against ref like them."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "b.json"
+    tiny = ["--batch", "2", "--dim", "8", "--state", "4", "--length", "9", "--device", "cpu", "--no-peer"]
+    args = [*tiny, "--backends", "ref", "--compiled-step", "--repeats", "1", "--warmup", "0", "--json", str(path)]
+    assert main(args) == 0
+    rows = {row["name"]: row for row in json.loads(path.read_text())["results"]}
+    loop = rows["step loop (torch.compile)"]
+    assert loop["max_abs_diff"]["ref"] < 1e-5 and loop["max_grad_rel_diff"]["ref"] < 1e-4

@@ -64,6 +64,11 @@ def add_arguments(parser) -> None:
         help="buffer size of the copy-bandwidth measurement (default 1024 on cuda, 64 on cpu)",
     )
     group.add_argument(
+        "--compiled-step",
+        action="store_true",
+        help="--op selective: also time a Python loop over L of torch.compile(selective_scan_step)",
+    )
+    group.add_argument(
         "--lengths",
         type=comma_ints,
         default=None,

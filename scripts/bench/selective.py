@@ -11,7 +11,9 @@ softplus of a log-uniform step in [0.001, 0.1], delta is small noise. The peer r
 values in its (batch, L, dim, ...) layout and computes what mambapy's MambaBlock does,
 softplus(delta + bias), D·u and the silu(z) gate included, so that the same work is compared.
 ``--lengths 256,1024,4096`` runs the whole comparison at each length (the picture of time
-against length)."""
+against length). ``--compiled-step`` adds the row users write first: a Python loop over L
+calling ``torch.compile(selective_scan_step)`` (the one-step reference formula, compiled once
+for all steps), with autograd through the loop."""
 
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from functools import partial
 
 import torch
 
-from ssm.scan import selective_scan
+from ssm.scan import selective_scan, selective_scan_step
 
 from . import scans
 
 OP = "selective_scan"
+
 add_arguments = scans.add_arguments
 
 
@@ -48,8 +51,30 @@ def functions(names: list[str]) -> dict:
     return {b: partial(selective_scan, delta_softplus=True, backend=b) for b in names}
 
 
+def compiled_step_loop():
+    """selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True) as a loop over
+    L of the compiled one-step function, the state carried in float32."""
+    step = torch.compile(selective_scan_step, dynamic=False)
+
+    def loop(u, delta, A, B, C, D, z, delta_bias):
+        state = torch.zeros(u.shape[0], u.shape[1], A.shape[1], device=u.device)  # (B, D, N)
+        outs = []
+        for t in range(u.shape[-1]):
+            y, state = step(state, u[..., t], delta[..., t], A, B[..., t], C[..., t], D, z[..., t], delta_bias, True)
+            outs.append(y)
+        return torch.stack(outs, -1)  # (B, D, L)
+
+    return loop
+
+
 def run(args) -> tuple[int, dict]:
-    return scans.run(args, OP, inputs, functions)
+    def with_step_loop(names: list[str]) -> dict:
+        found = functions(names)
+        if args.compiled_step:
+            found["step loop (torch.compile)"] = compiled_step_loop()
+        return found
+
+    return scans.run(args, OP, inputs, with_step_loop)
 
 
 def markdown(result: dict, args) -> tuple[str, str, str]:
