@@ -58,9 +58,9 @@ STAGES = {
         Stage(16, 32, 300),
     ],
     "selective_copying": [
-        Stage(256, 32, 1500),
-        Stage(1024, 16, 500, 128),
-        Stage(4096, 8, 300, 128),
+        Stage(256, 32, 2000),
+        Stage(1024, 8, 500, 128),
+        Stage(4096, 4, 300, 128),
     ],
 }
 # --tiny: the same path in seconds (a 1-layer d_model-16 model, a few steps per stage).
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny model and a few steps: checks the path in seconds")
     parser.add_argument("--eval-threads", type=int, default=None, help="torch threads for evaluation")
     parser.add_argument("--batch-size", type=int, default=16, help="evaluation sequences per forward pass")
-    parser.add_argument("--chunk", type=int, default=4096, help="evaluation piece length (state carried)")
+    parser.add_argument("--chunk", type=int, default=256, help="evaluation piece length (state carried)")
     parser.add_argument("--test-sizes", choices=("full", "quick"), default="full", help="see test_samples")
     parser.add_argument("--train-only", action="store_true", help="train (or finish training) and stop")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every stage")
