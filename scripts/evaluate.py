@@ -2,14 +2,23 @@
 run, bits per byte with the recurrent state carried across segments against without it.
 
     python scripts/evaluate.py RUN_DIR --lengths 64,128,256,512,1024
+    python scripts/evaluate.py RUN_DIR --lengths 2^6..2^20          # every power of two between
     python scripts/evaluate.py RUN_DIR --carried-state --segments 32
 
-Lengths: prints a table and plots it to RUN_DIR/extrapolation.png. The examples are the task's
-validation examples (seeded as in training) at each length; the trained length is marked.
-Carried state: the validation text read as data.batch_size long streams of --segments
-consecutive segments of data.seq_len bytes, each scored once with every layer's state carried
-from the segment before (as data.stateful trains) and once from a zero state; prints both and
-writes RUN_DIR/carried_state.json.
+Lengths (synthetic tasks): prints a table (accuracy, loss, seconds, peak memory per length) and
+writes RUN_DIR/extrapolation.json and RUN_DIR/extrapolation.png. The examples are drawn from the
+task's "test" split (neither training nor validation used them): by default 1024 sequences per
+length up to 2^14 and 64 above (--samples N for a fixed number). Forward only, logits only at
+the scored positions (the last one for induction heads); each batch of --batch-size sequences is
+read in pieces of --chunk tokens with every layer's state carried from one piece to the next, so
+that memory stays O(batch·chunk·d_model) at any length (--chunk 0: one pass, O(batch·L·d_model)).
+Both give the same accuracy; pieces of 256 tokens (the default) ran fastest on a CPU.
+Threads: torch's default, or OMP_NUM_THREADS.
+
+Carried state (text runs): the validation text read as data.batch_size long streams of
+--segments consecutive segments of data.seq_len bytes, each scored once with every layer's state
+carried from the segment before (as data.stateful trains) and once from a zero state; prints both
+and writes RUN_DIR/carried_state.json.
 """
 
 from __future__ import annotations
@@ -24,11 +33,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument(
-        "--lengths", default=None, help="comma-separated sequence lengths (default: 1x, 2x, 4x, 8x the trained one)"
+        "--lengths",
+        default=None,
+        help="comma-separated sequence lengths, or 2^a..2^b for every power of two between "
+        "(default: 1x, 2x, 4x, 8x the trained one)",
     )
     parser.add_argument(
-        "--val-samples", type=int, default=None, help="examples per length (default: the run's data.val_samples)"
+        "--samples",
+        "--val-samples",
+        type=int,
+        default=None,
+        help="test sequences per length (default: 1024 up to length 2^14, 64 above)",
     )
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=256,
+        help="read sequences in pieces of this many tokens, the state carried across them "
+        "(default 256, fastest on a CPU; 0: one pass)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="where to write the json and png (default RUN_DIR)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--carried-state",
@@ -39,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from ssm.training.data import TaskDataModule
-    from ssm.training.evaluate import evaluate, evaluate_carried_state, load_run
+    from ssm.training.evaluate import evaluate_carried_state, evaluate_length, load_run
 
     config, model = load_run(args.run_dir, device=args.device)
     if args.carried_state:
@@ -61,27 +86,73 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     trained = config.data.seq_len
     try:
-        lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [trained * f for f in (1, 2, 4, 8)]
+        lengths = parse_lengths(args.lengths) if args.lengths else [trained * f for f in (1, 2, 4, 8)]
     except ValueError:
-        parser.error(f"--lengths must be comma-separated ints, got {args.lengths!r}")
+        parser.error(f"--lengths must be comma-separated ints or 2^a..2^b, got {args.lengths!r}")
     if min(lengths) < 1:
         parser.error("--lengths must be positive")
-    if args.val_samples:
-        config.data.val_samples = args.val_samples
+    if args.samples is not None and args.samples < 1 or args.batch_size < 1 or args.chunk < 0:
+        parser.error("--samples and --batch-size must be positive, --chunk >= 0")
+    if config.data.task == "text":
+        parser.error("--lengths scores the synthetic tasks; for a text run use --carried-state")
     data = TaskDataModule(config.data, seed=config.seed)
+    out = args.out or args.run_dir
+    out.mkdir(parents=True, exist_ok=True)
 
     rows = []
-    print(f"{config.data.task} run {args.run_dir} (trained at L = {trained})")
-    print(f"{'L':>8}  {'val/acc':>8}  {'val/loss':>9}")
+    chunk = args.chunk or None
+    print(
+        f"{config.data.task} run {args.run_dir} (trained at L = {trained}); test split, batch {args.batch_size}, "
+        f"{'one pass' if chunk is None else f'chunks of {chunk}'}, {threads()} thread(s)"
+    )
+    print(f"{'L':>8}  {'samples':>7}  {'acc':>8}  {'loss':>9}  {'seconds':>8}  {'peak MiB':>8}")
     for length in lengths:
-        m = evaluate(model, data, length)
+        samples = args.samples or default_samples(length)
+        m = evaluate_length(model, data, length, samples, args.batch_size, chunk)
         rows.append({"length": length, **m})
         mark = "  (trained)" if length == trained else ""
-        print(f"{length:8d}  {m['val/acc']:8.4f}  {m['val/loss']:9.4f}{mark}", flush=True)
-    (args.run_dir / "extrapolation.json").write_text(json.dumps(rows, indent=2) + "\n")
-    plot(rows, trained, config.data.task, args.run_dir / "extrapolation.png")
-    print(f"plot: {args.run_dir / 'extrapolation.png'}")
+        peak = f"{m['peak_rss_bytes'] / 2**20:8.0f}" if m["peak_rss_bytes"] else f"{'?':>8}"
+        print(
+            f"{length:8d}  {samples:7d}  {m['val/acc']:8.4f}  {m['val/loss']:9.4f}  {m['seconds']:8.1f}  {peak}{mark}",
+            flush=True,
+        )
+    total = sum(r["seconds"] for r in rows)
+    print(f"total {total:.1f} s")
+    (out / "extrapolation.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot(rows, trained, config.data.task, out / "extrapolation.png")
+    print(f"plot: {out / 'extrapolation.png'}")
     return 0
+
+
+def threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def parse_lengths(text: str) -> list[int]:
+    """ "64,128,4096" or "2^6..2^20" (every power of two from 2^6 to 2^20), or both, comma-separated."""
+    lengths = []
+    for part in text.split(","):
+        if ".." in part:
+            lo, hi = (_power(p) for p in part.split(".."))
+            lengths += [2**k for k in range(lo, hi + 1)]
+        else:
+            text = part.strip()
+            lengths.append(2 ** _power(text) if text.startswith("2^") else int(text))
+    return lengths
+
+
+def _power(text: str) -> int:
+    text = text.strip()
+    if not text.startswith("2^"):
+        raise ValueError(f"expected 2^k, got {text!r}")
+    return int(text[2:])
+
+
+def default_samples(length: int) -> int:
+    """The issue's test-set sizes: >= 1024 sequences per length up to 2^14, >= 64 above."""
+    return 1024 if length <= 2**14 else 64
 
 
 def plot(rows, trained, task, path):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import torch
 
 from ..models import MambaLM
 from .config import TrainConfig, load_config
-from .data import TaskDataModule
+from .data import IGNORE, TaskDataModule
 from .module import forward_rows, scored_token_metrics
 
 
@@ -36,6 +37,96 @@ def evaluate(model: MambaLM, data: TaskDataModule, seq_len: int | None = None) -
         total_loss, correct, count = total_loss + float(loss_sum), correct + int(n_correct), count + n
     loss = total_loss / max(count, 1)
     return {"val/loss": loss, "val/bpb": loss / math.log(2), "val/acc": correct / max(count, 1)}
+
+
+def peak_rss_reset() -> bool:
+    """Reset this process's peak resident memory (Linux: VmHWM, via /proc/self/clear_refs), so
+    that ``peak_rss_bytes`` afterwards measures what follows. False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory since start or the last ``peak_rss_reset`` (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@torch.no_grad()
+def scored_suffix_metrics(model: MambaLM, inputs: torch.Tensor, targets: torch.Tensor, chunk: int | None = None):
+    """(summed cross-entropy, correct argmax predictions, scored positions) of ``inputs``
+    (B, L) against ``targets`` (B, L; -100 where nothing is scored), computing logits only from
+    the first scored position on (the synthetic tasks score a suffix: the last position for
+    induction heads, the last K for selective copying).
+
+    ``chunk``: read the sequence in pieces of that many tokens, every layer's state (SSM state
+    and conv window) carried from one piece to the next, so that memory is O(B·chunk·d_model)
+    whatever L is; None reads it in one pass, memory O(B·L·d_model). Both give the same logits
+    up to float rounding. Nothing of size (L, d_inner, d_state) is made either way."""
+    batch, length = inputs.shape
+    scored = (targets != IGNORE).any(0).nonzero()
+    if scored.numel() == 0:
+        return torch.zeros(()), torch.zeros((), dtype=torch.long), 0
+    first = int(scored[0])
+    step = length if chunk is None else int(chunk)
+    if step < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    cache = model.allocate_inference_cache(batch, device=inputs.device)
+    for start in range(0, first, step):  # the unscored prefix: states only (one logit row per piece)
+        model(inputs[:, start : min(start + step, first)], cache=cache, num_last_tokens=1)
+    logits = [
+        model(inputs[:, start : start + step], cache=cache) for start in range(first, length, step)
+    ]  # the scored suffix
+    return scored_token_metrics(torch.cat(logits, 1), targets[:, first:])
+
+
+@torch.no_grad()
+def evaluate_length(
+    model: MambaLM,
+    data: TaskDataModule,
+    seq_len: int,
+    samples: int,
+    batch_size: int = 16,
+    chunk: int | None = None,
+    split: str = "test",
+) -> dict:
+    """Accuracy (per scored token) and loss of ``model`` on ``samples`` examples of the task at
+    ``seq_len``, drawn from ``split`` ("test": examples neither training nor validation used),
+    ``batch_size`` sequences at a time, each read in pieces of ``chunk`` tokens (None: one
+    pass). Also the seconds it took and the process's peak resident memory meanwhile (Linux;
+    None elsewhere). Synthetic tasks only (their scored positions are a suffix)."""
+    if data.config.task == "text":
+        raise ValueError("evaluate_length scores the synthetic tasks; for text use evaluate or evaluate_carried_state")
+    device = next(model.parameters()).device
+    dataset = data.dataset(split, samples, seq_len)
+    peak_rss_reset()
+    started = time.perf_counter()
+    total_loss, correct, count = 0.0, 0, 0
+    for lo in range(0, samples, batch_size):
+        examples = [dataset[i] for i in range(lo, min(lo + batch_size, samples))]
+        inputs, targets = (torch.stack(t).to(device) for t in zip(*examples))
+        loss_sum, n_correct, n = scored_suffix_metrics(model, inputs, targets, chunk)
+        total_loss, correct, count = total_loss + float(loss_sum), correct + int(n_correct), count + n
+    loss = total_loss / max(count, 1)
+    return {
+        "val/loss": loss,
+        "val/acc": correct / max(count, 1),
+        "correct": correct,
+        "scored": count,
+        "samples": samples,
+        "seconds": time.perf_counter() - started,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 @torch.no_grad()

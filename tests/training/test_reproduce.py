@@ -1,0 +1,70 @@
+"""configs/paper/ and scripts/reproduce.py (issue 30): the configs hold the paper's settings,
+and a tiny version of each reproduction trains every stage, evaluates and draws, in seconds."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+from ssm.training import load_config
+from ssm.training.data import TaskDataModule
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def reproduce():
+    return runpy.run_path(str(ROOT / "scripts" / "reproduce.py"))
+
+
+def test_paper_configs_parse_with_the_papers_settings():
+    ih = load_config(ROOT / "configs" / "paper" / "induction_heads.yaml")
+    assert (ih.data.task, ih.data.seq_len, ih.data.num_tokens) == ("induction_heads", 256, 16)
+    assert (ih.model.d_model, ih.model.n_layer, ih.model.ssm_cfg["layer"]) == (64, 2, "Mamba1")
+    assert TaskDataModule(ih.data).vocab_size == 17  # 16 data tokens and the trigger
+    sc = load_config(ROOT / "configs" / "paper" / "selective_copying.yaml")
+    assert (sc.data.task, sc.data.seq_len, sc.data.num_memorize) == ("selective_copying", 4096, 16)
+    assert TaskDataModule(sc.data).vocab_size == 17  # noise + 15 data tokens = 16, and the marker
+    for c in (ih, sc):  # constant learning rate, no weight decay, as the paper
+        assert c.optim.weight_decay == 0 and c.optim.warmup_steps == 0 and c.optim.min_lr_ratio == 1
+    # every stage of the curriculum is a valid override of its config
+    for task, stages in reproduce()["STAGES"].items():
+        assert max(s.seq_len for s in stages) >= 4096
+        for s in stages:
+            load_config(ROOT / "configs" / "paper" / f"{task}.yaml", [f"data.seq_len={s.seq_len}"])
+
+
+@pytest.mark.parametrize("task", ["induction_heads", "selective_copying"])
+def test_tiny_reproduction_runs_end_to_end(task, tmp_path, capsys):
+    main = reproduce()["main"]
+    assert main([task, "--tiny", "--seeds", "0", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    (run,) = results["runs"]
+    stages = reproduce()["TINY_STAGES"][task]
+    assert run["steps"] == sum(s.steps for s in stages) and len(run["stage_wall_s"]) == len(stages)
+    lengths = [t["length"] for t in run["test"]]
+    assert lengths == ([16, 32, 64, 128] if task == "induction_heads" else [stages[-1].seq_len])
+    assert all(0 <= t["val/acc"] <= 1 and t["samples"] == 8 for t in run["test"])
+    assert (tmp_path / "results.md").read_text().count("(ours)") == 1
+    assert (tmp_path / "extrapolation.png").is_file() == (task == "induction_heads")
+    # again: nothing is trained or evaluated twice
+    capsys.readouterr()
+    assert main([task, "--tiny", "--seeds", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "trained already" in out and "evaluated already" in out and "stage 1/" not in out
+
+
+def test_a_run_stopped_between_stages_continues_with_the_next(tmp_path, capsys):
+    mod = reproduce()
+    stages = mod["TINY_STAGES"]["induction_heads"]
+    run_dir = tmp_path / "induction_heads_Mamba1_s0"
+    mod["train_stages"]("induction_heads", "Mamba1", 0, run_dir, True, [])
+    (run_dir / "reproduce.json").unlink()
+    walls = json.loads((run_dir / "stage_walls.json").read_text())
+    (run_dir / "stage_walls.json").write_text(json.dumps(walls[:1]))  # as if stopped after stage 1
+    capsys.readouterr()
+    info = mod["train_stages"]("induction_heads", "Mamba1", 0, run_dir, True, [])
+    out = capsys.readouterr().out
+    assert "stage 1/" not in out and f"stage {len(stages)}/" in out and info["steps"] == sum(s.steps for s in stages)
