@@ -9,7 +9,9 @@ never pick an implementation themselves.
 Rules:
 - A name that is not in the table raises ``ValueError`` listing the names that are.
 - A backend that cannot run on the inputs' device raises ``ValueError`` listing those that
-  can. There is no silent fallback to another backend.
+  can. There is no silent fallback to another backend, with one exception that ``run`` holds:
+  under ``"auto"``, a backend that declines the inputs it was given (returns None) is replaced
+  by the op's tensor-code backend.
 - ``"auto"`` walks the table's preference list for the device type (``"*"`` for device types
   not listed) and takes the first backend that runs there.
 - Where a backend runs is asked when a call resolves it, never frozen earlier: the Triton
@@ -96,17 +98,17 @@ class BackendTable:
         device = torch.device(device)
         return sorted(name for name, b in self._backends.items() if b.runs_on(device))
 
-    def run(self, name: str, device: torch.device, args: tuple, *, fallback: str, needs: str):
+    def run(self, name: str, device: torch.device, args: tuple, *, fallback: str, needs: Callable[[], str]):
         """Resolve ``name`` and call the backend on ``args``. A backend that declines the inputs
         (returns None, as a C kernel does for a dtype or layout it does not read) is replaced by
         ``fallback`` under ``"auto"``; asked for by name, it is an error saying what it
-        ``needs``."""
+        ``needs()`` (called only then: the message is not built on every call)."""
         out = self.resolve(name, device).fn(*args)
         if out is not None:
             return out
         if name != AUTO:
             raise ValueError(
-                f"backend {name!r} of {self.op} does not take these inputs: it needs {needs}; "
+                f"backend {name!r} of {self.op} does not take these inputs: it needs {needs()}; "
                 f"use backend='auto' or '{fallback}'"
             )
         return self._backends[fallback].fn(*args)

@@ -68,7 +68,7 @@ def causal_conv1d_silu(
     fused, each output contiguous, the backward in one pass. Elsewhere, or with
     ``backend="torch"``, ``causal_conv1d`` on x seen as (B, D, L), the first output a view of
     the second. ``backend="cpu"`` where the kernel does not apply is an error."""
-    needs = (
+    needs = lambda: (
         f"no state, float32 or float64 CPU tensors and x's channels contiguous (got state "
         f"{'given' if state is not None else 'None'}, x {x.dtype} on {x.device} with strides {x.stride()})"
     )

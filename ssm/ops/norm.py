@@ -68,6 +68,6 @@ def rms_norm(
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
     x32, w32, z32 = upcast(x), upcast(weight), None if z is None else upcast(z)
-    needs = f"CPU tensors and x contiguous (got x {x.dtype} on {x.device}, contiguous {x.is_contiguous()})"
+    needs = lambda: f"CPU tensors and x contiguous (got x {x.dtype} on {x.device}, contiguous {x.is_contiguous()})"
     args = (x32, w32, eps, z32, group, norm_before_gate)
     return BACKENDS.run(backend, x.device, args, fallback="torch", needs=needs).to(x.dtype)
