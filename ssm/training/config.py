@@ -75,6 +75,11 @@ class DataSection:
     num_tokens: int = 8  # size of the data alphabet (synthetic tasks)
     num_memorize: int = 8  # K: tokens to copy (selective_copying)
     val_samples: int = 512  # validation sequences
+    # induction_heads, training split only: the share of sequences whose first trigger is drawn
+    # among the last 16 positions (key at most 16 tokens before the final trigger) instead of
+    # uniformly. A long training length shows that short case once in L - 2 sequences; this keeps
+    # it in view. Validation and test sequences are always drawn uniformly, as the paper's.
+    short_gap_prob: float = 0.0
     paths: list = field(default_factory=list)  # text: file globs; empty = the Python standard library's sources
     val_fraction: float = 0.1  # text: share of files held out for validation
     # text: each file is a document; a row holding several restarts the model at each document

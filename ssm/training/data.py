@@ -68,10 +68,15 @@ class InductionHeads(Dataset):
         targets  - - - - - - ... - 6
     """
 
-    def __init__(self, seq_len: int, num_tokens: int, seed: int, split: str, size: int):
+    SHORT_GAP = 16  # short_gap_prob's window: the first trigger among the last 16 positions
+
+    def __init__(self, seq_len: int, num_tokens: int, seed: int, split: str, size: int, short_gap_prob: float = 0.0):
         if seq_len < 3:
             raise ValueError(f"data.seq_len must be >= 3 for induction_heads, got {seq_len}")
+        if not 0.0 <= short_gap_prob <= 1.0:
+            raise ValueError(f"data.short_gap_prob must be in [0, 1], got {short_gap_prob}")
         self.L, self.num_tokens, self.seed, self.split, self.size = seq_len, num_tokens, seed, split, size
+        self.short_gap_prob = short_gap_prob if split == "train" else 0.0
         self.vocab_size = num_tokens + 1
         self.trigger = num_tokens
 
@@ -82,6 +87,8 @@ class InductionHeads(Dataset):
         g = _generator(self.seed, self.split, index)
         inputs = torch.randint(0, self.num_tokens, (self.L,), generator=g)
         at = int(torch.randint(0, self.L - 2, (), generator=g))
+        if self.short_gap_prob and float(torch.rand((), generator=g)) < self.short_gap_prob:
+            at = int(torch.randint(max(0, self.L - 2 - self.SHORT_GAP), self.L - 2, (), generator=g))
         inputs[at] = self.trigger
         inputs[-1] = self.trigger
         targets = torch.full((self.L,), IGNORE)
@@ -235,7 +242,7 @@ class TaskDataModule(pl.LightningDataModule):
         if c.task == "selective_copying":
             return SelectiveCopying(L, c.num_tokens, c.num_memorize, self.seed, split, size)
         if c.task == "induction_heads":
-            return InductionHeads(L, c.num_tokens, self.seed, split, size)
+            return InductionHeads(L, c.num_tokens, self.seed, split, size, c.short_gap_prob)
         if self.text is None:
             if c.pack_documents:
                 self.text = {"train": read_documents(self.train_files), "val": read_documents(self.val_files)}

@@ -68,6 +68,32 @@ def test_induction_heads_key_follows_the_first_trigger_and_never_sits_on_the_las
     assert keys_seen == set(range(num_tokens))
 
 
+def test_induction_heads_short_gap_prob_moves_training_keys_near_the_end_only():
+    L, n, window = 200, 16, InductionHeads.SHORT_GAP
+
+    def first_triggers(split, p, size=400):
+        ds = InductionHeads(L, n, seed=3, split=split, size=size, short_gap_prob=p)
+        firsts = []
+        for i in range(size):
+            inputs, targets = ds[i]
+            triggers = (inputs == n).nonzero().flatten().tolist()
+            assert len(triggers) == 2 and triggers[-1] == L - 1
+            assert int(targets[-1]) == int(inputs[triggers[0] + 1])
+            firsts.append(triggers[0])
+        return firsts
+
+    always = first_triggers("train", 1.0)
+    assert set(always) == set(range(L - 2 - window, L - 2)), "p = 1: every first trigger among the last 16 slots"
+    some = first_triggers("train", 0.5)
+    near = sum(f >= L - 2 - window for f in some) / len(some)
+    assert 0.4 < near < 0.65, near  # half drawn near the end, plus the uniform draws that land there
+    # validation and test keep the paper's uniform draw, identical to short_gap_prob = 0
+    assert first_triggers("test", 1.0) == first_triggers("test", 0.0)
+    assert first_triggers("val", 1.0) == first_triggers("val", 0.0)
+    with pytest.raises(ValueError, match="data.short_gap_prob"):
+        InductionHeads(L, n, seed=0, split="train", size=1, short_gap_prob=1.5)
+
+
 @pytest.mark.parametrize("seq_len,extra", [(10, 1), (10, 3), (7, 60)])
 def test_byte_text_windows_are_contiguous_and_shifted_by_one(seq_len, extra):
     n = seq_len + extra  # < 256, so that a byte's value is its position
