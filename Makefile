@@ -63,6 +63,7 @@ bench-run:
 	$(BENCH) --op generate --d-model 768 --layers 24 --positions 1,16,128,1024,4096 --new-tokens 32 \
 	    --plot $(PICTURES)/decode-vs-position-$(BENCH_DEVICE).png
 	$(BENCH) --op decode
+	$(BENCH) --op hybrid
 	$(BENCH) --op packed
 	$(BENCH) --op cold-start
 

@@ -6,6 +6,7 @@
     ssd         Mamba-2's scan, every fast backend
     layer       whole mixer layers (Mamba-1, -2, -3 SISO and MIMO) and transformers' Mamba2 mixer
     train-step  a language model's training step against transformers (compiled) and mambapy
+    hybrid      a hybrid model (attention in one block of four) against all-Mamba: training, decoding
     decode      greedy decoding at mamba-130m's size against transformers
     generate    a decoding step against position, and the cache against recomputation
     packed      packed documents against padded ones, and the packed scan against a loop

@@ -40,6 +40,7 @@ def test_every_op_has_a_module_that_runs():
         "packed",
         "layer",
         "train-step",
+        "hybrid",
         "cold-start",
     }
     for op in ops:

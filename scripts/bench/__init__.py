@@ -15,5 +15,6 @@ OPS = {
     "packed": "packed",
     "layer": "layer",
     "train-step": "train_step",
+    "hybrid": "hybrid",
     "cold-start": "cold_start",
 }

@@ -114,3 +114,35 @@ class Mamba3Cache(_StateTensors):
             raise ValueError(
                 f"cache was allocated for batch size {self.batch_size}, but the input has batch size {batch}"
             )
+
+
+@dataclass
+class AttentionCache(_StateTensors):
+    """What an attention mixer keeps between calls: the keys and values of every token seen,
+    key and value (batch, C, Hk, P) with C >= the longest row (the capacity; it grows as tokens
+    arrive), ``lengths`` (batch,) int64 the tokens each row holds (rows may differ: packed
+    prefills, left-padded prompts), and, with a convolution (d_conv > 0), ``conv_state``
+    (batch, channels, K) as the Mamba layers keep it. Unlike theirs, its size grows with the
+    tokens seen: a decoding step reads every cached key."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    lengths: torch.Tensor
+    conv_state: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.key.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        extra = [] if self.conv_state is None else [self.conv_state]
+        return [self.key, self.value, self.lengths, *extra]
+
+    def replace(self, tensors: list[torch.Tensor]) -> AttentionCache:
+        return AttentionCache(*tensors)
+
+    def check_batch(self, batch: int) -> None:
+        if batch != self.batch_size:
+            raise ValueError(
+                f"cache was allocated for batch size {self.batch_size}, but the input has batch size {batch}"
+            )

@@ -1,6 +1,7 @@
 """The language model's configuration: mamba-ssm's ``MambaConfig`` field for field, so that its
 config.json files load unchanged and ours load in mamba-ssm, plus one field mamba-ssm fixes:
-``norm_epsilon``.
+``norm_epsilon``. Hybrid models (attention layers among the Mamba layers) through mamba-ssm's
+``attn_layer_idx`` and ``attn_cfg``.
 
 mamba-ssm builds every norm with ε = 1e-5 (``MixerModel``'s ``norm_epsilon`` argument, which its
 ``MambaConfig`` never sets, and the constant of Mamba-2's gated norm); transformers reads
@@ -29,9 +30,11 @@ class MambaConfig:
     ssm_cfg: dict = field(
         default_factory=dict
     )  # "layer": "Mamba1" (default), "Mamba2" or "Mamba3", plus the mixer's arguments (d_state, headdim, ...)
-    attn_layer_idx: list = field(
-        default_factory=list
-    )  # mamba-ssm's hybrid attention layers: not supported, must be empty
+    # Hybrid models: the indices of the blocks whose mixer is attention (ssm.layers.MHA) instead
+    # of ssm_cfg's Mamba layer, each in [0, n_layer) and once, as mamba-ssm writes them.
+    attn_layer_idx: list = field(default_factory=list)
+    # MHA's arguments for those layers: num_heads (required), num_heads_kv, head_dim, mlp_dim,
+    # causal (must be true), d_conv, rotary_emb_dim, ... (mamba-ssm's names; d_model is embed_dim)
     attn_cfg: dict = field(default_factory=dict)
     rms_norm: bool = True  # RMSNorm (True) or LayerNorm (False)
     residual_in_fp32: bool = True  # keep the residual stream in float32
@@ -57,10 +60,30 @@ class MambaConfig:
         eps = self.norm_epsilon
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
             raise ValueError(f"MambaConfig.norm_epsilon must be a finite number > 0, got {eps!r}")
-        if self.attn_layer_idx:
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        idx, cfg = self.attn_layer_idx, self.attn_cfg
+        if not isinstance(idx, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in idx):
+            raise ValueError(f"MambaConfig.attn_layer_idx must be a list of layer indices (ints), got {idx!r}")
+        outside = [i for i in idx if not 0 <= i < self.n_layer]
+        if outside:
             raise ValueError(
-                "MambaConfig.attn_layer_idx: hybrid attention layers are not supported; it must be empty, "
-                f"got {self.attn_layer_idx!r}"
+                f"MambaConfig.attn_layer_idx {list(idx)} holds {outside}, outside [0, n_layer = {self.n_layer})"
+            )
+        repeated = sorted({i for i in idx if idx.count(i) > 1})
+        if repeated:
+            raise ValueError(f"MambaConfig.attn_layer_idx {list(idx)} repeats {repeated}; each layer once")
+        if not isinstance(cfg, dict):
+            raise ValueError(f"MambaConfig.attn_cfg must be a dict, got {type(cfg).__name__}")
+        if not idx:
+            return
+        if "num_heads" not in cfg:
+            raise ValueError("MambaConfig.attn_cfg must give num_heads for the attention layers (attn_layer_idx)")
+        if cfg.get("causal", False) is not True:
+            raise ValueError(
+                f"MambaConfig.attn_cfg['causal'] must be true for a language model, got {cfg.get('causal')!r}: "
+                "mamba-ssm's MHA defaults to causal=False, under which every position sees the tokens after it"
             )
 
     @property

@@ -2,6 +2,7 @@
 
 Module names and state-dict keys are those of mamba-ssm's ``MambaLMHeadModel``:
 backbone.embedding, backbone.layers.{i}.norm / .mixer (/ .norm2 / .mlp), backbone.norm_f, lm_head.
+A hybrid model's attention layers (``config.attn_layer_idx``) are ``MHA`` mixers in the same place.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..layers import Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, RMSNorm
+from ..layers import MHA, AttentionCache, Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, Mamba3Cache, RMSNorm
 from ..ops import LMHeadWeights, MambaBlocksStep, mamba_blocks_step
 from .config import MambaConfig
 
@@ -22,10 +23,11 @@ _MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}
 
 @dataclass
 class InferenceCache:
-    """The recurrent state of every layer plus the number of tokens seen. Its tensors keep
-    their size as decoding proceeds: each new token costs the same."""
+    """The recurrent state of every layer plus the number of tokens seen. A Mamba layer's
+    tensors keep their size as decoding proceeds (each new token costs the same); an attention
+    layer's keys and values grow with the tokens seen."""
 
-    layers: list[LayerCache]
+    layers: list[LayerCache | Mamba3Cache | AttentionCache]
     seqlen_offset: int = 0
     batch_size: int = field(init=False)
 
@@ -44,12 +46,30 @@ class InferenceCache:
         return [layer.tensors() for layer in self.layers]
 
 
+def _valid_keys(cls) -> list[str]:
+    """The constructor arguments of mixer ``cls`` that a config may set."""
+    fixed = ("self", "d_model", "embed_dim", "layer_idx", "device", "dtype")
+    return [p for p in inspect.signature(cls).parameters if p not in fixed]
+
+
+def _make_attention(config: MambaConfig, layer_idx: int, **kw) -> MHA:
+    cfg = dict(config.attn_cfg)
+    valid = _valid_keys(MHA)
+    unknown = sorted(set(cfg) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown attn_cfg key(s) {unknown} for MHA; valid keys: {valid}")
+    try:
+        return MHA(config.d_model, layer_idx=layer_idx, **cfg, **kw)
+    except ValueError as err:
+        raise ValueError(f"MambaConfig.attn_cfg (d_model = {config.d_model} is MHA's embed_dim): {err}") from err
+
+
 def _make_mixer(config: MambaConfig, layer_idx: int, backend: str, **kw) -> nn.Module:
+    if layer_idx in config.attn_layer_idx:
+        return _make_attention(config, layer_idx, **kw)
     cfg = dict(config.ssm_cfg)
     cls = _MIXERS[cfg.pop("layer", "Mamba1")]
-    valid = [
-        p for p in inspect.signature(cls).parameters if p not in ("self", "d_model", "layer_idx", "device", "dtype")
-    ]
+    valid = _valid_keys(cls)
     unknown = sorted(set(cfg) - set(valid))
     if unknown:
         raise ValueError(f"unknown ssm_cfg key(s) {unknown} for {cls.__name__}; valid keys: {['layer', *valid]}")
@@ -143,10 +163,11 @@ class MambaLM(nn.Module):
     """A Mamba language model. ``forward(input_ids (batch, L)) → logits (batch, L, V)``, where
     V = config.padded_vocab_size (the vocabulary padded as in mamba-ssm).
 
-    ``backend`` is the scan backend of every mixer ("auto" by default; an ``ssm_cfg["backend"]``
-    takes precedence). Recurrent inference: ``allocate_inference_cache(batch)``, then
-    ``forward(prompt, cache=cache)`` (prefill) and ``step(token_ids, cache)`` per token;
-    ``generate`` does both.
+    ``backend`` is the scan backend of every Mamba mixer ("auto" by default; an
+    ``ssm_cfg["backend"]`` takes precedence). The blocks of ``config.attn_layer_idx`` have
+    attention mixers (``ssm.layers.MHA`` with ``config.attn_cfg``) instead: a hybrid model.
+    Recurrent inference: ``allocate_inference_cache(batch)``, then ``forward(prompt,
+    cache=cache)`` (prefill) and ``step(token_ids, cache)`` per token; ``generate`` does both.
     """
 
     def __init__(self, config: MambaConfig, *, backend: str = "auto", device=None, dtype=None):
@@ -221,12 +242,18 @@ class MambaLM(nn.Module):
         template = self.allocate_inference_cache(1, device="meta")
         return InferenceCache([c.replace(list(t)) for c, t in zip(template.layers, tensors)], seqlen_offset)
 
-    def allocate_inference_cache(self, batch_size: int, dtype=None, device=None) -> InferenceCache:
+    def allocate_inference_cache(self, batch_size: int, dtype=None, device=None, max_seqlen: int = 0) -> InferenceCache:
+        """An empty state for ``batch_size`` sequences. ``max_seqlen``: room reserved in the
+        attention layers' key/value caches (they grow past it on demand; Mamba layers ignore it)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        return InferenceCache(
-            [layer.mixer.allocate_inference_cache(batch_size, dtype, device) for layer in self.backbone.layers]
-        )
+
+        def allocate(mixer):
+            if isinstance(mixer, MHA):
+                return mixer.allocate_inference_cache(batch_size, dtype, device, max_seqlen=max_seqlen)
+            return mixer.allocate_inference_cache(batch_size, dtype, device)
+
+        return InferenceCache([allocate(layer.mixer) for layer in self.backbone.layers])
 
     def forward(
         self,
@@ -291,8 +318,9 @@ class MambaLM(nn.Module):
         Prompts of different lengths: ``attention_mask`` (batch, L), 1 for a token and 0 for
         padding, with the padding on the left (transformers' convention: every prompt ends at
         L). The model never sees the padding: the prompts are packed without it and prefilled
-        together in one call (``forward(..., cu_seqlens=...)``), so the state and convolution
-        window each row decodes from are exactly those of its prompt alone, and greedy decoding
+        together in one call (``forward(..., cu_seqlens=...)``), so the state, convolution
+        window and (attention layers) keys and values each row decodes from are exactly those of
+        its prompt alone, at its own positions, and greedy decoding
         gives each row the tokens of its prompt run alone. Padded positions may hold any id.
 
         ``temperature=0`` is greedy decoding; otherwise logits / temperature are sampled, from
@@ -310,7 +338,9 @@ class MambaLM(nn.Module):
         _check_sampling(temperature, top_k, top_p, eos_token_id, self.config.vocab_size)
         if max_new_tokens == 0:
             return input_ids.clone()
-        cache = self.allocate_inference_cache(input_ids.shape[0], device=input_ids.device)
+        cache = self.allocate_inference_cache(
+            input_ids.shape[0], device=input_ids.device, max_seqlen=input_ids.shape[1] + max_new_tokens
+        )
         if attention_mask is None:
             logits = self(input_ids, cache=cache, num_last_tokens=1)[:, -1]
         else:  # one packed prefill of the unpadded prompts; each row's logits at its last token

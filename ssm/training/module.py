@@ -108,6 +108,12 @@ class LanguageModelTask(pl.LightningModule):
 
     def __init__(self, model: MambaLM, optim: OptimSection, max_steps: int, stateful: bool = False):
         super().__init__()
+        if stateful and model.config.attn_layer_idx:
+            raise ValueError(
+                "data.stateful carries every layer's state from step to step; an attention layer's state is "
+                "the keys and values of every token seen, which would grow without bound. Train the hybrid "
+                f"(model.attn_layer_idx = {model.config.attn_layer_idx}) with data.stateful=false"
+            )
         self.model, self.optim, self.max_steps, self.stateful = model, optim, max_steps, stateful
         self._last_batch_end = None
         self.carried: dict[int, InferenceCache] = {}  # micro-batch slot -> state after its last rows

@@ -147,7 +147,10 @@ def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
 def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     data = TaskDataModule(config.data, seed=config.seed)
     model = build_model(config, data.vocab_size)
-    module = LanguageModelTask(model, config.optim, config.trainer.max_steps, stateful=config.data.stateful)
+    try:
+        module = LanguageModelTask(model, config.optim, config.trainer.max_steps, stateful=config.data.stateful)
+    except ValueError as err:  # a combination the module cannot train (a stateful hybrid)
+        raise ConfigError(str(err)) from err
     kwargs = trainer_kwargs(config)
     ckpt_path = checkpoint_of(config.resume) if config.resume else None
     # Read safely before anything else, so that a damaged file stops the run here with its name.
@@ -200,9 +203,12 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.yaml")
         params = sum(p.numel() for p in model.parameters())
+        mixer = model.config.ssm_cfg.get("layer", "Mamba1")
+        if model.config.attn_layer_idx:
+            mixer += f" + attention at layers {list(model.config.attn_layer_idx)}"
         print(
             f"training {config.data.task} with a {params / 1e6:.2f} M-parameter MambaLM "
-            f"({model.config.ssm_cfg.get('layer', 'Mamba1')}, {config.trainer.max_steps} steps) in {run_dir}",
+            f"({mixer}, {config.trainer.max_steps} steps) in {run_dir}",
             flush=True,
         )
         if resume_step is not None:

@@ -1,0 +1,303 @@
+"""The attention mixer of hybrid models: mamba-ssm's ``MHA`` (mamba_ssm/modules/mha.py) with its
+constructor, defaults, parameter names and shapes, on torch's scaled_dot_product_attention (no
+flash-attn needed), with rotary embeddings in both layouts, packed sequences and a KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import causal_conv1d, causal_conv1d_step
+from .cache import AttentionCache, check_packing, check_sequence, check_token
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, dim: int, base: float, interleaved: bool) -> torch.Tensor:
+    """x (B, L, H, P) with its first ``dim`` channels of every head rotated by position:
+    the pair (a, b) at frequency f_i = base^(-2i/dim) becomes (a·cos θ − b·sin θ, b·cos θ + a·sin θ),
+    θ = position·f_i. Pairs are (i, i + dim/2) (GPT-NeoX, flash-attn's default) or (2i, 2i + 1)
+    with ``interleaved`` (GPT-J). ``positions`` (L,) or (B, L). Computed in float32 (float64 for
+    float64 x), cast back."""
+    if dim == 0:
+        return x
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=work, device=x.device) / dim))  # (dim/2,)
+    angle = positions.to(work)[..., None] * inv_freq  # (L, dim/2) or (B, L, dim/2)
+    cos, sin = angle.cos()[..., None, :], angle.sin()[..., None, :]  # a head axis to broadcast over
+    rot = x[..., :dim].to(work)
+    a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else rot.chunk(2, dim=-1)
+    a, b = a * cos - b * sin, b * cos + a * sin
+    rot = torch.stack([a, b], dim=-1).flatten(-2) if interleaved else torch.cat([a, b], dim=-1)
+    return torch.cat([rot.to(x.dtype), x[..., dim:]], dim=-1)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"MHA: {name} must be an int >= {minimum}, got {value!r}")
+
+
+class MHA(nn.Module):
+    """Multi-head self-attention as a mixer: in_proj → [q, k, v | MLP] → (causal depthwise conv
+    on qkv) → rotary on q and k → softmax(q·kᵀ·scale)·v per head → [context | MLP] → out_proj.
+
+    Input and output (batch, L, d_model = embed_dim). H = num_heads query heads, Hk =
+    num_heads_kv key/value heads (H/Hk query heads share each: GQA; Hk = 1: MQA), P = head_dim
+    (embed_dim / H by default). ``mlp_dim`` (rounded up to a multiple of 256, as mamba-ssm does)
+    fuses a gated MLP into the projections: in_proj also yields [up | gate], and up·silu(gate)
+    joins the context before out_proj. ``causal=False`` is mamba-ssm's default; a language model
+    needs True. ``softmax_scale`` None is 1/√P. ``rotary_emb_dim`` channels of each q and k head
+    are rotated (0: none), with ``rotary_emb_base`` and layout ``rotary_emb_interleaved``.
+    Parameters (mamba-ssm's names and shapes): in_proj ((H + 2·Hk)·P + mlp_dim, d_model)
+    (+ bias with qkv_proj_bias), conv1d ((H + 2·Hk)·P, 1, d_conv) + bias when d_conv > 0,
+    out_proj (d_model, H·P + mlp_dim/2) (+ bias with out_proj_bias). No buffers.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_heads_kv: int | None = None,
+        head_dim: int | None = None,
+        mlp_dim: int = 0,
+        qkv_proj_bias: bool = True,
+        out_proj_bias: bool = True,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        layer_idx: int | None = None,
+        d_conv: int = 0,
+        rotary_emb_dim: int = 0,
+        rotary_emb_base: float = 10000.0,
+        rotary_emb_interleaved: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        _check_int("embed_dim", embed_dim, 1)
+        _check_int("num_heads", num_heads, 1)
+        num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
+        _check_int("num_heads_kv", num_heads_kv, 1)
+        if num_heads % num_heads_kv:
+            raise ValueError(
+                f"MHA: num_heads = {num_heads} must be divisible by num_heads_kv = {num_heads_kv} "
+                "(each key/value head serves num_heads / num_heads_kv query heads)"
+            )
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(
+                    f"MHA: embed_dim = {embed_dim} must be divisible by num_heads = {num_heads} when head_dim is "
+                    "not given"
+                )
+            head_dim = embed_dim // num_heads
+        _check_int("head_dim", head_dim, 1)
+        _check_int("mlp_dim", mlp_dim, 0)
+        _check_int("d_conv", d_conv, 0)
+        _check_int("rotary_emb_dim", rotary_emb_dim, 0)
+        if rotary_emb_dim % 2:
+            raise ValueError(f"MHA: rotary_emb_dim = {rotary_emb_dim} must be even (it rotates pairs of channels)")
+        if rotary_emb_dim > head_dim:
+            raise ValueError(f"MHA: rotary_emb_dim = {rotary_emb_dim} must be at most head_dim = {head_dim}")
+        if not (isinstance(rotary_emb_base, (int, float)) and rotary_emb_base > 0):
+            raise ValueError(f"MHA: rotary_emb_base must be a number > 0, got {rotary_emb_base!r}")
+        if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+            raise ValueError(f"MHA: softmax_scale must be None or a number > 0, got {softmax_scale!r}")
+
+        self.embed_dim, self.layer_idx, self.causal = embed_dim, layer_idx, bool(causal)
+        self.num_heads, self.num_heads_kv, self.head_dim = num_heads, num_heads_kv, head_dim
+        self.softmax_scale, self.d_conv = softmax_scale, d_conv
+        self.rotary_emb_dim, self.rotary_emb_base = rotary_emb_dim, float(rotary_emb_base)
+        self.rotary_emb_interleaved = bool(rotary_emb_interleaved)
+        self.mlp_dim = math.ceil(mlp_dim / 256) * 256
+        self.qkv_dim = head_dim * (num_heads + 2 * num_heads_kv)
+        out_dim = head_dim * num_heads
+
+        self.in_proj = nn.Linear(embed_dim, self.qkv_dim + self.mlp_dim, bias=qkv_proj_bias, **kw)
+        if d_conv > 0:
+            self.conv1d = nn.Conv1d(self.qkv_dim, self.qkv_dim, d_conv, padding=d_conv - 1, groups=self.qkv_dim, **kw)
+        self.out_proj = nn.Linear(out_dim + self.mlp_dim // 2, embed_dim, bias=out_proj_bias, **kw)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _project(self, x: torch.Tensor):
+        """x (..., d_model) → qkv (..., (H + 2Hk)·P), and the MLP branch up·silu(gate) or None."""
+        h = self.in_proj(x)
+        if self.mlp_dim == 0:
+            return h, None
+        qkv, up, gate = h.split([self.qkv_dim, self.mlp_dim // 2, self.mlp_dim // 2], dim=-1)
+        return qkv, up * F.silu(gate)
+
+    def _heads(self, qkv: torch.Tensor):
+        """(..., (H + 2Hk)·P) → q (..., H, P), k and v (..., Hk, P)."""
+        H, Hk, P = self.num_heads, self.num_heads_kv, self.head_dim
+        q, k, v = qkv.split([H * P, Hk * P, Hk * P], dim=-1)
+        return q.unflatten(-1, (H, P)), k.unflatten(-1, (Hk, P)), v.unflatten(-1, (Hk, P))
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return rotary(x, positions, self.rotary_emb_dim, self.rotary_emb_base, self.rotary_emb_interleaved)
+
+    def _sdpa(self, q, k, v, mask=None, is_causal: bool = False) -> torch.Tensor:
+        """q (B, L, H, P), k and v (B, Lk, Hk, P), mask (L, Lk) or (B, 1, L, Lk) bool (True:
+        attend) → (B, L, H, P)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=self.softmax_scale,
+            enable_gqa=self.num_heads != self.num_heads_kv,
+        )
+        return out.transpose(1, 2)
+
+    def _finish(self, context: torch.Tensor, mlp: torch.Tensor | None) -> torch.Tensor:
+        """context (..., H, P) → [context | MLP] → out_proj."""
+        context = context.flatten(-2)
+        if mlp is not None:
+            context = torch.cat([context, mlp], dim=-1)
+        return self.out_proj(context)
+
+    # ------------------------------------------------------------------ inference cache
+
+    def allocate_inference_cache(self, batch: int, dtype=None, device=None, max_seqlen: int = 0) -> AttentionCache:
+        """An empty cache for ``batch`` rows; ``max_seqlen`` reserves room for that many tokens
+        per row (it grows past them on demand). Keys and values in ``dtype`` (default: the
+        layer's)."""
+        dtype = dtype or self.out_proj.weight.dtype
+        device = device or self.out_proj.weight.device
+        shape = (batch, max_seqlen, self.num_heads_kv, self.head_dim)
+        conv_state = None
+        if self.d_conv > 0:
+            conv_state = torch.zeros(batch, self.qkv_dim, self.d_conv, dtype=dtype, device=device)
+        return AttentionCache(
+            key=torch.zeros(shape, dtype=dtype, device=device),
+            value=torch.zeros(shape, dtype=dtype, device=device),
+            lengths=torch.zeros(batch, dtype=torch.int64, device=device),
+            conv_state=conv_state,
+        )
+
+    def _attend_cached(self, q, k, v, cache: AttentionCache, counts=None, inplace: bool = False) -> torch.Tensor:
+        """Attention of new tokens q (B, L, H, P), k and v (B, L, Hk, P) over each row's cached
+        keys and themselves; row b's first ``counts[b]`` tokens are real (all L when None), the
+        rest padding whose outputs are to be discarded. The new tokens continue each row at its
+        own position ``cache.lengths[b]`` (rotary), their keys and values are written there and
+        ``lengths`` advances. ``inplace``: write into the cache's tensors (decoding without
+        gradients); else the cache gets new tensors and the old ones are left as they were."""
+        batch, length = q.shape[:2]
+        t = torch.arange(length, device=q.device)
+        start = cache.lengths.to(q.device)  # (B,)
+        counts = torch.full_like(start, length) if counts is None else counts
+        positions = start[:, None] + t  # (B, L)
+        q, k = self._rotate(q, positions), self._rotate(k, positions)
+        new_lengths = start + counts
+        keys_needed = int(new_lengths.max()) if batch else 0
+        key, value = cache.key, cache.value
+        if keys_needed > key.shape[1]:  # grow: at least double, so that decoding copies O(tokens) in all
+            extra = max(keys_needed, 2 * key.shape[1]) - key.shape[1]
+            key, value = (torch.cat([c, c.new_zeros(batch, extra, *c.shape[2:])], dim=1) for c in (key, value))
+            inplace = True  # new tensors of our own
+        rows, steps = (t < counts[:, None]).nonzero(as_tuple=True)  # the real tokens
+        where = (rows, positions[rows, steps])
+        if inplace:
+            key.index_put_(where, k[rows, steps].to(key.dtype))
+            value.index_put_(where, v[rows, steps].to(value.dtype))
+        else:
+            key = key.index_put(where, k[rows, steps].to(key.dtype))
+            value = value.index_put(where, v[rows, steps].to(value.dtype))
+        cache.key, cache.value, cache.lengths = key, value, new_lengths
+
+        j = torch.arange(keys_needed, device=q.device)
+        mask = (j < new_lengths[:, None])[:, None, :]  # (B, 1, Lk): the row's keys
+        if self.causal:
+            mask = mask & (j <= positions[..., None])  # (B, L, Lk): and none after the query
+        # A padded query of an empty row sees nothing; give it key 0 (finite, and discarded): some
+        # SDPA kernels return NaN for a row with no key, which would reach the gradients.
+        mask = mask | (~mask.any(-1, keepdim=True) & (j == 0))
+        keys, values = key[:, :keys_needed].to(q.dtype), value[:, :keys_needed].to(q.dtype)
+        return self._sdpa(q, keys, values, mask=mask[:, None])
+
+    # ------------------------------------------------------------------ forward and step
+
+    def forward(
+        self, hidden_states: torch.Tensor, cache: AttentionCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue each row from the
+        tokens it holds and append these (prefill, or a chunk of one).
+
+        ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one. No query attends
+        to another sequence's keys, and positions (rotary) and the convolution restart at each
+        sequence's start: each sequence's outputs are those it would get alone. With a cache,
+        the cache has batch S: each sequence continues its own row."""
+        check_sequence("hidden_states", hidden_states, self.embed_dim)
+        batch, length, _ = hidden_states.shape
+        cu_seqlens = check_packing(cu_seqlens, hidden_states)
+        if cache is not None:
+            cache.check_batch(batch if cu_seqlens is None else cu_seqlens.numel() - 1)
+        qkv, mlp = self._project(hidden_states)
+        if self.d_conv > 0:
+            conv, conv_state = causal_conv1d(
+                qkv.transpose(1, 2),
+                self.conv1d.weight,
+                self.conv1d.bias,
+                None if cache is None else cache.conv_state,
+                cu_seqlens,
+            )
+            qkv = conv.transpose(1, 2)
+            if cache is not None:
+                cache.conv_state = conv_state
+        if length == 0:
+            context = qkv.new_zeros(batch, 0, self.num_heads, self.head_dim)
+        elif cu_seqlens is not None:
+            context = self._packed(qkv, cu_seqlens, cache)
+        elif cache is not None:
+            context = self._attend_cached(*self._heads(qkv), cache)
+        else:
+            q, k, v = self._heads(qkv)
+            positions = torch.arange(length, device=qkv.device)
+            context = self._sdpa(self._rotate(q, positions), self._rotate(k, positions), v, is_causal=self.causal)
+        return self._finish(context, mlp)
+
+    def _packed(self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, cache: AttentionCache | None) -> torch.Tensor:
+        """Packed attention: qkv (1, L, (H + 2Hk)·P) → context (1, L, H, P). One call over the
+        whole row with a block-diagonal mask when that is the cheaper (L² against S·Lmax²,
+        Lmax the longest sequence), else the sequences as rows of a right-padded batch
+        (S, Lmax), where causal attention needs no mask at all."""
+        length = qkv.shape[1]
+        starts, counts = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
+        num_seqs, longest = counts.numel(), int(counts.max())
+        seq = torch.repeat_interleave(torch.arange(num_seqs, device=qkv.device), counts, output_size=length)  # (L,)
+        offset = torch.arange(length, device=qkv.device) - starts[seq]  # (L,) position in its sequence
+        if cache is None and length * length < num_seqs * longest * longest:
+            q, k, v = self._heads(qkv)
+            q, k = self._rotate(q, offset), self._rotate(k, offset)
+            mask = seq[:, None] == seq[None, :]  # (L, L)
+            if self.causal:
+                mask = mask & (offset[:, None] >= offset[None, :])
+            return self._sdpa(q, k, v, mask=mask)
+        t = torch.arange(longest, device=qkv.device)
+        rows = qkv[0, (starts[:, None] + t).clamp(max=length - 1)]  # (S, Lmax, ·), padded with repeats
+        q, k, v = self._heads(rows)
+        if cache is not None:
+            context = self._attend_cached(q, k, v, cache, counts)
+        else:
+            q, k = self._rotate(q, t), self._rotate(k, t)
+            if self.causal:  # a real query never reaches the padding after its sequence
+                context = self._sdpa(q, k, v, is_causal=True)
+            else:
+                mask = (t < counts[:, None]) | (t == 0)  # (S, Lmax); key 0 for an empty row (discarded)
+                context = self._sdpa(q, k, v, mask=mask[:, None, None, :])
+        return context[seq, offset][None]
+
+    def step(self, hidden_states: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        """One token per row: (batch, d_model) or (batch, 1, d_model) → the same shape; appends
+        it to ``cache``. Reads every cached key of the row: the cost grows with the tokens seen.
+        Without gradients the cache's tensors are written in place."""
+        x = check_token("hidden_states", hidden_states, self.embed_dim)
+        cache.check_batch(x.shape[0])
+        qkv, mlp = self._project(x)  # (B, (H + 2Hk)·P)
+        if self.d_conv > 0:
+            qkv, cache.conv_state = causal_conv1d_step(qkv, self.conv1d.weight, self.conv1d.bias, cache.conv_state)
+        context = self._attend_cached(*self._heads(qkv[:, None]), cache, inplace=not torch.is_grad_enabled())
+        out = self._finish(context[:, 0], mlp)
+        return out if hidden_states.ndim == 2 else out[:, None]
