@@ -38,10 +38,13 @@ def looks_like_repo_id(name: str) -> bool:
     )
 
 
-def resolve_model_dir(name_or_path, revision: str | None = None, local_files_only: bool | None = None) -> Path:
+def resolve_model_dir(
+    name_or_path, revision: str | None = None, local_files_only: bool | None = None, weights: bool = True
+) -> Path:
     """A local directory holding config.json and weights: ``name_or_path`` when it is a
     directory, else the snapshot of that hub repo (downloaded, or read from the hub cache when
-    offline). Raises FileNotFoundError naming both places looked in when neither has it."""
+    offline). ``weights=False``: only the repo's JSON and text files (a tokenizer's).
+    Raises FileNotFoundError naming both places looked in when neither has it."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ValueError(f"name_or_path must be a directory or a hub repo id (str), got {type(name_or_path).__name__}")
     path = Path(name_or_path)
@@ -59,7 +62,7 @@ def resolve_model_dir(name_or_path, revision: str | None = None, local_files_onl
             f"{not_a_dir}; to load it as a Hugging Face hub repo id, install huggingface_hub: {_INSTALL}"
         )
     try:
-        return _snapshot(hub, name, revision, local_files_only)
+        return _snapshot(hub, name, revision, local_files_only, weights)
     except Exception as err:  # the hub's errors: offline without a cache, no such repo, network down
         offline = local_files_only or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
         where = "the local hub cache (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"
@@ -69,11 +72,28 @@ def resolve_model_dir(name_or_path, revision: str | None = None, local_files_onl
         ) from err
 
 
-def _snapshot(hub, repo_id: str, revision, local_files_only) -> Path:
+def _snapshot(hub, repo_id: str, revision, local_files_only, weights: bool) -> Path:
     kw = dict(revision=revision, local_files_only=bool(local_files_only))
+    if not weights:
+        return Path(hub.snapshot_download(repo_id, allow_patterns=_METADATA, **kw))
     folder = Path(hub.snapshot_download(repo_id, allow_patterns=_METADATA + ["*.safetensors"], **kw))
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"the snapshot {folder} has no config.json")
     if not any(folder.glob("*.safetensors")):  # only pickled weights in this repo
         folder = Path(hub.snapshot_download(repo_id, allow_patterns=_METADATA + ["pytorch_model*.bin"], **kw))
     return folder
+
+
+def load_model_and_tokenizer(name_or_path, tokenizer=None, *, device=None, dtype=None, backend: str = "auto"):
+    """(model in eval mode, tokenizer, model directory) for text in and text out. ``name_or_path``:
+    a model directory, a hub repo id, or a run directory of scripts/train.py (its model/). The
+    tokenizer: ``tokenizer`` when given (see ``load_tokenizer``), else the one beside the weights."""
+    from .lm import MambaLM
+    from .tokenizer import load_tokenizer
+
+    path = Path(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
+    if path is not None and (path / "config.yaml").is_file() and (path / "model").is_dir():
+        path = path / "model"  # a training run: its model/ holds the weights and, if any, the tokenizer
+    directory = resolve_model_dir(path if path is not None and path.is_dir() else name_or_path)
+    model = MambaLM.from_pretrained(directory, device=device, dtype=dtype, backend=backend).eval()
+    return model, load_tokenizer(directory, tokenizer, vocab_size=model.config.vocab_size), directory
