@@ -147,7 +147,9 @@ def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
 def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     data = TaskDataModule(config.data, seed=config.seed)
     model = build_model(config, data.vocab_size)
-    module = LanguageModelTask(model, config.optim, config.trainer.max_steps, stateful=config.data.stateful)
+    module = LanguageModelTask(
+        model, config.optim, config.trainer.max_steps, stateful=config.data.stateful, token_bytes=data.token_bytes()
+    )
     kwargs = trainer_kwargs(config)
     ckpt_path = checkpoint_of(config.resume) if config.resume else None
     # Read safely before anything else, so that a damaged file stops the run here with its name.
@@ -224,6 +226,8 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         model.save_pretrained(run_dir / "model")
+        if data.tokenizer is not None:  # beside the weights, where generate.py and evaluate.py look
+            data.tokenizer.save(run_dir / "model")
         plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
         shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in ("val/loss", "val/acc", "val/bpb") if k in metrics)
         print(f"done: step {trainer.global_step}  {shown}  ({metrics['wall_s']:.0f} s)")
