@@ -192,3 +192,32 @@ def test_a_name_that_is_neither_a_directory_nor_a_repo_id(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileNotFoundError, match="is a file"):
         MambaLM.from_pretrained(tmp_path / "file")
+
+
+def test_without_huggingface_hub_or_tokenizers_the_error_says_what_to_install(tmp_path):
+    """A fresh interpreter in which huggingface_hub and tokenizers cannot be imported: import ssm
+    works, a local directory loads, and a repo id or a tokenizer.json says what to install."""
+    hf_model().save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    code = f"""
+import importlib.abc, sys
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("huggingface_hub", "tokenizers"):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, NotInstalled())
+from ssm import MambaLM
+from ssm.models.tokenizer import load_tokenizer
+MambaLM.from_pretrained({str(tmp_path / "m")!r})
+for call in (lambda: MambaLM.from_pretrained("owner/name"), lambda: load_tokenizer({str(tmp_path / "m")!r})):
+    try:
+        call()
+    except (FileNotFoundError, ImportError) as err:
+        print("ERROR:", err)
+"""
+    proc = run_offline(code, tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    hub_error, tokenizer_error = proc.stdout.split("ERROR:")[1:]
+    assert "'owner/name' is not a local directory" in hub_error
+    assert 'install huggingface_hub: pip install "ssm-scan[hub]"' in hub_error
+    assert 'needs the tokenizers library, which is not installed: pip install "ssm-scan[hub]"' in tokenizer_error
