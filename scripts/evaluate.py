@@ -1,9 +1,19 @@
 """Accuracy of a trained run at several sequence lengths (length extrapolation), or, for a text
-run, bits per byte with the recurrent state carried across segments against without it.
+run, bits per byte with the recurrent state carried across segments against without it; or the
+perplexity and bits per byte of any model on a text file.
 
     python scripts/evaluate.py RUN_DIR --lengths 64,128,256,512,1024
     python scripts/evaluate.py RUN_DIR --lengths 2^6..2^20          # every power of two between
     python scripts/evaluate.py RUN_DIR --carried-state --segments 32
+    python scripts/evaluate.py NAME_OR_DIR --text FILE [--window 1024] [--stride 512 | --carried-state]
+
+Text file (--text): NAME_OR_DIR is a model directory, a hub repo id or a run (as for
+generate.py; --tokenizer as there). The file is encoded whole and every token after the first is
+scored: in windows of --window tokens starting every --stride tokens (default: --window, no
+overlap), each scoring the tokens no earlier window scored; or, with --carried-state, in pieces
+of --window tokens with every layer's state carried across them (the file as one sequence).
+Prints perplexity (per token) and bits per byte (per byte of the text the scored tokens stand
+for, which compares across tokenizers).
 
 Lengths (synthetic tasks): prints a table (accuracy, loss, seconds, peak memory per length) and
 writes RUN_DIR/extrapolation.json and RUN_DIR/extrapolation.png. The examples are drawn from the
@@ -31,7 +41,12 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=Path, metavar="NAME_OR_DIR", help="a run; with --text, any model")
+    parser.add_argument("--text", type=Path, default=None, help="score this text file (perplexity, bits per byte)")
+    parser.add_argument("--window", type=int, default=1024, help="--text: tokens the model reads at a time")
+    parser.add_argument("--stride", type=int, default=None, help="--text: tokens between window starts")
+    parser.add_argument("--tokenizer", default=None, help="--text: tokenizer.json, its directory, hub id or 'bytes'")
+    parser.add_argument("--dtype", default=None, help="--text: float32, bfloat16, ... (default: the checkpoint's)")
     parser.add_argument(
         "--lengths",
         default=None,
@@ -62,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--segments", type=int, default=16, help="consecutive segments per stream (--carried-state)")
     args = parser.parse_args(argv)
+    if args.text is not None:
+        return evaluate_text(parser, args)
 
     from ssm.training.data import TaskDataModule
     from ssm.training.evaluate import evaluate_carried_state, evaluate_length, load_run
@@ -121,6 +138,45 @@ def main(argv: list[str] | None = None) -> int:
     (out / "extrapolation.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot(rows, trained, config.data.task, out / "extrapolation.png")
     print(f"plot: {out / 'extrapolation.png'}")
+    return 0
+
+
+def evaluate_text(parser, args) -> int:
+    import torch
+
+    from ssm.models.hub import load_model_and_tokenizer
+    from ssm.models.scoring import score_ids, text_metrics
+
+    if not args.text.is_file():
+        parser.error(f"--text {args.text}: no such file")
+    if args.window < 2 or args.stride is not None and not 1 <= args.stride <= args.window:
+        parser.error("--window must be >= 2 and --stride in [1, --window]")
+    if args.stride is not None and args.carried_state:
+        parser.error("--stride and --carried-state exclude each other")
+    model, tokenizer, directory = load_model_and_tokenizer(
+        str(args.run_dir), args.tokenizer, device=args.device, dtype=args.dtype
+    )
+    try:
+        text = args.text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        parser.error(f"--text {args.text} is not UTF-8 text: {err}")
+    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    if ids.numel() < 2:
+        parser.error(f"--text {args.text} encodes to {ids.numel()} token(s); at least 2 are needed")
+    nats, count = score_ids(model, ids, args.window, args.stride, carry=args.carried_state)
+    lengths = tokenizer.token_byte_lengths()
+    m = text_metrics(nats, count, sum(lengths[i] for i in ids[1:].tolist()))
+    how = (
+        f"pieces of {args.window} tokens, state carried"
+        if args.carried_state
+        else f"windows of {args.window} tokens, stride {args.stride or args.window}"
+    )
+    print(f"{directory} on {args.text} ({tokenizer.source}): {m['tokens']} tokens scored, {m['bytes']} bytes; {how}")
+    print(f"  perplexity {m['perplexity']:.4f} ({m['nats_per_token']:.4f} nats per token)")
+    print(f"  bits per byte {m['bits_per_byte']:.4f}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "text_eval.json").write_text(json.dumps({**m, "text": str(args.text)}, indent=2) + "\n")
     return 0
 
 

@@ -1,48 +1,127 @@
-"""Sample text from a trained byte-level `text` run.
+"""Text in, text out: continue prompts with a pretrained model or a run of scripts/train.py.
 
-python scripts/generate.py RUN_DIR --prompt "def main(" --max-new-tokens 200 --temperature 0.8
+    python scripts/generate.py state-spaces/mamba-130m-hf --prompt "Mamba is"
+    python scripts/generate.py path/to/model_dir --prompt "a" --prompt "another" --temperature 0
+    python scripts/generate.py runs/RUN_DIR --prompt "def main(" --max-new-tokens 200
+
+NAME_OR_DIR: a model directory (mamba-ssm's or transformers' layout, sharded or not), a Hugging
+Face hub repo id (huggingface_hub; with HF_HUB_OFFLINE=1 from the local cache only), or a
+training run (its model/). The tokenizer: --tokenizer (a tokenizer.json, its directory, a hub
+repo id, or "bytes"), else the tokenizer.json beside the weights, else bytes for a model of 256
+ids (this library's byte-level runs). One prompt streams its continuation token by token as it
+is decoded; several are generated together as one batch (left padding, an attention mask) and
+printed when done. A sequence ends at the tokenizer's eos token. The last line, on stderr, gives
+tokens per second.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-import torch
+import time
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--prompt", default="import ")
+    parser.add_argument("name_or_dir", help="model directory, hub repo id, or training run directory")
+    parser.add_argument("--prompt", action="append", default=None, help="repeat for a batch (default: 'import ')")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json, its directory, a hub repo id, or 'bytes'")
     parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the checkpoint's)")
+    parser.add_argument("--no-stream", action="store_true", help="print the text when done, not token by token")
+    parser.add_argument("--show-ids", action="store_true", help="also print each row's new token ids")
     args = parser.parse_args(argv)
-
-    from ssm.training.evaluate import load_run
-
-    config, model = load_run(args.run_dir, device=args.device)
-    if config.data.task != "text":
-        parser.error(f"{args.run_dir} trained the {config.data.task!r} task; generate.py samples from 'text' runs")
-    prompt = args.prompt.encode("utf-8")
-    if not prompt:
+    prompts = args.prompt or ["import "]
+    if any(not p for p in prompts):
         parser.error("--prompt must not be empty")
-    ids = torch.tensor([list(prompt)], device=args.device)
+    if args.max_new_tokens < 0:
+        parser.error("--max-new-tokens must be >= 0")
+
+    import torch
+
+    from ssm.models.hub import load_model_and_tokenizer
+    from ssm.models.tokenizer import TextStream
+
+    started = time.perf_counter()
+    model, tokenizer, directory = load_model_and_tokenizer(
+        args.name_or_dir, args.tokenizer, device=args.device, dtype=args.dtype
+    )
+    encoded = [tokenizer.encode(p) for p in prompts]
+    if any(not ids for ids in encoded):
+        parser.error("every --prompt must encode to at least one token")
+    input_ids, attention_mask = left_pad(encoded, tokenizer, args.device)
+    L = input_ids.shape[1]
+
+    stream = len(prompts) == 1 and not args.no_stream
+    text_stream = TextStream(tokenizer)
+    first_token_at = []
+
+    def on_token(next_ids):
+        if not first_token_at:
+            first_token_at.append(time.perf_counter())
+        if stream and not (tokenizer.eos_token_id is not None and int(next_ids[0]) == tokenizer.eos_token_id):
+            print(text_stream.push(int(next_ids[0])), end="", flush=True)
+
+    if stream:
+        print(prompts[0], end="", flush=True)
+    decode_started = time.perf_counter()
     out = model.generate(
-        ids,
+        input_ids,
         args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        eos_token_id=tokenizer.eos_token_id,
         generator=torch.Generator(args.device).manual_seed(args.seed),
+        attention_mask=attention_mask,
+        on_token=on_token,
     )
-    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
+    finished = time.perf_counter()
+    new = [continuation(row[L:].tolist(), tokenizer.eos_token_id) for row in out]
+    if stream:
+        print(text_stream.finish())
+    else:
+        for i, (prompt, ids) in enumerate(zip(prompts, new)):
+            if len(prompts) > 1:
+                print(f"--- [{i}]")
+            print(prompt + tokenizer.decode(ids))
+    if args.show_ids:
+        for i, ids in enumerate(new):
+            print(f"ids[{i}]: {' '.join(map(str, ids))}")
+    count = sum(len(ids) for ids in new)
+    steps, seconds = out.shape[1] - L, finished - decode_started  # every row runs every step
+    to_first = (first_token_at[0] if first_token_at else finished) - started
+    print(
+        f"{count} new token(s), {steps} step(s) x batch {len(prompts)} in {seconds:.2f} s: "
+        f"{steps * len(prompts) / max(seconds, 1e-9):.1f} tokens/s "
+        f"(first token {to_first:.2f} s after start, loading {directory} included)",
+        file=sys.stderr,
+    )
     return 0
+
+
+def left_pad(encoded: list[list[int]], tokenizer, device):
+    """input_ids (batch, L) with each prompt at the right end, and attention_mask (batch, L): 1
+    for a token, 0 for padding; None when the prompts have one length."""
+    import torch
+
+    L = max(len(ids) for ids in encoded)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    input_ids = torch.tensor([[pad] * (L - len(ids)) + ids for ids in encoded], device=device)
+    if all(len(ids) == L for ids in encoded):
+        return input_ids, None
+    mask = torch.tensor([[0] * (L - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
+    return input_ids, mask
+
+
+def continuation(ids: list[int], eos: int | None) -> list[int]:
+    """The new ids up to (not including) the first eos."""
+    return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
 
 
 if __name__ == "__main__":

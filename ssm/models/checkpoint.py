@@ -2,10 +2,12 @@
 
 mamba-ssm:     config.json = MambaConfig fields; pytorch_model.bin; keys backbone.embedding.weight, ...
 transformers:  config.json = hidden_size, state_size, num_hidden_layers, ... with model_type "mamba"
-               (Mamba-1) or "mamba2"; model.safetensors or pytorch_model.bin; keys
+               (Mamba-1) or "mamba2"; model.safetensors or pytorch_model.bin, or either split in
+               shards listed by model.safetensors.index.json / pytorch_model.bin.index.json; keys
                backbone.embeddings.weight, ...; lm_head.weight may be absent when tied.
-Nothing here touches the network, and nothing read from a file runs code: model.safetensors holds
-only tensors, and pytorch_model.bin is unpickled with torch's weights-only unpickler.
+Nothing here touches the network (hub.py turns a hub repo id into a local directory first), and
+nothing read from a file runs code: safetensors files hold only tensors, and pytorch_model.bin
+files are unpickled with torch's weights-only unpickler.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import pickle
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import MambaConfig
 
 CONFIG, BIN, SAFETENSORS = "config.json", "pytorch_model.bin", "model.safetensors"
+INDEX_SUFFIX = ".index.json"  # model.safetensors.index.json, pytorch_model.bin.index.json
 
 
 def save_pretrained(model, directory, safe_serialization: bool = False) -> None:
@@ -37,8 +40,11 @@ def save_pretrained(model, directory, safe_serialization: bool = False) -> None:
         torch.save(state, directory / BIN)
 
 
-def from_pretrained(cls, directory, *, device=None, dtype=None, backend="auto"):
-    directory = Path(directory)
+def from_pretrained(cls, name_or_path, *, device=None, dtype=None, backend="auto", revision=None):
+    from .hub import resolve_model_dir
+
+    dtype = parse_dtype(dtype)
+    directory = resolve_model_dir(name_or_path, revision=revision)
     config_path = directory / CONFIG
     if not config_path.is_file():
         raise FileNotFoundError(f"no {CONFIG} in {directory} (from_pretrained reads a local directory)")
@@ -60,6 +66,23 @@ def from_pretrained(cls, directory, *, device=None, dtype=None, backend="auto"):
     model = cls(config, backend=backend, device="meta")
     load_state_dict_strict(model, state)
     return model.to(device=device, dtype=dtype)
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def parse_dtype(dtype):
+    """None or "auto" (keep the checkpoint's dtype), a torch floating dtype, or its name."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be None, 'auto', a torch dtype or one of {list(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[name]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be None, 'auto', a floating torch dtype or its name, got {dtype!r}")
+    return dtype
 
 
 # transformers writes the floats JSON lacks (its time_step_limit's upper end) as {"__float__": tag}.
@@ -88,16 +111,32 @@ def read_config(path: Path) -> dict:
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The state dict of model.safetensors, else of pytorch_model.bin (tensors only: a pickle
-    that would build any other object, code included, is refused before it runs)."""
-    if (directory / SAFETENSORS).is_file():
-        path = directory / SAFETENSORS
+    """The state dict of model.safetensors, else of the shards model.safetensors.index.json
+    lists, else of pytorch_model.bin, else of pytorch_model.bin.index.json's shards (tensors
+    only: a pickle that would build any other object, code included, is refused before it runs)."""
+    for name in (SAFETENSORS, SAFETENSORS + INDEX_SUFFIX, BIN, BIN + INDEX_SUFFIX):
+        path = directory / name
+        if path.is_file():
+            return read_sharded(path) if name.endswith(INDEX_SUFFIX) else read_weight_file(path)
+    raise FileNotFoundError(
+        f"no weights in {directory}: expected {SAFETENSORS}, {BIN} or a sharded checkpoint's index "
+        f"({SAFETENSORS + INDEX_SUFFIX}, {BIN + INDEX_SUFFIX})"
+    )
+
+
+def read_weight_file(path: Path, keys=None) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file (by its suffix) or torch pickle, all or only ``keys``."""
+    if path.suffix == ".safetensors":
         try:
-            state = load_file(path)
+            if keys is None:
+                state = load_file(path)
+            else:
+                with safe_open(path, "pt") as f:
+                    stored = set(f.keys())
+                    state = {k: f.get_tensor(k) for k in keys if k in stored}
         except SafetensorError as err:
             raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
-    elif (directory / BIN).is_file():
-        path = directory / BIN
+    else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
@@ -105,13 +144,71 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
                 f"{path} holds pickled objects other than tensors, which could run code when loaded; "
                 f"refusing it. Load only files you trust, and convert them to {SAFETENSORS}. ({err})"
             ) from err
-    else:
-        raise FileNotFoundError(f"no weights in {directory}: expected {SAFETENSORS} or {BIN}")
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):
         raise ValueError(f"{path} must hold a dict of named tensors (a state dict), got {type(state).__name__}")
     return state
+
+
+def _pairs_refusing_duplicates(path: Path):
+    def hook(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"{path} names {key!r} twice; each tensor must be listed once")
+            seen.add(key)
+        return dict(pairs)
+
+    return hook
+
+
+def read_sharded(index_path: Path) -> dict[str, torch.Tensor]:
+    """The state dict of a sharded checkpoint: ``index_path`` holds {"weight_map": {tensor name:
+    shard file name}}, as transformers writes it; each shard is a file beside the index. Every
+    listed tensor must be in its shard, and a shard must hold no tensor the index does not give it."""
+    try:
+        raw = json.loads(index_path.read_text(), object_pairs_hook=_pairs_refusing_duplicates(index_path))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{index_path} is not valid JSON: {err}") from err
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index_path} must hold a non-empty 'weight_map' of tensor name -> shard file name")
+    shards: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        shards.setdefault(shard, []).append(key)
+    state: dict[str, torch.Tensor] = {}
+    for shard, keys in shards.items():
+        # a file name beside the index, never a path elsewhere (the index is untrusted input)
+        if Path(shard).name != shard or shard in (".", ".."):
+            raise ValueError(f"{index_path} lists shard {shard!r}; expected a file name in {index_path.parent}")
+        path = index_path.parent / shard
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"shard {shard} listed in {index_path} is missing (it holds {len(keys)} tensor(s), e.g. {keys[0]!r})"
+            )
+        if shard.endswith(".safetensors"):
+            with safe_open_checked(path) as f:
+                stored = set(f.keys())
+        else:
+            stored = None  # a pickle is read whole
+        part = read_weight_file(path, keys if stored is not None else None)
+        stored = set(part) if stored is None else stored
+        absent = [k for k in keys if k not in stored]
+        if absent:
+            raise ValueError(f"{index_path} puts {absent} in {shard}, which does not hold them")
+        extra = sorted(stored - set(keys))
+        if extra:
+            raise ValueError(f"{shard} holds {extra}, which {index_path} does not list in it")
+        state.update({k: part[k] for k in keys})
+    return state
+
+
+def safe_open_checked(path: Path):
+    try:
+        return safe_open(path, "pt")
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
 
 
 def load_state_dict_strict(model, state: dict) -> None:

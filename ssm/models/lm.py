@@ -311,6 +311,7 @@ class MambaLM(nn.Module):
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
         attention_mask: torch.Tensor | None = None,
+        on_token=None,
     ) -> torch.Tensor:
         """Continue each prompt of ``input_ids`` (batch, L ≥ 1) by up to ``max_new_tokens``
         tokens: one prefill, then one cached step per token.
@@ -328,7 +329,8 @@ class MambaLM(nn.Module):
         ``top_p`` when given. A sequence that emits ``eos_token_id`` stops; its later positions
         hold ``eos_token_id``, and generation ends when all have stopped.
         Returns (batch, L + new) token ids, prompt included (padding too), like transformers'
-        ``generate``.
+        ``generate``. ``on_token``: called with each new column of ids (batch,) as soon as it is
+        drawn, before the next step runs (to stream text as it is decoded).
         """
         self._check_ids(input_ids, 2, "(batch, L)", attention_mask)
         if input_ids.shape[1] == 0:
@@ -358,6 +360,8 @@ class MambaLM(nn.Module):
                 next_ids = next_ids.masked_fill(done, eos_token_id)
                 done |= next_ids == eos_token_id
             tokens.append(next_ids[:, None])
+            if on_token is not None:
+                on_token(next_ids)
             if i + 1 == max_new_tokens or bool(done.all()):
                 break
             logits = step(next_ids)
@@ -386,14 +390,21 @@ class MambaLM(nn.Module):
         save_pretrained(self, save_directory, safe_serialization)
 
     @classmethod
-    def from_pretrained(cls, directory, *, device=None, dtype=None, backend: str = "auto") -> MambaLM:
+    def from_pretrained(
+        cls, name_or_path, *, dtype=None, device=None, backend: str = "auto", revision: str | None = None
+    ) -> MambaLM:
         """Load a model from a local directory in mamba-ssm's format (config.json with
         MambaConfig fields) or transformers' (config.json with hidden_size, num_hidden_layers,
-        ...; model_type "mamba" or "mamba2"), weights in model.safetensors or pytorch_model.bin.
-        Never touches the network."""
+        ...; model_type "mamba" or "mamba2"), weights in model.safetensors or pytorch_model.bin
+        or shards of either listed by model.safetensors.index.json / pytorch_model.bin.index.json.
+
+        ``name_or_path`` that is not a directory is taken as a Hugging Face hub repo id
+        (``state-spaces/mamba-130m-hf``, at ``revision``), fetched or read from the hub cache by
+        huggingface_hub (``pip install "ssm-scan[hub]"``); with HF_HUB_OFFLINE=1 only the cache
+        is read. ``dtype``: None or "auto" keeps the checkpoint's, else a torch dtype or its name."""
         from .checkpoint import from_pretrained
 
-        return from_pretrained(cls, directory, device=device, dtype=dtype, backend=backend)
+        return from_pretrained(cls, name_or_path, device=device, dtype=dtype, backend=backend, revision=revision)
 
 
 def _check_left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,11 @@ class DataSection:
     # corpus, one seq_len segment per step, and the model carries every layer's state (SSM state
     # and conv window) from one step to the next, detached. One device (trainer.devices=1).
     stateful: bool = False
+    # text: what a token is. bytes (vocabulary 256); a path to a tokenizer.json (the tokenizers
+    # library's format, as pretrained models ship it); or bpe:SIZE, a byte-level BPE of SIZE ids
+    # trained on the training split at the start of the run. The run saves it beside the weights
+    # (model/tokenizer.json), where generate.py and evaluate.py find it.
+    tokenizer: str = "bytes"
     num_workers: int = 0  # DataLoader workers
 
 

@@ -97,8 +97,8 @@ class InductionHeads(Dataset):
 
 
 class ByteText(Dataset):
-    """Byte-level language modelling: windows of L + 1 bytes from a corpus, at offsets drawn
-    from (seed, split, index). Every position is scored.
+    """Language modelling: windows of L + 1 tokens (bytes, or a tokenizer's ids) from a corpus,
+    at offsets drawn from (seed, split, index). Every position is scored.
 
     ``doc_starts`` (the offset of each document in ``data``, 0 first): examples become
     (inputs, targets, resets) with resets[i] True where a document starts at input i, and the
@@ -118,11 +118,12 @@ class ByteText(Dataset):
         size: int,
         doc_starts: torch.Tensor | None = None,
         streams: int | None = None,
+        vocab_size: int = 256,
     ):
         if data.numel() < seq_len + 1:
-            raise ValueError(f"the {split} text has {data.numel()} bytes, fewer than data.seq_len + 1 = {seq_len + 1}")
+            raise ValueError(f"the {split} text has {data.numel()} tokens, fewer than data.seq_len + 1 = {seq_len + 1}")
         self.data, self.L, self.seed, self.split, self.size = data, seq_len, seed, split, size
-        self.vocab_size = 256
+        self.vocab_size = vocab_size
         self.starts = None
         if doc_starts is not None:
             self.starts = torch.zeros(data.numel(), dtype=torch.bool)
@@ -180,6 +181,41 @@ def read_bytes(paths: list[str]) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"\n\n".join(Path(p).read_bytes() for p in paths)), dtype=torch.uint8)
 
 
+def make_tokenizer(spec: str, train_files: list[str]):
+    """data.tokenizer as a tokenizer (ssm.models.tokenizer), or None for bytes."""
+    from ..models.tokenizer import read_tokenizer_json, train_bpe
+
+    if spec == "bytes":
+        return None
+    if spec.startswith("bpe:"):
+        size = spec[4:]
+        if not size.isdigit() or int(size) < 257:
+            raise ValueError(f"data.tokenizer {spec!r}: bpe:SIZE needs an integer SIZE >= 257 (256 bytes and eos)")
+        return train_bpe((read_text(p) for p in train_files), int(size))
+    if not Path(spec).exists():
+        raise ValueError(f"data.tokenizer must be 'bytes', 'bpe:SIZE' or a path to a tokenizer.json; {spec!r} is none")
+    return read_tokenizer_json(spec)
+
+
+def read_text(path: str) -> str:
+    return Path(path).read_bytes().decode("utf-8", errors="replace")
+
+
+def read_tokens(paths: list[str], tokenizer, documents: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The files' token ids end to end, as read_documents (``documents``) or read_bytes lay out
+    their bytes: each file encoded on its own, joined by the ids of a blank line when the files
+    are one stream, with the offset where each document starts when they are documents."""
+    texts = [t for t in (read_text(p) for p in paths) if t or not documents]
+    encoded = [tokenizer.encode(t) for t in texts]
+    if not documents:
+        separator = tokenizer.encode("\n\n")
+        joined = [i for k, ids in enumerate(encoded) for i in (separator if k else []) + ids]
+        return torch.tensor(joined, dtype=torch.int32), None
+    lengths = torch.tensor([len(ids) for ids in encoded], dtype=torch.long)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.tensor([i for ids in encoded for i in ids], dtype=torch.int32), starts
+
+
 def read_documents(paths: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """The files end to end, each a document, and the offset where each starts (empty files
     are skipped)."""
@@ -223,8 +259,11 @@ class TaskDataModule(pl.LightningDataModule):
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(config, name)}")
         if config.stateful and config.task != "text":
             raise ValueError(f"data.stateful needs data.task: text (streams of a corpus), got {config.task!r}")
+        if config.tokenizer != "bytes" and config.task != "text":
+            raise ValueError(f"data.tokenizer applies to data.task: text, got task {config.task!r}")
         self.config, self.seed = config, seed
         self.text = None
+        self.tokenizer = None  # None: bytes
         if config.task == "text":
             paths = (
                 sorted({p for pattern in config.paths for p in glob.glob(pattern, recursive=True)})
@@ -234,6 +273,7 @@ class TaskDataModule(pl.LightningDataModule):
             if not paths:
                 raise ValueError(f"data.paths {config.paths} match no files")
             self.train_files, self.val_files = split_files(paths, config.val_fraction)
+            self.tokenizer = make_tokenizer(config.tokenizer, self.train_files)
         self.vocab_size = self.dataset("val", 1).vocab_size
 
     def dataset(self, split: str, size: int, seq_len: int | None = None, streams: int | None = None) -> Dataset:
@@ -243,13 +283,28 @@ class TaskDataModule(pl.LightningDataModule):
             return SelectiveCopying(L, c.num_tokens, c.num_memorize, self.seed, split, size)
         if c.task == "induction_heads":
             return InductionHeads(L, c.num_tokens, self.seed, split, size, c.short_gap_prob)
+        if self.text is None and self.tokenizer is not None:
+            self.text = {
+                split: read_tokens(files, self.tokenizer, c.pack_documents)
+                for split, files in (("train", self.train_files), ("val", self.val_files))
+            }
         if self.text is None:
             if c.pack_documents:
                 self.text = {"train": read_documents(self.train_files), "val": read_documents(self.val_files)}
             else:
                 self.text = {"train": (read_bytes(self.train_files), None), "val": (read_bytes(self.val_files), None)}
         data, doc_starts = self.text[split]
-        return ByteText(data, L, self.seed, split, size, doc_starts=doc_starts, streams=streams)
+        vocab_size = 256 if self.tokenizer is None else self.tokenizer.vocab_size
+        return ByteText(data, L, self.seed, split, size, doc_starts=doc_starts, streams=streams, vocab_size=vocab_size)
+
+    def token_bytes(self) -> torch.Tensor | None:
+        """(vocab_size,) the bytes of text each token id stands for (text runs; None otherwise):
+        what turns a loss per token into bits per byte."""
+        if self.config.task != "text":
+            return None
+        if self.tokenizer is None:
+            return torch.ones(256, dtype=torch.long)
+        return torch.tensor(self.tokenizer.token_byte_lengths(), dtype=torch.long)
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer

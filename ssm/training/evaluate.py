@@ -26,17 +26,22 @@ def load_run(run_dir: str | Path, device=None) -> tuple[TrainConfig, MambaLM]:
 
 @torch.no_grad()
 def evaluate(model: MambaLM, data: TaskDataModule, seq_len: int | None = None) -> dict:
-    """val/loss (nats per scored token), val/bpb and val/acc (per scored token) on the
-    validation examples of ``data`` at ``seq_len`` (default: the trained length)."""
+    """val/loss (nats per scored token), val/bpb (bits per byte of text for the text task, per
+    token otherwise) and val/acc (per scored token) on the validation examples of ``data`` at
+    ``seq_len`` (default: the trained length)."""
     device = next(model.parameters()).device
-    total_loss, correct, count = 0.0, 0, 0
+    token_bytes = data.token_bytes()
+    total_loss, correct, count, text_bytes = 0.0, 0, 0, 0
     for batch in data.val_dataloader(seq_len):
         inputs, targets, *resets = (t.to(device) for t in batch)  # resets: packed documents
         logits, _ = forward_rows(model, inputs, resets[0] if resets else None)
         loss_sum, n_correct, n = scored_token_metrics(logits, targets)
         total_loss, correct, count = total_loss + float(loss_sum), correct + int(n_correct), count + n
+        if token_bytes is not None:
+            text_bytes += int(token_bytes[targets[targets != IGNORE].cpu()].sum())
     loss = total_loss / max(count, 1)
-    return {"val/loss": loss, "val/bpb": loss / math.log(2), "val/acc": correct / max(count, 1)}
+    bpb = loss / math.log(2) if token_bytes is None else total_loss / math.log(2) / max(text_bytes, 1)
+    return {"val/loss": loss, "val/bpb": bpb, "val/acc": correct / max(count, 1)}
 
 
 def peak_rss_reset() -> bool:
@@ -145,7 +150,7 @@ def evaluate_carried_state(
     rows = rows or data.config.batch_size
     streams = data.dataset("val", rows * segments, seq_len, streams=rows)
     nats = {"carried": 0.0, "fresh": 0.0}
-    count = 0
+    token_bytes, count = data.token_bytes(), 0
     state = model.allocate_inference_cache(rows, device=device)
     for k in range(segments):
         examples = [streams[k * rows + r] for r in range(rows)]
@@ -156,7 +161,7 @@ def evaluate_carried_state(
         for name, logits in (("carried", carried), ("fresh", fresh)):
             loss_sum, _, n = scored_token_metrics(logits, targets)
             nats[name] += float(loss_sum)
-        count += n
+        count += int(token_bytes[targets[targets != IGNORE].cpu()].sum())  # bytes of text scored
     return {
         "bpb_carried": nats["carried"] / max(count, 1) / math.log(2),
         "bpb_fresh": nats["fresh"] / max(count, 1) / math.log(2),

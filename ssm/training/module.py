@@ -97,7 +97,8 @@ class LanguageModelTask(pl.LightningModule):
     """Next-token cross-entropy on the positions the task scores (targets != -100).
 
     Logs train/loss, train/acc, train/tokens_per_s, lr, and val/loss, val/acc (per-token accuracy
-    on the scored positions), plus val/bpb (bits per token, i.e. per byte for byte-level text).
+    on the scored positions), plus val/bpb: bits per byte of text with ``token_bytes`` (V,), the
+    bytes each token id stands for (a text run's tokenizer), else bits per token.
 
     Batches are (inputs, targets) or, with packed documents, (inputs, targets, resets).
     ``stateful``: each training batch's rows continue those of the step before (data.stateful),
@@ -106,7 +107,14 @@ class LanguageModelTask(pl.LightningModule):
     that a resumed run continues exactly. Validation always starts from a zero state.
     """
 
-    def __init__(self, model: MambaLM, optim: OptimSection, max_steps: int, stateful: bool = False):
+    def __init__(
+        self,
+        model: MambaLM,
+        optim: OptimSection,
+        max_steps: int,
+        stateful: bool = False,
+        token_bytes: torch.Tensor | None = None,
+    ):
         super().__init__()
         if stateful and model.config.attn_layer_idx:
             raise ValueError(
@@ -115,6 +123,7 @@ class LanguageModelTask(pl.LightningModule):
                 f"(model.attn_layer_idx = {model.config.attn_layer_idx}) with data.stateful=false"
             )
         self.model, self.optim, self.max_steps, self.stateful = model, optim, max_steps, stateful
+        self.token_bytes = token_bytes  # (V,) bytes per token id (text): val/bpb per byte, not per token
         self._last_batch_end = None
         self.carried: dict[int, InferenceCache] = {}  # micro-batch slot -> state after its last rows
 
@@ -157,7 +166,12 @@ class LanguageModelTask(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         loss, acc, n = self._loss_and_accuracy(batch)
         self.log("val/loss", loss, batch_size=n, sync_dist=True, prog_bar=True)
-        self.log("val/bpb", loss / math.log(2), batch_size=n, sync_dist=True)
+        if self.token_bytes is None:  # bits per token
+            self.log("val/bpb", loss / math.log(2), batch_size=n, sync_dist=True)
+        else:  # summed over the batches, divided by their bytes
+            targets = batch[1]
+            text_bytes = int(self.token_bytes.to(targets.device)[targets[targets != IGNORE]].sum())
+            self.log("val/bpb", loss * n / math.log(2) / max(text_bytes, 1), batch_size=text_bytes, sync_dist=True)
         self.log("val/acc", acc, batch_size=n, sync_dist=True, prog_bar=True)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

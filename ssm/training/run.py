@@ -148,7 +148,9 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     data = TaskDataModule(config.data, seed=config.seed)
     model = build_model(config, data.vocab_size)
     try:
-        module = LanguageModelTask(model, config.optim, config.trainer.max_steps, stateful=config.data.stateful)
+        module = LanguageModelTask(
+            model, config.optim, config.trainer.max_steps, stateful=config.data.stateful, token_bytes=data.token_bytes()
+        )
     except ValueError as err:  # a combination the module cannot train (a stateful hybrid)
         raise ConfigError(str(err)) from err
     kwargs = trainer_kwargs(config)
@@ -230,6 +232,8 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         model.save_pretrained(run_dir / "model")
+        if data.tokenizer is not None:  # beside the weights, where generate.py and evaluate.py look
+            data.tokenizer.save(run_dir / "model")
         plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
         shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in ("val/loss", "val/acc", "val/bpb") if k in metrics)
         print(f"done: step {trainer.global_step}  {shown}  ({metrics['wall_s']:.0f} s)")
