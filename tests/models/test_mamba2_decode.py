@@ -30,9 +30,9 @@ def model_of(kind: str, dtype=torch.float32) -> MambaLM:
         pytest.fail("the cpu kernels did not build: the fused Mamba-2 step is untested")
     torch.manual_seed(0)
     model = MambaLM(MambaConfig(d_model=32, n_layer=3, vocab_size=45, **CONFIGS[kind])).to(dtype).eval()
-    with torch.no_grad():  # non-zero biases and norm weights, so that a dropped one shows
+    with torch.no_grad():  # biases, norm weights and D off their initial 0 / 1, so that a dropped one shows
         for name, p in model.named_parameters():
-            if name.endswith(("bias", "norm.weight", "norm2.weight", "norm_f.weight")):
+            if name.endswith(("bias", ".D", "norm.weight", "norm2.weight", "norm_f.weight")):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
     return model
 
