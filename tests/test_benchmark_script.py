@@ -249,3 +249,18 @@ def test_the_compiled_step_loop_row_computes_the_selective_scan(tmp_path):
     rows = {row["name"]: row for row in json.loads(path.read_text())["results"]}
     loop = rows["step loop (torch.compile)"]
     assert loop["max_abs_diff"]["ref"] < 1e-5 and loop["max_grad_rel_diff"]["ref"] < 1e-4
+
+
+def test_decode_mode_runs_mamba2_against_transformers_mamba2(tmp_path):
+    """--mixer mamba2: ssm's Mamba-2 LM (the fused C step) holding transformers'
+    Mamba2ForCausalLM's weights decodes its greedy tokens (when transformers is installed)."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "d2.json"
+    args = ["--op", "decode", "--mixer", "mamba2", "--d-model", "16", "--layers", "2", "--vocab", "50"]
+    args += ["--new-tokens", "6", "--prompt-length", "3", "--decode-batches", "1,2", "--device", "cpu"]
+    assert main([*args, "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["config"]["mixer"] == "mamba2"
+    for r in report["results"]:
+        assert r["tokens_per_s"]["ssm"] > 0
+        assert r["same_tokens"] is (True if "transformers" in r["tokens_per_s"] else None)

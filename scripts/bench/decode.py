@@ -1,13 +1,15 @@
 """--op decode: greedy decoding throughput of a language model at a real size (mamba-130m's by
 default: d_model 768, 24 layers, vocabulary 50280, float32), ssm against transformers'
-MambaForCausalLM holding the same weights, at each of ``--decode-batches``, beside the rate at
-which torch reads as many bytes as the weights hold. The tokens must be the same, or part only at
+MambaForCausalLM (``--mixer mamba2``: Mamba2ForCausalLM at mamba2-130m's shapes) holding the
+same weights, at each of ``--decode-batches``, beside the rate at which torch reads as many bytes
+as the weights hold. The tokens must be the same, or part only at
 a tie: where the float64 model finds the two tokens' logits closer than ``TIE`` (exit status 1
 otherwise)."""
 
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 
@@ -27,6 +29,12 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("--op decode (also --d-model, --layers, --new-tokens, --prompt-length)")
     group.add_argument("--vocab", type=int, default=50280, help="vocabulary size (mamba-130m's by default)")
     group.add_argument("--decode-batches", type=comma_ints, default=[1, 8], help="batch sizes to decode")
+    group.add_argument(
+        "--mixer",
+        choices=("mamba1", "mamba2"),
+        default="mamba1",
+        help="the layers: Mamba-1 (N 16) or Mamba-2 (N 128, head dim 64, one group)",
+    )
 
 
 def check(args, parser) -> None:
@@ -39,15 +47,19 @@ def check(args, parser) -> None:
 
 def run(args) -> tuple[int, dict]:
     device = torch.device(args.device)
-    hf_model = None if args.no_peer else peers.transformers_mamba(args, device, vocab_size=args.vocab)
+    peer = peers.transformers_mamba2 if args.mixer == "mamba2" else peers.transformers_mamba
+    hf_model = None if args.no_peer else peer(args, device, vocab_size=args.vocab)
     if hf_model is not None:
         hf_model.eval()
         hf_model.generation_config.eos_token_id = None  # every row decodes --new-tokens tokens
         hf_model.generation_config.pad_token_id = 0
-    model = peers.ssm_lm(args, hf_model, device, vocab_size=args.vocab).eval()
+    ssm_cfg = None
+    if args.mixer == "mamba2":
+        ssm_cfg = {"layer": "Mamba2", "d_state": 128, "headdim": math.gcd(2 * args.d_model, 64)}
+    model = peers.ssm_lm(args, hf_model, device, vocab_size=args.vocab, ssm_cfg=ssm_cfg).eval()
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"greedy decoding, MambaLM d_model={args.d_model} n_layer={args.layers} vocab={args.vocab} "
+        f"greedy decoding, MambaLM ({args.mixer}) d_model={args.d_model} n_layer={args.layers} vocab={args.vocab} "
         f"({params / 1e6:.1f} M parameters, {4 * params / 1e6:.0f} MB in float32), {describe_device(device)}; "
         f"{args.new_tokens} new tokens after a {args.prompt_length}-token prompt"
     )
@@ -158,7 +170,7 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         f"{1 / result['weight_read_s']:.1f} tokens/s at batch 1 if a token cost only its weight reads."
     )
     title = (
-        f"decoding: MambaLM d_model {c['d_model']}, {c['layers']} layers, vocabulary {c['vocab']} "
-        f"({result['parameters'] / 1e6:.0f} M parameters), {c['device']}"
+        f"decoding: MambaLM ({c.get('mixer', 'mamba1')}) d_model {c['d_model']}, {c['layers']} layers, "
+        f"vocabulary {c['vocab']} ({result['parameters'] / 1e6:.0f} M parameters), {c['device']}"
     )
     return "decode", title, body

@@ -1,10 +1,11 @@
 """The peers the benchmark compares against, each loaded only when importable (None or nothing
 otherwise): mambapy's parallel scan and its Mamba stack, mamba-ssm's CUDA selective scan,
-transformers' MambaForCausalLM and Mamba2Mixer; and ssm's MambaLM built on a peer's weights."""
+transformers' MambaForCausalLM, Mamba2ForCausalLM and Mamba2Mixer; and ssm's MambaLM built on a peer's weights."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -92,6 +93,33 @@ def transformers_mamba(args, device, vocab_size: int = 256):
     )
     torch.manual_seed(args.seed)
     return MambaForCausalLM(config).to(device).float().train()
+
+
+def transformers_mamba2(args, device, vocab_size: int = 256):
+    """transformers' Mamba2ForCausalLM with fresh weights at the benchmark's sizes (mamba2-130m's
+    shapes at d_model 768: N 128, head dim 64, one group), or None."""
+    try:
+        from transformers import Mamba2Config, Mamba2ForCausalLM
+    except ImportError:
+        return None
+    head_dim = math.gcd(2 * args.d_model, 64)
+    config = Mamba2Config(
+        vocab_size=vocab_size,
+        hidden_size=args.d_model,
+        state_size=128,
+        head_dim=head_dim,
+        num_heads=2 * args.d_model // head_dim,
+        expand=2,
+        n_groups=1,
+        conv_kernel=4,
+        num_hidden_layers=args.layers,
+        use_bias=False,
+        use_conv_bias=True,
+        tie_word_embeddings=True,
+        layer_norm_epsilon=1e-5,
+    )
+    torch.manual_seed(args.seed)
+    return Mamba2ForCausalLM(config).to(device).float().train()
 
 
 def mambapy_lm(args, hf_state: dict, device):

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import GatedMLPWeights
 from .cache import LayerCache
-from .norm import upcast
+from .norm import RMSNorm, upcast
 
 
 class GatedMLP(nn.Module):
@@ -34,8 +35,8 @@ class Block(nn.Module):
     ``residual_in_fp32``. Submodules: norm, mixer, and optionally norm2, mlp.
 
     ``step_weights(cache)``: what the fused decoding step of this block needs
-    (``ssm.ops.MambaBlockWeights``, see the model's backbone), or None where there is none (an
-    MLP, a mixer without one).
+    (``ssm.ops.MambaBlockWeights`` or ``Mamba2BlockWeights``, see the model's backbone), or None
+    where there is none (a mixer without one, an MLP or norm the step does not run).
     """
 
     def __init__(
@@ -55,9 +56,19 @@ class Block(nn.Module):
         self.residual_in_fp32 = residual_in_fp32
 
     def step_weights(self, cache: LayerCache):
-        if self.mlp is not None or not hasattr(self.mixer, "step_weights"):
+        if not hasattr(self.mixer, "step_weights"):
             return None
-        return self.mixer.step_weights(self.norm, cache)
+        if self.mlp is None:
+            return self.mixer.step_weights(self.norm, cache)
+        if not isinstance(self.mlp, GatedMLP) or not isinstance(self.norm2, RMSNorm):
+            return None
+        mlp = GatedMLPWeights(
+            norm_weight=self.norm2.weight,
+            norm_eps=self.norm2.eps,
+            fc1_weight=self.mlp.fc1.weight,
+            fc2_weight=self.mlp.fc2.weight,
+        )
+        return self.mixer.step_weights(self.norm, cache, mlp=mlp)
 
     def _add(self, hidden, residual):
         residual = hidden if residual is None else hidden + residual

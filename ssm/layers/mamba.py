@@ -159,12 +159,13 @@ class Mamba(nn.Module):
         out = self.out_proj(y)
         return out if hidden_states.ndim == 2 else out[:, None]
 
-    def step_weights(self, norm: nn.Module, cache: LayerCache) -> MambaBlockWeights | None:
+    def step_weights(self, norm: nn.Module, cache: LayerCache, mlp=None) -> MambaBlockWeights | None:
         """What ``ssm.ops.mamba_blocks_step`` needs to run the decoding step of a block around
         this mixer (residual, ``norm``, this mixer's step, which updates ``cache`` in place) in
-        C, or None where it cannot (a norm other than RMSNorm). The model's backbone collects
-        these from every block and steps the whole stack in one call."""
-        if not isinstance(norm, RMSNorm):
+        C, or None where it cannot (a norm other than RMSNorm, a block MLP ``mlp``: the Mamba-1
+        step has none yet). The model's backbone collects these from every block and steps the
+        whole stack in one call."""
+        if not isinstance(norm, RMSNorm) or mlp is not None:
             return None
         return MambaBlockWeights(
             norm_weight=norm.weight,
@@ -177,19 +178,20 @@ class Mamba(nn.Module):
             x_proj_weight=self.x_proj.weight,
             dt_proj_weight=self.dt_proj.weight,
             dt_proj_bias=self.dt_proj.bias,
-            A=self._decay(),
+            A=decoding_A(self),
             D=self.D,
             ssm_state=cache.ssm_state,
             out_proj_weight=self.out_proj.weight,
             out_proj_bias=self.out_proj.bias,
         )
 
-    def _decay(self) -> torch.Tensor:
-        """-exp(A_log), detached, computed again only when A_log changes (decoding reads it once
-        per token and layer)."""
-        key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.dtype)
-        memo = getattr(self, "_decay_memo", None)
-        if memo is None or memo[0] != key:
-            with torch.no_grad():
-                memo = self._decay_memo = (key, -torch.exp(self.A_log))
-        return memo[1]
+
+def decoding_A(mixer: nn.Module) -> torch.Tensor:
+    """-exp(mixer.A_log), detached, computed again only when A_log changes (decoding reads it
+    once per token and layer): the A that a fused decoding step reads."""
+    key = (mixer.A_log._version, mixer.A_log.data_ptr(), mixer.A_log.dtype)
+    memo = getattr(mixer, "_decay_memo", None)
+    if memo is None or memo[0] != key:
+        with torch.no_grad():
+            memo = mixer._decay_memo = (key, -torch.exp(mixer.A_log))
+    return memo[1]

@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ..ops import causal_conv1d_silu, causal_conv1d_step
+from ..ops import GatedMLPWeights, Mamba2BlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import ssd, ssd_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
-from .mamba import dt_bias_init, no_weight_decay
-from .norm import RMSNormGated, upcast
+from .mamba import decoding_A, dt_bias_init, no_weight_decay
+from .norm import RMSNorm, RMSNormGated, upcast
 
 
 class Mamba2(nn.Module):
@@ -181,3 +181,37 @@ class Mamba2(nn.Module):
         )
         out = self._finish(y.reshape(batch, self.d_ssm), z, z0, x0)
         return out if hidden_states.ndim == 2 else out[:, None]
+
+    def step_weights(
+        self, norm: nn.Module, cache: LayerCache, mlp: GatedMLPWeights | None = None
+    ) -> Mamba2BlockWeights | None:
+        """What ``ssm.ops.mamba_blocks_step`` needs to run the decoding step of a block around
+        this mixer (residual, ``norm``, this mixer's step, which updates ``cache`` in place, then
+        the block's ``mlp`` if any) in C, or None where it cannot (a norm other than RMSNorm).
+        The model's backbone collects these from every block and steps the whole stack in one
+        call."""
+        if not isinstance(norm, RMSNorm):
+            return None
+        gate = self.norm if self.rmsnorm else None
+        return Mamba2BlockWeights(
+            norm_weight=norm.weight,
+            norm_eps=norm.eps,
+            in_proj_weight=self.in_proj.weight,
+            in_proj_bias=self.in_proj.bias,
+            conv_weight=self.conv1d.weight,
+            conv_bias=self.conv1d.bias,
+            conv_state=cache.conv_state,
+            dt_bias=self.dt_bias,
+            A=decoding_A(self),
+            D=self.D,
+            ssm_state=cache.ssm_state,
+            ngroups=self.ngroups,
+            dt_limit=self.dt_limit,
+            gate_norm_weight=None if gate is None else gate.weight,
+            gate_norm_eps=0.0 if gate is None else gate.eps,
+            gate_norm_group=self.d_ssm if gate is None else gate.group_size,
+            norm_before_gate=False if gate is None else gate.norm_before_gate,
+            out_proj_weight=self.out_proj.weight,
+            out_proj_bias=self.out_proj.bias,
+            mlp=mlp,
+        )

@@ -117,8 +117,8 @@ class MambaBackbone(nn.Module):
 
     def fused_step(self, input_ids, cache: InferenceCache, lm_head: nn.Linear):
         """``lm_head(forward(input_ids, cache, step=True))`` in one C call — every block, the final
-        norm and ``lm_head`` — where it applies (Mamba-1 blocks without an MLP, RMSNorms, on the
-        CPU, without gradients: ``ssm.ops.mamba_blocks_step``); else None, and the
+        norm and ``lm_head`` — where it applies (Mamba-1 blocks without an MLP or Mamba-2 blocks,
+        RMSNorms, on the CPU, without gradients: ``ssm.ops.mamba_blocks_step``); else None, and the
         caller steps the blocks one by one. Same numbers either way."""
         if input_ids.ndim != 1:
             return None
@@ -151,6 +151,10 @@ class MambaBackbone(nn.Module):
             return None
         blocks = []
         for layer, layer_cache in zip(self.layers, cache.layers):
+            # a packed prefill leaves the conv state strided; the C step reads it contiguous
+            # (one copy per cache: later calls find it so)
+            if isinstance(layer_cache, LayerCache) and not layer_cache.conv_state.is_contiguous():
+                layer_cache.conv_state = layer_cache.conv_state.contiguous()
             weights = layer.step_weights(layer_cache)
             if weights is None:
                 return None

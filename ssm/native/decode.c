@@ -177,6 +177,20 @@ static void SUF(block_step)(const BlockStepArgs *a) {
         SUF(project_rows)(out_w, out_b, Dn, M, o, Bn, y, Dn, new_hid, M);
 }
 
+/* The final norm and the LM head after the last block, run by every thread of the calling
+   parallel region: res ← hid + res (in place), normed = RMSNorm(res) in the last block's scratch,
+   logits = weight · normed. Shared by the Mamba-1 and Mamba-2 stacks (decode_mamba2.c). */
+static void SUF(head_step)(const HeadArgs *head, i64 Bn, i64 M, const REAL *hid, REAL *res, REAL *normed) {
+#pragma omp for schedule(static)
+    for (i64 b = 0; b < Bn; b++)
+        SUF(add_rms_norm)(hid + b * M, res + b * M, (const REAL *)head->norm_w, head->eps, M, res + b * M,
+                          normed + b * M);
+#pragma omp for schedule(static)
+    for (i64 o = 0; o < head->vocab; o += 4)
+        SUF(project_rows)((const REAL *)head->weight, NULL, M, head->vocab, o, Bn, normed, M, (REAL *)head->logits,
+                          head->vocab);
+}
+
 /* The decoding step of n Mamba-1 blocks in order (layers[l] reads layers[l-1]'s outputs), then
    the LM head when head is not NULL, in one parallel region: one call per token for the whole stack, so the threads stay awake between
    blocks and Python does not run between them (measured: each block's return to Python cost
@@ -187,16 +201,8 @@ void SUF(mamba_blocks_step)(const BlockStepArgs *layers, i64 n, const HeadArgs *
         for (i64 l = 0; l < n; l++) SUF(block_step)(layers + l);
         if (head) { /* the final norm and the LM head, on the last block's outputs and scratch */
             const BlockStepArgs *a = layers + n - 1;
-            const i64 Bn = a->batch, M = a->d_model;
-            REAL *res = (REAL *)a->new_residual, *normed = (REAL *)a->work;
-#pragma omp for schedule(static)
-            for (i64 b = 0; b < Bn; b++)
-                SUF(add_rms_norm)((const REAL *)a->new_hidden + b * M, res + b * M, (const REAL *)head->norm_w,
-                                  head->eps, M, res + b * M, normed + b * M);
-#pragma omp for schedule(static)
-            for (i64 o = 0; o < head->vocab; o += 4)
-                SUF(project_rows)((const REAL *)head->weight, NULL, M, head->vocab, o, Bn, normed, M,
-                                  (REAL *)head->logits, head->vocab);
+            SUF(head_step)(head, a->batch, a->d_model, (const REAL *)a->new_hidden, (REAL *)a->new_residual,
+                           (REAL *)a->work);
         }
     }
 }

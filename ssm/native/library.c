@@ -2,9 +2,9 @@
    loads it through ctypes): plain C11 + OpenMP, no Python or torch headers.
 
    Each family of kernels lives in its own file (selective.c, linear.c, conv.c, norm.c,
-   decode.c) over common.h; this file includes every family twice, REAL = float then double,
-   so that every kernel exists as name_f32 and name_f64. One library keeps start-up to one
-   compile and one load per process. */
+   decode.c, decode_mamba2.c) over common.h; this file includes every family twice, REAL =
+   float then double, so that every kernel exists as name_f32 and name_f64. One library keeps
+   start-up to one compile and one load per process. */
 
 #include "common.h"
 
@@ -18,6 +18,7 @@
 #include "conv.c"
 #include "norm.c"
 #include "decode.c"
+#include "decode_mamba2.c"
 #undef REAL
 #undef SUF
 #undef EXP
@@ -33,10 +34,11 @@
 #include "conv.c"
 #include "norm.c"
 #include "decode.c"
+#include "decode_mamba2.c"
 #undef REAL
 #undef SUF
 #undef EXP
 #undef LOG1P
 
 /* The version of the argument structs (ssm/native/build.py checks it at load). */
-int ssm_kernels_abi(void) { return 7; }
+int ssm_kernels_abi(void) { return 8; }

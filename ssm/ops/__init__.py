@@ -6,9 +6,10 @@ error, never a silent fallback), and a plain reference that every backend is tes
     causal_conv1d(x, weight, bias, ...)        the causal depthwise conv of x (B, D, L)    (conv.py)
     causal_conv1d_step(x, weight, bias, state) its one-token step                          (conv.py)
     rms_norm(x, weight, eps, z=None, ...)      RMSNorm, grouped and gated (Mamba-2)         (norm.py)
-    mamba_blocks_step(hidden, blocks, head)    a stack of Mamba-1 blocks' decoding step and
-                                               the LM head in one C call, or None           (decode.py)
-    MambaBlockWeights, LMHeadWeights           what a layer and a model hand that step      (decode.py)
+    mamba_blocks_step(hidden, blocks, head)    a stack of Mamba-1 or Mamba-2 blocks' decoding
+                                               step and the LM head in one C call, or None  (decode.py)
+    MambaBlockWeights, Mamba2BlockWeights,     what a layer, a block's MLP and a model hand
+    GatedMLPWeights, LMHeadWeights             that step                                    (decode.py)
 
 Backends: "cpu" (C kernels from ssm.native, bound in cpu.py and decode.py) and "torch" (tensor
 code, any device). References: reference.py.
@@ -17,10 +18,17 @@ code, any device). References: reference.py.
 from .._backends import lister
 from .conv import BACKENDS as _CONV
 from .conv import causal_conv1d, causal_conv1d_silu, causal_conv1d_step
-from .decode import LMHeadWeights, MambaBlocksStep, MambaBlockWeights, mamba_blocks_step
+from .decode import (
+    GatedMLPWeights,
+    LMHeadWeights,
+    Mamba2BlockWeights,
+    MambaBlocksStep,
+    MambaBlockWeights,
+    mamba_blocks_step,
+)
 from .norm import BACKENDS as _NORM
 from .norm import rms_norm
-from .reference import causal_conv1d_ref, mamba_blocks_step_ref, rms_norm_ref
+from .reference import causal_conv1d_ref, mamba2_blocks_step_ref, mamba_blocks_step_ref, rms_norm_ref
 
 # backends(op, device=None): the names of the backends of "causal_conv1d_silu" or "rms_norm";
 # with a device, only those that run there ("auto" is always accepted).
@@ -35,9 +43,12 @@ __all__ = [
     "mamba_blocks_step",
     "MambaBlocksStep",
     "MambaBlockWeights",
+    "Mamba2BlockWeights",
+    "GatedMLPWeights",
     "LMHeadWeights",
     "backends",
     "causal_conv1d_ref",
     "rms_norm_ref",
     "mamba_blocks_step_ref",
+    "mamba2_blocks_step_ref",
 ]

@@ -1,18 +1,22 @@
-"""The decoding step of a stack of Mamba-1 blocks, and the LM head, in one C call per token
-(ssm/native/decode.c), for recurrent generation on the CPU.
+"""The decoding step of a stack of Mamba-1 or of Mamba-2 blocks, and the LM head, in one C call
+per token (ssm/native/decode.c, decode_mamba2.c), for recurrent generation on the CPU.
 
-A layer hands its tensors over as a ``MambaBlockWeights`` (and the model its head as
-``LMHeadWeights``): typed, documented fields, so that nothing here knows a module's parameter
-names. ``mamba_blocks_step`` runs one step; ``MambaBlocksStep.prepare`` builds the C arguments
-once for a caller that decodes many tokens with the same tensors (``MambaLM.generate``).
+A layer hands its tensors over as a ``MambaBlockWeights`` or a ``Mamba2BlockWeights`` (with a
+``GatedMLPWeights`` for a block's MLP), and the model its head as ``LMHeadWeights``: typed,
+documented fields, so that nothing here knows a module's parameter names. ``mamba_blocks_step``
+runs one step; ``MambaBlocksStep.prepare`` builds the C arguments once for a caller that decodes
+many tokens with the same tensors (``MambaLM.generate``).
 
 Both return None where the C step does not apply, and the caller steps its layers one by one
 (same numbers): every tensor on the CPU, contiguous, of one dtype (float32 or float64), no
-gradient to keep, not inside torch.compile, the library built. ``mamba_blocks_step_ref``
-(reference.py) computes the same step in plain tensor code.
+gradient to keep, not inside torch.compile, the library built, every block of one kind.
+``mamba_blocks_step_ref`` and ``mamba2_blocks_step_ref`` (reference.py) compute the same steps
+in plain float64 loops.
 
 Shape symbols: B batch, M d_model, D the mixer's channels (d_inner), N state size, R dt_rank,
-K the conv's width, V the vocabulary.
+K the conv's width, V the vocabulary; for Mamba-2, H heads, P head dim, S = H·P (d_ssm),
+G groups, C = S + 2·G·N the conv's channels, Q = d_inner − S (the mixer's MLP branch, usually
+0), E = 2·Q + S + C + H in_proj's rows, F the block MLP's hidden size.
 """
 
 from __future__ import annotations
@@ -56,6 +60,56 @@ class MambaBlockWeights:
 
 
 @dataclass(frozen=True)
+class GatedMLPWeights:
+    """A block's MLP after its mixer: residual ← hidden + residual;
+    (f, g) = fc1 · RMSNorm(residual); hidden = fc2 · (f·SiLU(g))."""
+
+    norm_weight: Tensor  # (M,)
+    norm_eps: float
+    fc1_weight: Tensor  # (2·F, M): f rows then g rows
+    fc2_weight: Tensor  # (M, F)
+
+
+@dataclass(frozen=True)
+class Mamba2BlockWeights:
+    """One Mamba-2 block's decoding step: residual ← hidden + residual (the first block:
+    residual ← hidden); u = RMSNorm(residual); (z0, x0, z, xBC, dt) = in_proj u; the causal
+    conv's step and SiLU on xBC → (x, B, C); per head h (group h // (H/G)):
+    Δ = clamp(softplus(dt + dt_bias), *dt_limit), h ← exp(Δ·A)·h + Δ·B·xᵀ, y = C·h + D·x;
+    y = RMSNorm(y·SiLU(z)) per group of ``gate_norm_group`` channels (or RMSNorm(y)·SiLU(z) with
+    ``norm_before_gate``, or y·SiLU(z) without a gate norm); hidden = out_proj [SiLU(z0)·x0, y];
+    then the block's ``mlp`` if any. Every tensor of one dtype, contiguous; a bias may be None.
+    The two states are updated in place."""
+
+    norm_weight: Tensor  # (M,)
+    norm_eps: float
+    in_proj_weight: Tensor  # (E, M): z0, x0 (Q each), z (S), xBC (C), dt (H) rows
+    in_proj_bias: Tensor | None  # (E,)
+    conv_weight: Tensor  # (C, 1, K) or (C, K)
+    conv_bias: Tensor | None  # (C,)
+    conv_state: Tensor  # (B, C, K): the last K conv inputs, most recent last
+    dt_bias: Tensor  # (H,)
+    A: Tensor  # (H,) = -exp(A_log)
+    D: Tensor | None  # (H,), or (S,) per channel
+    ssm_state: Tensor  # (B, H, P, N)
+    ngroups: int  # G
+    dt_limit: tuple[float, float]  # Δ's clamp; (0, inf) clamps nothing
+    gate_norm_weight: Tensor | None  # (S,); None: no norm, y·SiLU(z)
+    gate_norm_eps: float
+    gate_norm_group: int  # channels per norm group: a multiple of P dividing S
+    norm_before_gate: bool
+    out_proj_weight: Tensor  # (M, Q + S)
+    out_proj_bias: Tensor | None  # (M,)
+    mlp: GatedMLPWeights | None = None
+
+    def tensors(self) -> list[Tensor | None]:
+        out = [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        if self.mlp is not None:
+            out += [self.mlp.norm_weight, self.mlp.fc1_weight, self.mlp.fc2_weight]
+        return out
+
+
+@dataclass(frozen=True)
 class LMHeadWeights:
     """After the last block: residual ← hidden + residual; logits = weight · RMSNorm(residual)."""
 
@@ -89,7 +143,32 @@ class _HeadArgs(ctypes.Structure):
     ]
 
 
-declare("mamba_blocks_step", [ctypes.POINTER(_BlockStepArgs), ctypes.c_int64, ctypes.POINTER(_HeadArgs)])
+class _Mamba2StepArgs(ctypes.Structure):
+    """Mamba2StepArgs of ssm/native (decode_mamba2.c), field for field."""
+
+    _fields_ = (
+        [
+            (name, ctypes.c_int64)
+            for name in (
+                "batch", "d_model", "H", "P", "N", "G", "K", "Q", "F", "gate_group", "D_per_channel",
+                "norm_before_gate", "nthreads",
+            )
+        ]
+        + [(name, ctypes.c_double) for name in ("eps", "gate_eps", "eps2", "dt_min", "dt_max")]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "hidden", "residual", "norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state",
+                "dt_bias", "A", "Dskip", "ssm_state", "gate_w", "out_w", "out_b", "norm2_w", "fc1_w", "fc2_w",
+                "work", "new_hidden", "new_residual",
+            )
+        ]
+    )  # fmt: skip
+
+
+_HEAD = ctypes.POINTER(_HeadArgs)
+declare("mamba_blocks_step", [ctypes.POINTER(_BlockStepArgs), ctypes.c_int64, _HEAD])
+declare("mamba2_blocks_step", [ctypes.POINTER(_Mamba2StepArgs), ctypes.c_int64, _HEAD])
 
 # BlockStepArgs' pointer fields, in MambaBlockWeights' order
 _POINTERS = ("norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state", "x_w", "dt_w", "dt_b")
@@ -97,14 +176,82 @@ _POINTERS += ("A", "Dskip", "ssm_state", "out_w", "out_b")
 
 
 def mamba_blocks_step(
-    hidden: Tensor, blocks: Sequence[MambaBlockWeights], head: LMHeadWeights | None = None
+    hidden: Tensor,
+    blocks: Sequence[MambaBlockWeights] | Sequence[Mamba2BlockWeights],
+    head: LMHeadWeights | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | None:
-    """The decoding step of ``blocks`` in order, in one C call. ``hidden`` (B, M) enters the first
-    block; returns the last block's (hidden, residual), or with ``head`` the logits (B, V).
-    None where the C step does not apply (see the module's docstring). The caller validates
-    shapes against its layers."""
+    """The decoding step of ``blocks`` (all Mamba-1 or all Mamba-2) in order, in one C call.
+    ``hidden`` (B, M) enters the first block; returns the last block's (hidden, residual), or
+    with ``head`` the logits (B, V). None where the C step does not apply (see the module's
+    docstring). The caller validates Mamba-1 shapes against its layers; Mamba-2 blocks whose
+    shapes do not fit together raise ValueError."""
     step = MambaBlocksStep.prepare(hidden, blocks, head)
     return None if step is None else step()
+
+
+def _mamba1_args(a: _BlockStepArgs, block: MambaBlockWeights, batch: int, d_model: int) -> int:
+    """Fill a's sizes and weights; return the scratch the block needs (elements)."""
+    dim, N = block.A.shape
+    R = block.dt_proj_weight.shape[1]
+    a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, block.conv_weight.shape[-1]
+    a.eps = block.norm_eps
+    for name, t in zip(_POINTERS, block.tensors()):
+        setattr(a, name, ptr(t))
+    return batch * (d_model + 5 * dim + R + 2 * N)
+
+
+def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_model: int) -> int:
+    """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
+    them); return the scratch the block needs (elements)."""
+    if block.ssm_state.ndim != 4:
+        raise ValueError(f"ssm_state must be (B, H, P, N), got shape {tuple(block.ssm_state.shape)}")
+    _, H, P, N = block.ssm_state.shape
+    G, S = block.ngroups, H * P
+    C, K = block.conv_weight.shape[0], block.conv_weight.shape[-1]
+    E = block.in_proj_weight.shape[0]
+    Q = (E - S - C - H) // 2
+    F = 0 if block.mlp is None else block.mlp.fc2_weight.shape[1]
+    group = block.gate_norm_group
+    expected = {
+        "ssm_state": ((batch, H, P, N), block.ssm_state),
+        "conv_weight": ((S + 2 * G * N, K), block.conv_weight.reshape(C, -1)),
+        "conv_state": ((batch, C, K), block.conv_state),
+        "in_proj_weight": ((2 * Q + S + C + H, d_model), block.in_proj_weight),
+        "A": ((H,), block.A),
+        "dt_bias": ((H,), block.dt_bias),
+        "out_proj_weight": ((d_model, Q + S), block.out_proj_weight),
+    }
+    if block.mlp is not None:
+        expected["mlp.fc1_weight"] = ((2 * F, d_model), block.mlp.fc1_weight)
+    for name, (shape, t) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"Mamba2BlockWeights.{name} must have shape {shape}, got {tuple(t.shape)}")
+    if G < 1 or H % G or Q < 0 or (block.D is not None and block.D.numel() not in (H, S)):
+        D = None if block.D is None else tuple(block.D.shape)
+        raise ValueError(f"Mamba2BlockWeights: ngroups {G} must divide H = {H}, Q = {Q} >= 0, D {D} (H,) or (S,)")
+    if block.gate_norm_weight is not None and (group < 1 or group % P or S % group):
+        raise ValueError(f"gate_norm_group must be a multiple of P = {P} dividing S = {S}, got {group}")
+    a.batch, a.d_model, a.H, a.P, a.N, a.G, a.K, a.Q, a.F = batch, d_model, H, P, N, G, K, Q, F
+    a.gate_group = group if block.gate_norm_weight is not None else S
+    a.D_per_channel = int(block.D is not None and block.D.numel() == S != H)
+    a.norm_before_gate = int(block.norm_before_gate)
+    a.eps, a.gate_eps = block.norm_eps, block.gate_norm_eps
+    a.dt_min, a.dt_max = (float(v) for v in block.dt_limit)
+    a.norm_w, a.in_w, a.in_b = ptr(block.norm_weight), ptr(block.in_proj_weight), ptr(block.in_proj_bias)
+    a.conv_w, a.conv_b, a.conv_state = ptr(block.conv_weight), ptr(block.conv_bias), ptr(block.conv_state)
+    a.dt_bias, a.A, a.Dskip, a.ssm_state = ptr(block.dt_bias), ptr(block.A), ptr(block.D), ptr(block.ssm_state)
+    a.gate_w, a.out_w, a.out_b = ptr(block.gate_norm_weight), ptr(block.out_proj_weight), ptr(block.out_proj_bias)
+    if block.mlp is not None:
+        a.eps2, a.norm2_w = block.mlp.norm_eps, ptr(block.mlp.norm_weight)
+        a.fc1_w, a.fc2_w = ptr(block.mlp.fc1_weight), ptr(block.mlp.fc2_weight)
+    return batch * (d_model + E + C + Q + S + H + 3 * F)
+
+
+# each kind of block: its C arguments, the function that fills them, the kernel's name
+_KINDS = {
+    MambaBlockWeights: (_BlockStepArgs, _mamba1_args, "mamba_blocks_step"),
+    Mamba2BlockWeights: (_Mamba2StepArgs, _mamba2_args, "mamba2_blocks_step"),
+}
 
 
 class MambaBlocksStep:
@@ -127,15 +274,20 @@ class MambaBlocksStep:
 
     @classmethod
     def prepare(
-        cls, hidden: Tensor, blocks: Sequence[MambaBlockWeights], head: LMHeadWeights | None = None
+        cls,
+        hidden: Tensor,
+        blocks: Sequence[MambaBlockWeights] | Sequence[Mamba2BlockWeights],
+        head: LMHeadWeights | None = None,
     ) -> MambaBlocksStep | None:
         """See ``mamba_blocks_step`` for the arguments, and for when this is None."""
         dtype = hidden.dtype
+        kind = _KINDS.get(type(blocks[0])) if blocks else None
         tensors = [hidden] + [t for block in blocks for t in block.tensors() if t is not None]
         if head is not None:
             tensors += [head.norm_weight, head.weight]
         if (
-            not blocks
+            kind is None
+            or any(type(block) is not type(blocks[0]) for block in blocks)
             or dtype not in (torch.float32, torch.float64)
             or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors)
             or torch.compiler.is_compiling()
@@ -144,27 +296,23 @@ class MambaBlocksStep:
             return None
         if not ready():
             return None
+        struct, fill, name = kind
         batch, d_model = hidden.shape
-        args = (_BlockStepArgs * len(blocks))()
+        args = (struct * len(blocks))()
         # outputs alternate between two (hidden, residual) pairs: block l reads block l - 1's pair
         pairs = hidden.new_empty(2, 2, batch, d_model)
         pair_ptrs = [(pairs[p, 0].data_ptr(), pairs[p, 1].data_ptr()) for p in (0, 1)]
         work_size = 0
         for i, (a, block) in enumerate(zip(args, blocks)):
-            dim, N = block.A.shape
-            R = block.dt_proj_weight.shape[1]
-            a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, block.conv_weight.shape[-1]
-            a.nthreads, a.eps = threads(), block.norm_eps
-            for name, t in zip(_POINTERS, block.tensors()):
-                setattr(a, name, ptr(t))
+            work_size = max(work_size, fill(a, block, batch, d_model))
+            a.nthreads = threads()
             a.hidden, a.residual = (hidden.data_ptr(), None) if i == 0 else pair_ptrs[(i - 1) % 2]
             a.new_hidden, a.new_residual = pair_ptrs[i % 2]
-            work_size = max(work_size, batch * (d_model + 5 * dim + R + 2 * N))
         work = hidden.new_empty(work_size)
         for a in args:
             a.work = work.data_ptr()
         tensors += [pairs, work]
-        fn = kernel("mamba_blocks_step", hidden.dtype)
+        fn = kernel(name, hidden.dtype)
         last = (len(blocks) - 1) % 2
         if head is None:
             return cls(tensors, fn, args, None, (pairs[last, 0], pairs[last, 1]))

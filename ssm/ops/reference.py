@@ -3,7 +3,7 @@ ground truth that every backend of ssm.ops is tested against. Nothing here impor
 checks, and it imports nothing from here.
 
 Shape symbols: B batch, L length, D channels, K the conv's width, M a row's width (d_model),
-N state size, R dt_rank, V vocabulary.
+N state size, R dt_rank, V vocabulary; Mamba-2: H heads, P head dim, S = H·P, G groups.
 """
 
 from __future__ import annotations
@@ -134,6 +134,108 @@ def mamba_blocks_step_ref(hidden: Tensor, blocks, head=None):
                     acc += float(blk.D[d]) * xc[d]
                 y.append(acc * silu(z[d]))
             hid[b] = matvec(blk.out_proj_weight, y, blk.out_proj_bias)
+        conv_states.append(new_conv)
+        ssm_states.append(new_ssm)
+    hidden_out = torch.tensor(hid, dtype=torch.float64)
+    residual_out = torch.tensor(res, dtype=torch.float64)
+    if head is None:
+        return (hidden_out, residual_out), conv_states, ssm_states
+    logits = []
+    for b in range(batch):
+        r = [h + e for h, e in zip(hid[b], res[b])]
+        logits.append(matvec(head.weight, rms(r, head.norm_weight, head.norm_eps)))
+    return torch.tensor(logits, dtype=torch.float64), conv_states, ssm_states
+
+
+def mamba2_blocks_step_ref(hidden: Tensor, blocks, head=None):
+    """The decoding step of a stack of Mamba-2 blocks (``ssm.ops.Mamba2BlockWeights``, read by
+    field), one token per batch row, in float64, written out head by head and channel by channel
+    (H heads of P channels, S = H·P, G groups of N, Q MLP-branch channels):
+
+        residual = hidden + residual;  u = rmsnorm(residual)
+        (z0, x0, z, xBC, dt) = in_proj u;  conv_state ← [conv_state[1:], xBC]
+        (x, Bt, Ct) = silu(Σ_k w_k·conv_state_k + b);  head h uses group h // (H/G)
+        Δ_h = clamp(softplus(dt_h + dt_bias_h), *dt_limit)
+        s_{h,p,n} ← exp(Δ_h·A_h)·s + Δ_h·x_{h,p}·Bt_{g,n};  y_{h,p} = Σ_n Ct_{g,n}·s + D·x_{h,p}
+        y ← rmsnorm over each group of the gate norm of y·silu(z) (or rmsnorm(y)·silu(z), or y·silu(z))
+        hidden = out_proj [silu(z0)·x0, y];  with an MLP: residual = hidden + residual,
+        (f, g) = fc1 rmsnorm2(residual), hidden = fc2 (f·silu(g))
+
+    Returns (hidden, residual), or with ``head`` the logits weight · rmsnorm(hidden + residual).
+    The states are not changed; the new ones are returned as well: (out, conv_states, ssm_states)."""
+
+    def silu(v):
+        return v / (1 + math.exp(-v))
+
+    def rms(v, w, eps):
+        scale = 1 / math.sqrt(sum(e * e for e in v) / len(v) + eps)
+        return [e * scale * float(wi) for e, wi in zip(v, w)]
+
+    def matvec(W, v, bias=None):
+        W = W.double()
+        out = [float(torch.dot(W[r], torch.tensor(v, dtype=torch.float64))) for r in range(W.shape[0])]
+        return out if bias is None else [o + float(b) for o, b in zip(out, bias)]
+
+    batch = hidden.shape[0]
+    hid = [[float(e) for e in hidden[b]] for b in range(batch)]
+    res = [None] * batch
+    conv_states, ssm_states = [], []
+    for blk in blocks:
+        _, H, P, N = blk.ssm_state.shape
+        S, G = H * P, blk.ngroups
+        conv_w = blk.conv_weight.double().reshape(blk.conv_weight.shape[0], -1)  # (C, K)
+        C, K = conv_w.shape
+        Q = (blk.in_proj_weight.shape[0] - S - C - H) // 2
+        lo, hi = blk.dt_limit
+        new_conv = blk.conv_state.double().clone()
+        new_ssm = blk.ssm_state.double().clone()
+        for b in range(batch):
+            r = hid[b] if res[b] is None else [h + e for h, e in zip(hid[b], res[b])]
+            res[b] = r
+            proj = matvec(blk.in_proj_weight, rms(r, blk.norm_weight, blk.norm_eps), blk.in_proj_bias)
+            z0, x0, z = proj[:Q], proj[Q : 2 * Q], proj[2 * Q : 2 * Q + S]
+            xBC, dt = proj[2 * Q + S : 2 * Q + S + C], proj[2 * Q + S + C :]
+            new_conv[b] = torch.cat([new_conv[b, :, 1:], torch.tensor(xBC, dtype=torch.float64)[:, None]], -1)
+            xc = []
+            for c in range(C):
+                acc = sum(float(conv_w[c, k]) * float(new_conv[b, c, k]) for k in range(K))
+                xc.append(silu(acc + (0.0 if blk.conv_bias is None else float(blk.conv_bias[c]))))
+            x, Bt, Ct = xc[:S], xc[S : S + G * N], xc[S + G * N :]
+            y = []
+            for h in range(H):
+                g = h // (H // G)
+                v = dt[h] + float(blk.dt_bias[h])
+                delta = min(max(v if v > 20 else math.log1p(math.exp(v)), lo), hi)
+                decay = math.exp(delta * float(blk.A[h]))
+                for p in range(P):
+                    xv = x[h * P + p]
+                    acc = 0.0
+                    for n in range(N):
+                        s = decay * float(new_ssm[b, h, p, n]) + delta * xv * Bt[g * N + n]
+                        new_ssm[b, h, p, n] = s
+                        acc += Ct[g * N + n] * s
+                    if blk.D is not None:
+                        acc += float(blk.D[h] if blk.D.numel() == H else blk.D[h * P + p]) * xv
+                    y.append(acc)
+            gate = [silu(e) for e in z]
+            if blk.gate_norm_weight is None:
+                y = [e * s for e, s in zip(y, gate)]
+            else:
+                size, w = blk.gate_norm_group, blk.gate_norm_weight
+                before = blk.norm_before_gate
+                v = y if before else [e * s for e, s in zip(y, gate)]
+                normed = []
+                for start in range(0, S, size):
+                    normed += rms(v[start : start + size], w[start : start + size], blk.gate_norm_eps)
+                y = [e * s for e, s in zip(normed, gate)] if before else normed
+            out = matvec(blk.out_proj_weight, [silu(a) * e for a, e in zip(z0, x0)] + y, blk.out_proj_bias)
+            if blk.mlp is not None:
+                r = [h + e for h, e in zip(out, res[b])]
+                res[b] = r
+                fg = matvec(blk.mlp.fc1_weight, rms(r, blk.mlp.norm_weight, blk.mlp.norm_eps))
+                F = len(fg) // 2
+                out = matvec(blk.mlp.fc2_weight, [fg[i] * silu(fg[F + i]) for i in range(F)])
+            hid[b] = out
         conv_states.append(new_conv)
         ssm_states.append(new_ssm)
     hidden_out = torch.tensor(hid, dtype=torch.float64)
