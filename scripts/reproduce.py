@@ -39,6 +39,7 @@ class Stage:
     batch_size: int
     steps: int  # optimiser steps in this stage
     val_samples: int = 256  # validation sequences at this stage's length
+    lr: float | None = None  # this stage's learning rate (default: the config's optim.lr)
 
 
 # The length curriculum. The model learns the task at a short length, where it does so in a few
@@ -161,6 +162,7 @@ def train_stages(task: str, mixer: str, seed: int, run_dir: Path, tiny: bool, ov
             f"data.batch_size={stage.batch_size}",
             f"data.val_samples={stage.val_samples}",
             f"trainer.max_steps={steps}",
+            *([f"optim.lr={stage.lr}"] if stage.lr is not None else []),
             *([f"resume={run_dir}"] if done_steps else []),
             *(TINY_OVERRIDES if tiny else []),
             *overrides,

@@ -166,6 +166,20 @@ def test_resume_gives_the_parameters_of_an_uninterrupted_run(tmp_path):
     assert rows("cut") == rows("whole")
 
 
+def test_a_resumed_run_trains_at_the_learning_rate_its_config_gives(tmp_path):
+    # The schedule saves its base rate; a resume with another optim.lr (a curriculum stage that
+    # anneals) must train at the new rate, not silently at the checkpoint's.
+    constant = RESUMABLE + ["optim.warmup_steps=0", "optim.min_lr_ratio=1.0", f"run_dir={tmp_path}"]
+    train(load_config(None, constant + ["trainer.max_steps=3", "optim.lr=1e-3"]))
+    train(load_config(None, constant + ["trainer.max_steps=6", "optim.lr=2e-4", f"resume={tmp_path}"]))
+    rates = {
+        int(step): float(value)
+        for step, name, value in (line.split(",") for line in (tmp_path / "metrics.csv").read_text().splitlines()[1:])
+        if name == "lr"
+    }
+    assert rates == pytest.approx({0: 1e-3, 1: 1e-3, 2: 1e-3, 3: 2e-4, 4: 2e-4, 5: 2e-4}, rel=1e-6)
+
+
 def test_stateful_text_resumes_exactly(tmp_path):
     """data.stateful: the carried state of every row is part of the checkpoint, so a run
     resumed from step 4 continues each row's stream from where it stood and ends with the
