@@ -73,6 +73,21 @@ def rms_norm_ref(
     return out * silu(z.double()) if z is not None and norm_before_gate else out
 
 
+def _silu(v: float) -> float:
+    return v / (1 + math.exp(-v))
+
+
+def _rms(v: list, w, eps: float) -> list:
+    scale = 1 / math.sqrt(sum(e * e for e in v) / len(v) + eps)
+    return [e * scale * float(wi) for e, wi in zip(v, w)]
+
+
+def _matvec(W: Tensor, v: list, bias=None) -> list:
+    W = W.double()
+    out = [float(torch.dot(W[r], torch.tensor(v, dtype=torch.float64))) for r in range(W.shape[0])]
+    return out if bias is None else [o + float(b) for o, b in zip(out, bias)]
+
+
 def mamba_blocks_step_ref(hidden: Tensor, blocks, head=None):
     """The decoding step of a stack of Mamba-1 blocks (``ssm.ops.MambaBlockWeights``, read by
     field), one token per batch row, in float64, written out channel by channel:
@@ -84,18 +99,6 @@ def mamba_blocks_step_ref(hidden: Tensor, blocks, head=None):
 
     Returns (hidden, residual), or with ``head`` the logits weight · rmsnorm(hidden + residual).
     The states are not changed; the new ones are returned as well: (out, conv_states, ssm_states)."""
-
-    def silu(v):
-        return v / (1 + math.exp(-v))
-
-    def rms(v, w, eps):
-        scale = 1 / math.sqrt(sum(e * e for e in v) / len(v) + eps)
-        return [e * scale * float(wi) for e, wi in zip(v, w)]
-
-    def matvec(W, v, bias=None):
-        W = W.double()
-        out = [float(torch.dot(W[r], torch.tensor(v, dtype=torch.float64))) for r in range(W.shape[0])]
-        return out if bias is None else [o + float(b) for o, b in zip(out, bias)]
 
     batch = hidden.shape[0]
     hid = [[float(e) for e in hidden[b]] for b in range(batch)]
@@ -111,17 +114,17 @@ def mamba_blocks_step_ref(hidden: Tensor, blocks, head=None):
         for b in range(batch):
             r = hid[b] if res[b] is None else [h + e for h, e in zip(hid[b], res[b])]
             res[b] = r
-            x = rms(r, blk.norm_weight, blk.norm_eps)
-            xz = matvec(blk.in_proj_weight, x, blk.in_proj_bias)
+            x = _rms(r, blk.norm_weight, blk.norm_eps)
+            xz = _matvec(blk.in_proj_weight, x, blk.in_proj_bias)
             xi, z = xz[:D], xz[D:]
             new_conv[b] = torch.cat([new_conv[b, :, 1:], torch.tensor(xi, dtype=torch.float64)[:, None]], -1)
             xc = []
             for d in range(D):
                 acc = sum(float(conv_w[d, k]) * float(new_conv[b, d, k]) for k in range(K))
-                xc.append(silu(acc + (0.0 if blk.conv_bias is None else float(blk.conv_bias[d]))))
-            proj = matvec(blk.x_proj_weight, xc)
+                xc.append(_silu(acc + (0.0 if blk.conv_bias is None else float(blk.conv_bias[d]))))
+            proj = _matvec(blk.x_proj_weight, xc)
             dt, Bt, Ct = proj[:R], proj[R : R + N], proj[R + N :]
-            delta = matvec(blk.dt_proj_weight, dt, blk.dt_proj_bias)
+            delta = _matvec(blk.dt_proj_weight, dt, blk.dt_proj_bias)
             y = []
             for d in range(D):
                 step = delta[d] if delta[d] > 20 else math.log1p(math.exp(delta[d]))
@@ -132,8 +135,8 @@ def mamba_blocks_step_ref(hidden: Tensor, blocks, head=None):
                     acc += Ct[n] * h
                 if blk.D is not None:
                     acc += float(blk.D[d]) * xc[d]
-                y.append(acc * silu(z[d]))
-            hid[b] = matvec(blk.out_proj_weight, y, blk.out_proj_bias)
+                y.append(acc * _silu(z[d]))
+            hid[b] = _matvec(blk.out_proj_weight, y, blk.out_proj_bias)
         conv_states.append(new_conv)
         ssm_states.append(new_ssm)
     hidden_out = torch.tensor(hid, dtype=torch.float64)
@@ -143,7 +146,7 @@ def mamba_blocks_step_ref(hidden: Tensor, blocks, head=None):
     logits = []
     for b in range(batch):
         r = [h + e for h, e in zip(hid[b], res[b])]
-        logits.append(matvec(head.weight, rms(r, head.norm_weight, head.norm_eps)))
+        logits.append(_matvec(head.weight, _rms(r, head.norm_weight, head.norm_eps)))
     return torch.tensor(logits, dtype=torch.float64), conv_states, ssm_states
 
 
@@ -164,18 +167,6 @@ def mamba2_blocks_step_ref(hidden: Tensor, blocks, head=None):
     Returns (hidden, residual), or with ``head`` the logits weight · rmsnorm(hidden + residual).
     The states are not changed; the new ones are returned as well: (out, conv_states, ssm_states)."""
 
-    def silu(v):
-        return v / (1 + math.exp(-v))
-
-    def rms(v, w, eps):
-        scale = 1 / math.sqrt(sum(e * e for e in v) / len(v) + eps)
-        return [e * scale * float(wi) for e, wi in zip(v, w)]
-
-    def matvec(W, v, bias=None):
-        W = W.double()
-        out = [float(torch.dot(W[r], torch.tensor(v, dtype=torch.float64))) for r in range(W.shape[0])]
-        return out if bias is None else [o + float(b) for o, b in zip(out, bias)]
-
     batch = hidden.shape[0]
     hid = [[float(e) for e in hidden[b]] for b in range(batch)]
     res = [None] * batch
@@ -192,14 +183,14 @@ def mamba2_blocks_step_ref(hidden: Tensor, blocks, head=None):
         for b in range(batch):
             r = hid[b] if res[b] is None else [h + e for h, e in zip(hid[b], res[b])]
             res[b] = r
-            proj = matvec(blk.in_proj_weight, rms(r, blk.norm_weight, blk.norm_eps), blk.in_proj_bias)
+            proj = _matvec(blk.in_proj_weight, _rms(r, blk.norm_weight, blk.norm_eps), blk.in_proj_bias)
             z0, x0, z = proj[:Q], proj[Q : 2 * Q], proj[2 * Q : 2 * Q + S]
             xBC, dt = proj[2 * Q + S : 2 * Q + S + C], proj[2 * Q + S + C :]
             new_conv[b] = torch.cat([new_conv[b, :, 1:], torch.tensor(xBC, dtype=torch.float64)[:, None]], -1)
             xc = []
             for c in range(C):
                 acc = sum(float(conv_w[c, k]) * float(new_conv[b, c, k]) for k in range(K))
-                xc.append(silu(acc + (0.0 if blk.conv_bias is None else float(blk.conv_bias[c]))))
+                xc.append(_silu(acc + (0.0 if blk.conv_bias is None else float(blk.conv_bias[c]))))
             x, Bt, Ct = xc[:S], xc[S : S + G * N], xc[S + G * N :]
             y = []
             for h in range(H):
@@ -217,7 +208,7 @@ def mamba2_blocks_step_ref(hidden: Tensor, blocks, head=None):
                     if blk.D is not None:
                         acc += float(blk.D[h] if blk.D.numel() == H else blk.D[h * P + p]) * xv
                     y.append(acc)
-            gate = [silu(e) for e in z]
+            gate = [_silu(e) for e in z]
             if blk.gate_norm_weight is None:
                 y = [e * s for e, s in zip(y, gate)]
             else:
@@ -226,15 +217,15 @@ def mamba2_blocks_step_ref(hidden: Tensor, blocks, head=None):
                 v = y if before else [e * s for e, s in zip(y, gate)]
                 normed = []
                 for start in range(0, S, size):
-                    normed += rms(v[start : start + size], w[start : start + size], blk.gate_norm_eps)
+                    normed += _rms(v[start : start + size], w[start : start + size], blk.gate_norm_eps)
                 y = [e * s for e, s in zip(normed, gate)] if before else normed
-            out = matvec(blk.out_proj_weight, [silu(a) * e for a, e in zip(z0, x0)] + y, blk.out_proj_bias)
+            out = _matvec(blk.out_proj_weight, [_silu(a) * e for a, e in zip(z0, x0)] + y, blk.out_proj_bias)
             if blk.mlp is not None:
                 r = [h + e for h, e in zip(out, res[b])]
                 res[b] = r
-                fg = matvec(blk.mlp.fc1_weight, rms(r, blk.mlp.norm_weight, blk.mlp.norm_eps))
+                fg = _matvec(blk.mlp.fc1_weight, _rms(r, blk.mlp.norm_weight, blk.mlp.norm_eps))
                 F = len(fg) // 2
-                out = matvec(blk.mlp.fc2_weight, [fg[i] * silu(fg[F + i]) for i in range(F)])
+                out = _matvec(blk.mlp.fc2_weight, [fg[i] * _silu(fg[F + i]) for i in range(F)])
             hid[b] = out
         conv_states.append(new_conv)
         ssm_states.append(new_ssm)
@@ -245,5 +236,5 @@ def mamba2_blocks_step_ref(hidden: Tensor, blocks, head=None):
     logits = []
     for b in range(batch):
         r = [h + e for h, e in zip(hid[b], res[b])]
-        logits.append(matvec(head.weight, rms(r, head.norm_weight, head.norm_eps)))
+        logits.append(_matvec(head.weight, _rms(r, head.norm_weight, head.norm_eps)))
     return torch.tensor(logits, dtype=torch.float64), conv_states, ssm_states
