@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ssm.models.hub import load_model_and_tokenizer
+    from ssm.models.hub import continuation, left_pad, load_model_and_tokenizer
     from ssm.models.tokenizer import TextStream
 
     started = time.perf_counter()
@@ -103,25 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def left_pad(encoded: list[list[int]], tokenizer, device):
-    """input_ids (batch, L) with each prompt at the right end, and attention_mask (batch, L): 1
-    for a token, 0 for padding; None when the prompts have one length."""
-    import torch
-
-    L = max(len(ids) for ids in encoded)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    input_ids = torch.tensor([[pad] * (L - len(ids)) + ids for ids in encoded], device=device)
-    if all(len(ids) == L for ids in encoded):
-        return input_ids, None
-    mask = torch.tensor([[0] * (L - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
-    return input_ids, mask
-
-
-def continuation(ids: list[int], eos: int | None) -> list[int]:
-    """The new ids up to (not including) the first eos."""
-    return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
 
 
 if __name__ == "__main__":

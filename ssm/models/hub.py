@@ -97,3 +97,46 @@ def load_model_and_tokenizer(name_or_path, tokenizer=None, *, device=None, dtype
     directory = resolve_model_dir(path if path is not None and path.is_dir() else name_or_path)
     model = MambaLM.from_pretrained(directory, device=device, dtype=dtype, backend=backend).eval()
     return model, load_tokenizer(directory, tokenizer, vocab_size=model.config.vocab_size), directory
+
+
+def left_pad(encoded: list[list[int]], tokenizer, device=None):
+    """input_ids (batch, L) with each prompt's ids at the right end, and attention_mask (batch, L):
+    1 for a token, 0 for padding; None when the prompts have one length."""
+    import torch
+
+    L = max(len(ids) for ids in encoded)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    input_ids = torch.tensor([[pad] * (L - len(ids)) + ids for ids in encoded], device=device)
+    if all(len(ids) == L for ids in encoded):
+        return input_ids, None
+    mask = torch.tensor([[0] * (L - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
+    return input_ids, mask
+
+
+def continuation(ids: list[int], eos: int | None) -> list[int]:
+    """The new ids up to (not including) the first eos."""
+    return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
+
+
+def complete(model, tokenizer, prompts, max_new_tokens: int = 50, **sampling):
+    """Text in, text out: the continuation of ``prompts`` (a string, or a list of them generated
+    together as one left-padded batch), up to ``max_new_tokens`` tokens or the tokenizer's eos.
+    ``sampling``: MambaLM.generate's temperature (0: greedy), top_k, top_p, generator. Returns a
+    string for a string, a list for a list.
+
+        model, tokenizer, _ = load_model_and_tokenizer("state-spaces/mamba-130m-hf")
+        print(complete(model, tokenizer, "Mamba is", 30, temperature=0))
+    """
+    single = isinstance(prompts, str)
+    texts = [prompts] if single else list(prompts)
+    encoded = [tokenizer.encode(text) for text in texts]
+    if not texts or any(not ids for ids in encoded):
+        raise ValueError("complete: prompts must be one or more texts that each encode to at least one token")
+    device = next(model.parameters()).device
+    input_ids, attention_mask = left_pad(encoded, tokenizer, device)
+    out = model.generate(
+        input_ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id, attention_mask=attention_mask, **sampling
+    )
+    new = [tokenizer.decode(continuation(row[input_ids.shape[1] :].tolist(), tokenizer.eos_token_id)) for row in out]
+    return new[0] if single else new
+

@@ -186,3 +186,21 @@ def test_generate_script_on_a_byte_level_run(tmp_path, capsys):
     )[0, 6:].tolist()
     assert new_ids(out) == [expected]
     assert out.startswith("héllo" + bytes(expected).decode("utf-8", errors="replace"))
+
+
+def test_complete_gives_each_prompt_the_text_of_generate_alone(tmp_path):
+    from ssm.models.hub import complete, load_model_and_tokenizer
+
+    directory, model = model_dir(tmp_path)
+    loaded, tok, _ = load_model_and_tokenizer(directory)
+    prompts = ["A language model assigns", "def", "Über die"]
+
+    def alone(prompt):
+        ids = torch.tensor([tok.encode(prompt)])
+        new = model.generate(ids, 9, temperature=0, eos_token_id=0)[0, ids.shape[1] :].tolist()
+        return tok.decode(new[: new.index(0)] if 0 in new else new)
+
+    assert complete(loaded, tok, prompts[0], 9, temperature=0) == alone(prompts[0])
+    assert complete(loaded, tok, prompts, 9, temperature=0) == [alone(p) for p in prompts]
+    with pytest.raises(ValueError, match="complete: prompts"):
+        complete(loaded, tok, [""], 3)
