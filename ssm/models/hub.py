@@ -139,4 +139,3 @@ def complete(model, tokenizer, prompts, max_new_tokens: int = 50, **sampling):
     )
     new = [tokenizer.decode(continuation(row[input_ids.shape[1] :].tolist(), tokenizer.eos_token_id)) for row in out]
     return new[0] if single else new
-
