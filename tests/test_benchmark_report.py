@@ -41,6 +41,7 @@ def test_every_op_has_a_module_that_runs():
         "layer",
         "train-step",
         "hybrid",
+        "text",
         "cold-start",
     }
     for op in ops:

@@ -16,5 +16,6 @@ OPS = {
     "layer": "layer",
     "train-step": "train_step",
     "hybrid": "hybrid",
+    "text": "text",
     "cold-start": "cold_start",
 }
