@@ -53,7 +53,7 @@ FLAGS = (
     "-fno-trapping-math",
     "-ffp-contract=fast",
 )
-ABI = 8  # what ssm_kernels_abi() returns for this version of the argument structs
+ABI = 9  # what ssm_kernels_abi() returns for this version of the argument structs
 
 _lock = threading.Lock()
 _built: dict[tuple, ctypes.CDLL | str] = {}  # build key -> the library, or why it failed

@@ -7,11 +7,10 @@
 #ifndef SSM_DECODE_TYPES
 #define SSM_DECODE_TYPES
 
-#define DOT_LANES 16     /* partial sums per row of a decoding step's dot products */
-
 /* Arguments of a whole Mamba-1 block's decoding step (one token per sequence): residual ←
    hidden + residual; RMSNorm; in_proj; the causal conv's step and SiLU; x_proj; dt_proj; the
-   selective step gated by SiLU(z); out_proj. Every tensor contiguous, in one dtype. Shapes:
+   selective step gated by SiLU(z); out_proj. Every tensor contiguous, in one dtype, but the matrices
+   (WMat: any format of decode_weights.c). Shapes:
    hidden, residual, new_hidden, new_residual (batch, d_model) (residual NULL in the first
    block); norm_w (d_model); in_w (2·dim, d_model); conv_w (dim, K); conv_state (batch, dim, K)
    and ssm_state (batch, dim, N), both updated in place; x_w (R + 2N, dim); dt_w (dim, R);
@@ -20,12 +19,13 @@
 typedef struct {
     i64 batch, d_model, dim, N, R, K, nthreads;
     double eps;
-    const void *hidden, *residual, *norm_w, *in_w, *in_b, *conv_w, *conv_b;
+    const void *hidden, *residual, *norm_w, *in_b, *conv_w, *conv_b;
     void *conv_state;
-    const void *x_w, *dt_w, *dt_b, *A, *Dskip;
+    const void *dt_b, *A, *Dskip;
     void *ssm_state;
-    const void *out_w, *out_b;
+    const void *out_b;
     void *work, *new_hidden, *new_residual;
+    WMat in_w, x_w, dt_w, out_w; /* the matrices, in any format of decode_weights.c */
 } BlockStepArgs;
 
 /* The language model's head after the last block: residual ← hidden + residual, RMSNorm
@@ -33,48 +33,14 @@ typedef struct {
 typedef struct {
     i64 vocab;
     double eps;
-    const void *norm_w, *weight;
+    const void *norm_w;
     void *logits;
+    WMat weight;
 } HeadArgs;
 
 #endif /* SSM_DECODE_TYPES */
 
 /* ------------------------------------------------------------------ for one REAL */
-
-/* y[r] = W[r]·x for the nr ≤ 4 rows of W (n apart), read side by side in DOT_LANES partial sums
-   each: one row at a time with one running sum waits on each add's latency and keeps too few
-   reads in flight; four rows sharing x's loads read the weights at the machine's bandwidth,
-   which decoding is bound by (measured: as fast as torch's gemv; one row at a time 1.3x slower). */
-static inline void SUF(dot_rows)(const REAL *W, i64 n, i64 nr, const REAL *x, REAL *y) {
-    const REAL *w0 = W, *w1 = W + (nr > 1 ? n : 0), *w2 = W + (nr > 2 ? 2 * n : 0), *w3 = W + (nr > 3 ? 3 * n : 0);
-    REAL a0[DOT_LANES] = {0}, a1[DOT_LANES] = {0}, a2[DOT_LANES] = {0}, a3[DOT_LANES] = {0};
-    REAL s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    i64 i = 0;
-    for (; i + DOT_LANES <= n; i += DOT_LANES) {
-#pragma omp simd
-        for (int k = 0; k < DOT_LANES; k++) {
-            const REAL xv = x[i + k];
-            a0[k] += w0[i + k] * xv;
-            a1[k] += w1[i + k] * xv;
-            a2[k] += w2[i + k] * xv;
-            a3[k] += w3[i + k] * xv;
-        }
-    }
-    for (; i < n; i++) {
-        s0 += w0[i] * x[i];
-        s1 += w1[i] * x[i];
-        s2 += w2[i] * x[i];
-        s3 += w3[i] * x[i];
-    }
-    for (int k = 0; k < DOT_LANES; k++) {
-        s0 += a0[k];
-        s1 += a1[k];
-        s2 += a2[k];
-        s3 += a3[k];
-    }
-    const REAL sums[4] = {s0, s1, s2, s3};
-    for (i64 r = 0; r < nr; r++) y[r] = sums[r];
-}
 
 /* One row of a block's input: r = hidden + residual (residual NULL: r = hidden), then
    normed = r / sqrt(mean(r²) + eps) · w. */
@@ -92,12 +58,12 @@ static inline void SUF(add_rms_norm)(const REAL *hid, const REAL *res, const REA
 
 /* Rows o .. o+3 (up to n_out) of y_b = W·x_b + bias (bias may be NULL) for each batch row b,
    with x_b = x + b·sx and y_b = y + b·sy: four of W's rows read once for the whole batch. */
-static inline void SUF(project_rows)(const REAL *W, const REAL *bias, i64 n_in, i64 n_out, i64 o, i64 Bn,
+static inline void SUF(project_rows)(const WMat *W, const REAL *bias, i64 n_in, i64 n_out, i64 o, i64 Bn,
                                      const REAL *x, i64 sx, REAL *y, i64 sy) {
     const i64 nr = n_out - o < 4 ? n_out - o : 4;
     for (i64 b = 0; b < Bn; b++) {
         REAL *yb = y + b * sy + o;
-        SUF(dot_rows)(W + o * n_in, n_in, nr, x + b * sx, yb);
+        SUF(dot_rows_any)(W, n_in, o, nr, x + b * sx, yb);
         if (bias)
             for (i64 r = 0; r < nr; r++) yb[r] += bias[o + r];
     }
@@ -114,11 +80,11 @@ static inline void SUF(project_rows)(const REAL *W, const REAL *bias, i64 n_in, 
 static void SUF(block_step)(const BlockStepArgs *a) {
     const i64 Bn = a->batch, M = a->d_model, Dn = a->dim, N = a->N, R = a->R, K = a->K, X = R + 2 * N;
     const REAL *hid = (const REAL *)a->hidden, *res = (const REAL *)a->residual;
-    const REAL *in_w = (const REAL *)a->in_w, *in_b = (const REAL *)a->in_b;
+    const REAL *in_b = (const REAL *)a->in_b;
     const REAL *conv_w = (const REAL *)a->conv_w, *conv_b = (const REAL *)a->conv_b;
-    const REAL *x_w = (const REAL *)a->x_w, *dt_w = (const REAL *)a->dt_w, *dt_b = (const REAL *)a->dt_b;
+    const REAL *dt_b = (const REAL *)a->dt_b;
     const REAL *A = (const REAL *)a->A, *Dskip = (const REAL *)a->Dskip;
-    const REAL *out_w = (const REAL *)a->out_w, *out_b = (const REAL *)a->out_b;
+    const REAL *out_b = (const REAL *)a->out_b;
     REAL *conv_state = (REAL *)a->conv_state, *H = (REAL *)a->ssm_state;
     REAL *new_hid = (REAL *)a->new_hidden, *new_res = (REAL *)a->new_residual;
     /* scratch: normed (Bn, M); xz (Bn, 2·Dn), in_proj's x and z side by side; xc (Bn, Dn), the
@@ -131,7 +97,7 @@ static void SUF(block_step)(const BlockStepArgs *a) {
                           new_res + b * M, normed + b * M);
 #pragma omp for schedule(static)
     for (i64 o = 0; o < 2 * Dn; o += 4) /* in_proj: x and z */
-        SUF(project_rows)(in_w, in_b, M, 2 * Dn, o, Bn, normed, M, xz, 2 * Dn);
+        SUF(project_rows)(&a->in_w, in_b, M, 2 * Dn, o, Bn, normed, M, xz, 2 * Dn);
     /* Per-channel work, each thread on its own channels c0 .. c1-1 (blocks of 4, as dt_proj
        reads its rows) so that the stages between two projections need no barrier; the exps
        of the SiLUs and the softplus vectorised across channels (measured at mamba-130m's
@@ -157,9 +123,9 @@ static void SUF(block_step)(const BlockStepArgs *a) {
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (i64 o = 0; o < X; o += 4) /* x_proj: Δ's low rank, B, C */
-        SUF(project_rows)(x_w, NULL, Dn, X, o, Bn, xc, Dn, xdbl, X);
+        SUF(project_rows)(&a->x_w, NULL, Dn, X, o, Bn, xc, Dn, xdbl, X);
     for (i64 o = c0; o < c1; o += 4) /* dt_proj, on this thread's channels */
-        SUF(project_rows)(dt_w, dt_b, R, Dn, o, Bn, xdbl, X, y, Dn);
+        SUF(project_rows)(&a->dt_w, dt_b, R, Dn, o, Bn, xdbl, X, y, Dn);
     for (i64 b = 0; b < Bn; b++) {
         REAL *yb = y + b * Dn;
         const REAL *xb = xdbl + b * X, *xcb = xc + b * Dn, *zgb = zg + b * Dn;
@@ -174,7 +140,7 @@ static void SUF(block_step)(const BlockStepArgs *a) {
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (i64 o = 0; o < M; o += 4) /* out_proj */
-        SUF(project_rows)(out_w, out_b, Dn, M, o, Bn, y, Dn, new_hid, M);
+        SUF(project_rows)(&a->out_w, out_b, Dn, M, o, Bn, y, Dn, new_hid, M);
 }
 
 /* The final norm and the LM head after the last block, run by every thread of the calling
@@ -187,7 +153,7 @@ static void SUF(head_step)(const HeadArgs *head, i64 Bn, i64 M, const REAL *hid,
                           normed + b * M);
 #pragma omp for schedule(static)
     for (i64 o = 0; o < head->vocab; o += 4)
-        SUF(project_rows)((const REAL *)head->weight, NULL, M, head->vocab, o, Bn, normed, M, (REAL *)head->logits,
+        SUF(project_rows)(&head->weight, NULL, M, head->vocab, o, Bn, normed, M, (REAL *)head->logits,
                           head->vocab);
 }
 

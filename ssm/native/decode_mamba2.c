@@ -26,7 +26,8 @@
      hidden = out_w·[SiLU(z0)·x0, y] + out_b
    then with fc1_w (the block's MLP): residual ← hidden + residual;
      (f, g) = fc1_w·RMSNorm(residual; norm2_w, eps2);  hidden = fc2_w·(f·SiLU(g)).
-   Every tensor contiguous, in one dtype. Shapes: hidden, residual, new_hidden, new_residual
+   Every tensor contiguous, in one dtype, but the matrices (WMat: any format of decode_weights.c).
+   Shapes: hidden, residual, new_hidden, new_residual
    (B, M) (residual NULL in the first block); norm_w (M); in_w (E, M), in_b (E) or NULL; conv_w
    (C, K), conv_b (C) or NULL; conv_state (B, C, K) and ssm_state (B, H, P, N), updated in
    place; dt_bias, A (H); Dskip (H) or, with D_per_channel, (S), or NULL; gate_w (S) or NULL, its
@@ -36,12 +37,13 @@
 typedef struct {
     i64 batch, d_model, H, P, N, G, K, Q, F, gate_group, D_per_channel, norm_before_gate, nthreads;
     double eps, gate_eps, eps2, dt_min, dt_max;
-    const void *hidden, *residual, *norm_w, *in_w, *in_b, *conv_w, *conv_b;
+    const void *hidden, *residual, *norm_w, *in_b, *conv_w, *conv_b;
     void *conv_state;
     const void *dt_bias, *A, *Dskip;
     void *ssm_state;
-    const void *gate_w, *out_w, *out_b, *norm2_w, *fc1_w, *fc2_w;
+    const void *gate_w, *out_b, *norm2_w;
     void *work, *new_hidden, *new_residual;
+    WMat in_w, out_w, fc1_w, fc2_w; /* the matrices, in any format of decode_weights.c; fc1_w.w NULL: no MLP */
 } Mamba2StepArgs;
 
 /* This thread's share [*lo, *hi) of n items, in contiguous runs by thread number. */
@@ -66,10 +68,10 @@ static void SUF(mamba2_block_step)(const Mamba2StepArgs *a) {
     const i64 Bn = a->batch, M = a->d_model, H = a->H, P = a->P, N = a->N, G = a->G, K = a->K, Q = a->Q, F = a->F;
     const i64 S = H * P, C = S + 2 * G * N, E = 2 * Q + S + C + H, heads_per_group = H / G;
     const REAL *hid = (const REAL *)a->hidden, *res = (const REAL *)a->residual;
-    const REAL *in_w = (const REAL *)a->in_w, *in_b = (const REAL *)a->in_b;
+    const REAL *in_b = (const REAL *)a->in_b;
     const REAL *conv_w = (const REAL *)a->conv_w, *conv_b = (const REAL *)a->conv_b;
     const REAL *dt_bias = (const REAL *)a->dt_bias, *A = (const REAL *)a->A, *Dskip = (const REAL *)a->Dskip;
-    const REAL *gate_w = (const REAL *)a->gate_w, *out_w = (const REAL *)a->out_w, *out_b = (const REAL *)a->out_b;
+    const REAL *gate_w = (const REAL *)a->gate_w, *out_b = (const REAL *)a->out_b;
     REAL *conv_state = (REAL *)a->conv_state, *state = (REAL *)a->ssm_state;
     REAL *new_hid = (REAL *)a->new_hidden, *new_res = (REAL *)a->new_residual;
     const REAL dt_min = (REAL)a->dt_min, dt_max = (REAL)a->dt_max;
@@ -84,7 +86,7 @@ static void SUF(mamba2_block_step)(const Mamba2StepArgs *a) {
                           new_res + b * M, normed + b * M);
 #pragma omp for schedule(static)
     for (i64 o = 0; o < E; o += 4) /* in_proj: z0, x0, z, xBC, dt */
-        SUF(project_rows)(in_w, in_b, M, E, o, Bn, normed, M, proj, E);
+        SUF(project_rows)(&a->in_w, in_b, M, E, o, Bn, normed, M, proj, E);
     i64 c0, c1, q0, q1;
     thread_share(C, &c0, &c1);
     thread_share(Q, &q0, &q1);
@@ -158,8 +160,8 @@ static void SUF(mamba2_block_step)(const Mamba2StepArgs *a) {
     }
 #pragma omp for schedule(static)
     for (i64 o = 0; o < M; o += 4) /* out_proj */
-        SUF(project_rows)(out_w, out_b, Q + S, M, o, Bn, yin, Q + S, new_hid, M);
-    if (!a->fc1_w) return;
+        SUF(project_rows)(&a->out_w, out_b, Q + S, M, o, Bn, yin, Q + S, new_hid, M);
+    if (!a->fc1_w.w) return;
     /* the block's MLP: residual ← hidden + residual; fc1; f·SiLU(g); fc2 */
 #pragma omp for schedule(static)
     for (i64 b = 0; b < Bn; b++)
@@ -167,7 +169,7 @@ static void SUF(mamba2_block_step)(const Mamba2StepArgs *a) {
                           normed + b * M);
 #pragma omp for schedule(static)
     for (i64 o = 0; o < 2 * F; o += 4)
-        SUF(project_rows)((const REAL *)a->fc1_w, NULL, M, 2 * F, o, Bn, normed, M, fc, 2 * F);
+        SUF(project_rows)(&a->fc1_w, NULL, M, 2 * F, o, Bn, normed, M, fc, 2 * F);
 #pragma omp for schedule(static)
     for (i64 i = 0; i < Bn * F; i++) {
         const REAL f = fc[i / F * 2 * F + i % F], g = fc[i / F * 2 * F + F + i % F];
@@ -175,7 +177,7 @@ static void SUF(mamba2_block_step)(const Mamba2StepArgs *a) {
     }
 #pragma omp for schedule(static)
     for (i64 o = 0; o < M; o += 4)
-        SUF(project_rows)((const REAL *)a->fc2_w, NULL, F, M, o, Bn, gated, F, new_hid, M);
+        SUF(project_rows)(&a->fc2_w, NULL, F, M, o, Bn, gated, F, new_hid, M);
 }
 
 /* The decoding step of n Mamba-2 blocks in order (layers[l] reads layers[l-1]'s outputs), then

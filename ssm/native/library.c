@@ -2,7 +2,8 @@
    loads it through ctypes): plain C11 + OpenMP, no Python or torch headers.
 
    Each family of kernels lives in its own file (selective.c, linear.c, conv.c, norm.c,
-   decode.c, decode_mamba2.c) over common.h; this file includes every family twice, REAL =
+   decode_weights.c, decode.c, decode_mamba2.c) over common.h; this file includes every family
+   twice, REAL =
    float then double, so that every kernel exists as name_f32 and name_f64. One library keeps
    start-up to one compile and one load per process. */
 
@@ -17,6 +18,7 @@
 #include "linear.c"
 #include "conv.c"
 #include "norm.c"
+#include "decode_weights.c"
 #include "decode.c"
 #include "decode_mamba2.c"
 #undef REAL
@@ -33,6 +35,7 @@
 #include "linear.c"
 #include "conv.c"
 #include "norm.c"
+#include "decode_weights.c"
 #include "decode.c"
 #include "decode_mamba2.c"
 #undef REAL
@@ -41,4 +44,4 @@
 #undef LOG1P
 
 /* The version of the argument structs (ssm/native/build.py checks it at load). */
-int ssm_kernels_abi(void) { return 8; }
+int ssm_kernels_abi(void) { return 9; }

@@ -10,6 +10,8 @@ error, never a silent fallback), and a plain reference that every backend is tes
                                                step and the LM head in one C call, or None  (decode.py)
     MambaBlockWeights, Mamba2BlockWeights,     what a layer, a block's MLP and a model hand
     GatedMLPWeights, LMHeadWeights             that step                                    (decode.py)
+    quantize_matrix(weight, scheme)            a matrix as int8 / int4 with a scale per 32
+                                               inputs (QuantizedMatrix), as that step reads it (quant.py)
 
 Backends: "cpu" (C kernels from ssm.native, bound in cpu.py and decode.py) and "torch" (tensor
 code, any device). References: reference.py.
@@ -28,7 +30,8 @@ from .decode import (
 )
 from .norm import BACKENDS as _NORM
 from .norm import rms_norm
-from .reference import causal_conv1d_ref, mamba2_blocks_step_ref, mamba_blocks_step_ref, rms_norm_ref
+from .quant import QuantizedMatrix, quantize_matrix
+from .reference import causal_conv1d_ref, dequantize_ref, mamba2_blocks_step_ref, mamba_blocks_step_ref, rms_norm_ref
 
 # backends(op, device=None): the names of the backends of "causal_conv1d_silu" or "rms_norm";
 # with a device, only those that run there ("auto" is always accepted).
@@ -46,9 +49,12 @@ __all__ = [
     "Mamba2BlockWeights",
     "GatedMLPWeights",
     "LMHeadWeights",
+    "QuantizedMatrix",
+    "quantize_matrix",
     "backends",
     "causal_conv1d_ref",
     "rms_norm_ref",
     "mamba_blocks_step_ref",
     "mamba2_blocks_step_ref",
+    "dequantize_ref",
 ]

@@ -28,7 +28,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from ..native import declare, kernel, ptr, ready, threads
+from ..native import declare, kernel, ready, threads
+from .quant import QuantizedMatrix
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,16 @@ class LMHeadWeights:
     weight: Tensor  # (V, M)
 
 
+class _WMat(ctypes.Structure):
+    """WMat of ssm/native (decode_weights.c): a matrix's data, its scales, its format."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("type", ctypes.c_int64)]
+
+
+# WMat.type for each storage of a matrix (W_REAL: the step's own dtype)
+_W_REAL, _W_TYPES = 0, {torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
+
+
 class _BlockStepArgs(ctypes.Structure):
     """BlockStepArgs of ssm/native, field for field."""
 
@@ -127,11 +138,11 @@ class _BlockStepArgs(ctypes.Structure):
         + [
             (name, ctypes.c_void_p)
             for name in (
-                "hidden", "residual", "norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state",
-                "x_w", "dt_w", "dt_b", "A", "Dskip", "ssm_state", "out_w", "out_b",
-                "work", "new_hidden", "new_residual",
+                "hidden", "residual", "norm_w", "in_b", "conv_w", "conv_b", "conv_state",
+                "dt_b", "A", "Dskip", "ssm_state", "out_b", "work", "new_hidden", "new_residual",
             )
         ]
+        + [(name, _WMat) for name in ("in_w", "x_w", "dt_w", "out_w")]
     )  # fmt: skip
 
 
@@ -139,8 +150,9 @@ class _HeadArgs(ctypes.Structure):
     """HeadArgs of ssm/native, field for field."""
 
     _fields_ = [("vocab", ctypes.c_int64), ("eps", ctypes.c_double)] + [
-        (name, ctypes.c_void_p) for name in ("norm_w", "weight", "logits")
+        (name, ctypes.c_void_p) for name in ("norm_w", "logits")
     ]
+    _fields_ += [("weight", _WMat)]
 
 
 class _Mamba2StepArgs(ctypes.Structure):
@@ -158,21 +170,18 @@ class _Mamba2StepArgs(ctypes.Structure):
         + [
             (name, ctypes.c_void_p)
             for name in (
-                "hidden", "residual", "norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state",
-                "dt_bias", "A", "Dskip", "ssm_state", "gate_w", "out_w", "out_b", "norm2_w", "fc1_w", "fc2_w",
+                "hidden", "residual", "norm_w", "in_b", "conv_w", "conv_b", "conv_state",
+                "dt_bias", "A", "Dskip", "ssm_state", "gate_w", "out_b", "norm2_w",
                 "work", "new_hidden", "new_residual",
             )
         ]
+        + [(name, _WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
     )  # fmt: skip
 
 
 _HEAD = ctypes.POINTER(_HeadArgs)
 declare("mamba_blocks_step", [ctypes.POINTER(_BlockStepArgs), ctypes.c_int64, _HEAD])
 declare("mamba2_blocks_step", [ctypes.POINTER(_Mamba2StepArgs), ctypes.c_int64, _HEAD])
-
-# BlockStepArgs' pointer fields, in MambaBlockWeights' order
-_POINTERS = ("norm_w", "in_w", "in_b", "conv_w", "conv_b", "conv_state", "x_w", "dt_w", "dt_b")
-_POINTERS += ("A", "Dskip", "ssm_state", "out_w", "out_b")
 
 
 def mamba_blocks_step(
@@ -189,18 +198,71 @@ def mamba_blocks_step(
     return None if step is None else step()
 
 
-def _mamba1_args(a: _BlockStepArgs, block: MambaBlockWeights, batch: int, d_model: int) -> int:
+class _Feed:
+    """The C view of a step's tensors in one compute dtype (float32 or float64): each one's
+    pointer, a 16-bit vector widened once into a copy kept alive here, a matrix as a WMat in its
+    own format. ``ok`` turns False, and the step is declined, at the first tensor that does not
+    fit (not on the CPU, not contiguous, a dtype the step cannot read, a gradient to keep)."""
+
+    def __init__(self, compute: torch.dtype):
+        self.compute, self.keep, self.ok = compute, [], True
+        self.grad = torch.is_grad_enabled()
+
+    def _fits(self, t: Tensor) -> bool:
+        fits = t.device.type == "cpu" and t.is_contiguous() and not (self.grad and t.requires_grad)
+        self.ok &= fits
+        return fits
+
+    def vec(self, t: Tensor | None) -> int | None:
+        """A read-only tensor other than a matrix (norm, bias, conv, A, D): the compute dtype, or
+        bfloat16 / float16 widened to it."""
+        if t is None or not self._fits(t):
+            return None
+        if t.dtype != self.compute:
+            if t.dtype not in (torch.bfloat16, torch.float16):
+                self.ok = False
+                return None
+            t = t.to(self.compute)
+            self.keep.append(t)
+        return t.data_ptr()
+
+    def state(self, t: Tensor) -> int | None:
+        """A tensor the step updates in place: in the compute dtype (the states stay wide)."""
+        self.ok &= t.dtype == self.compute
+        return t.data_ptr() if self._fits(t) else None
+
+    def mat(self, t) -> _WMat:
+        """A matrix: the compute dtype, bfloat16 or float16, or a QuantizedMatrix."""
+        m = _WMat()
+        if isinstance(t, QuantizedMatrix):
+            if self._fits(t.data) and self._fits(t.scales) and t.scales.dtype == torch.float32:
+                m.w, m.scale, m.type = t.data.data_ptr(), t.scales.data_ptr(), _W_TYPES[t.scheme]
+            else:
+                self.ok = False
+        elif self._fits(t) and (t.dtype == self.compute or t.dtype in _W_TYPES):
+            m.w, m.type = t.data_ptr(), _W_REAL if t.dtype == self.compute else _W_TYPES[t.dtype]
+        else:
+            self.ok = False
+        return m
+
+
+def _mamba1_args(a: _BlockStepArgs, block: MambaBlockWeights, batch: int, d_model: int, feed: _Feed) -> int:
     """Fill a's sizes and weights; return the scratch the block needs (elements)."""
     dim, N = block.A.shape
     R = block.dt_proj_weight.shape[1]
     a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, block.conv_weight.shape[-1]
     a.eps = block.norm_eps
-    for name, t in zip(_POINTERS, block.tensors()):
-        setattr(a, name, ptr(t))
+    a.norm_w, a.in_b, a.conv_w, a.conv_b = (
+        feed.vec(t) for t in (block.norm_weight, block.in_proj_bias, block.conv_weight, block.conv_bias)
+    )
+    a.dt_b, a.A, a.Dskip, a.out_b = (feed.vec(t) for t in (block.dt_proj_bias, block.A, block.D, block.out_proj_bias))
+    a.conv_state, a.ssm_state = feed.state(block.conv_state), feed.state(block.ssm_state)
+    a.in_w, a.x_w = feed.mat(block.in_proj_weight), feed.mat(block.x_proj_weight)
+    a.dt_w, a.out_w = feed.mat(block.dt_proj_weight), feed.mat(block.out_proj_weight)
     return batch * (d_model + 5 * dim + R + 2 * N)
 
 
-def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_model: int) -> int:
+def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_model: int, feed: _Feed) -> int:
     """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
     them); return the scratch the block needs (elements)."""
     if block.ssm_state.ndim != 4:
@@ -237,15 +299,22 @@ def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_mo
     a.norm_before_gate = int(block.norm_before_gate)
     a.eps, a.gate_eps = block.norm_eps, block.gate_norm_eps
     a.dt_min, a.dt_max = (float(v) for v in block.dt_limit)
-    a.norm_w, a.in_w, a.in_b = ptr(block.norm_weight), ptr(block.in_proj_weight), ptr(block.in_proj_bias)
-    a.conv_w, a.conv_b, a.conv_state = ptr(block.conv_weight), ptr(block.conv_bias), ptr(block.conv_state)
-    a.dt_bias, a.A, a.Dskip, a.ssm_state = ptr(block.dt_bias), ptr(block.A), ptr(block.D), ptr(block.ssm_state)
-    a.gate_w, a.out_w, a.out_b = ptr(block.gate_norm_weight), ptr(block.out_proj_weight), ptr(block.out_proj_bias)
+    a.norm_w, a.in_b, a.conv_w, a.conv_b = (
+        feed.vec(t) for t in (block.norm_weight, block.in_proj_bias, block.conv_weight, block.conv_bias)
+    )
+    a.dt_bias, a.A, a.Dskip = feed.vec(block.dt_bias), feed.vec(block.A), feed.vec(block.D)
+    a.gate_w, a.out_b = feed.vec(block.gate_norm_weight), feed.vec(block.out_proj_bias)
+    a.conv_state, a.ssm_state = feed.state(block.conv_state), feed.state(block.ssm_state)
+    a.in_w, a.out_w = feed.mat(block.in_proj_weight), feed.mat(block.out_proj_weight)
     if block.mlp is not None:
-        a.eps2, a.norm2_w = block.mlp.norm_eps, ptr(block.mlp.norm_weight)
-        a.fc1_w, a.fc2_w = ptr(block.mlp.fc1_weight), ptr(block.mlp.fc2_weight)
+        a.eps2, a.norm2_w = block.mlp.norm_eps, feed.vec(block.mlp.norm_weight)
+        a.fc1_w, a.fc2_w = feed.mat(block.mlp.fc1_weight), feed.mat(block.mlp.fc2_weight)
     return batch * (d_model + E + C + Q + S + H + 3 * F)
 
+
+# the dtype the step computes in, for each dtype of the hidden stream it is given
+_COMPUTE = {torch.float64: torch.float64, torch.float32: torch.float32}
+_COMPUTE.update({torch.bfloat16: torch.float32, torch.float16: torch.float32})
 
 # each kind of block: its C arguments, the function that fills them, the kernel's name
 _KINDS = {
@@ -280,46 +349,50 @@ class MambaBlocksStep:
         head: LMHeadWeights | None = None,
     ) -> MambaBlocksStep | None:
         """See ``mamba_blocks_step`` for the arguments, and for when this is None."""
-        dtype = hidden.dtype
         kind = _KINDS.get(type(blocks[0])) if blocks else None
-        tensors = [hidden] + [t for block in blocks for t in block.tensors() if t is not None]
-        if head is not None:
-            tensors += [head.norm_weight, head.weight]
+        compute = _COMPUTE.get(hidden.dtype)
         if (
             kind is None
+            or compute is None
             or any(type(block) is not type(blocks[0]) for block in blocks)
-            or dtype not in (torch.float32, torch.float64)
-            or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors)
+            or hidden.device.type != "cpu"
             or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            or not ready()
         ):
             return None
-        if not ready():
-            return None
+        if hidden.dtype != compute or not hidden.is_contiguous():  # the stream is wide in the step
+            hidden = hidden.to(compute, memory_format=torch.contiguous_format)
         struct, fill, name = kind
         batch, d_model = hidden.shape
+        feed = _Feed(compute)
         args = (struct * len(blocks))()
         # outputs alternate between two (hidden, residual) pairs: block l reads block l - 1's pair
         pairs = hidden.new_empty(2, 2, batch, d_model)
         pair_ptrs = [(pairs[p, 0].data_ptr(), pairs[p, 1].data_ptr()) for p in (0, 1)]
         work_size = 0
         for i, (a, block) in enumerate(zip(args, blocks)):
-            work_size = max(work_size, fill(a, block, batch, d_model))
+            work_size = max(work_size, fill(a, block, batch, d_model, feed))
             a.nthreads = threads()
             a.hidden, a.residual = (hidden.data_ptr(), None) if i == 0 else pair_ptrs[(i - 1) % 2]
             a.new_hidden, a.new_residual = pair_ptrs[i % 2]
+        h = None
+        if head is not None:
+            h = _HeadArgs()
+            h.vocab, h.eps = head.weight.shape[0], head.norm_eps
+            h.norm_w, h.weight = feed.vec(head.norm_weight), feed.mat(head.weight)
+        if not feed.ok:
+            return None
         work = hidden.new_empty(work_size)
         for a in args:
             a.work = work.data_ptr()
-        tensors += [pairs, work]
-        fn = kernel(name, hidden.dtype)
+        # kept alive with the step: every tensor its pointers lead to
+        tensors = [hidden, list(blocks), head, feed.keep, pairs, work]
+        fn = kernel(name, compute)
         last = (len(blocks) - 1) % 2
         if head is None:
             return cls(tensors, fn, args, None, (pairs[last, 0], pairs[last, 1]))
-        h = _HeadArgs()
-        h.vocab, h.eps = head.weight.shape[0], head.norm_eps
         logits = hidden.new_empty(batch, h.vocab)
-        h.norm_w, h.weight, h.logits = head.norm_weight.data_ptr(), head.weight.data_ptr(), logits.data_ptr()
+        h.logits = logits.data_ptr()
         tensors.append(logits)
         return cls(tensors, fn, args, h, logits)
 

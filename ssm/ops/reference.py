@@ -82,8 +82,27 @@ def _rms(v: list, w, eps: float) -> list:
     return [e * scale * float(wi) for e, wi in zip(v, w)]
 
 
-def _matvec(W: Tensor, v: list, bias=None) -> list:
-    W = W.double()
+def dequantize_ref(q) -> Tensor:
+    """An ``ssm.ops.quant.QuantizedMatrix`` (read by field) as float64 (O, I), input by input:
+    w[r, i] = q[r, i]·scales[r, i // 32], q from int8 data, or for int4 from byte
+    16·(i // 32) + i % 16 of row r, its low nibble for i % 32 < 16 and its high one else, minus 8."""
+    rows, cols = q.data.shape[0], q.in_features
+    out = torch.empty(rows, cols, dtype=torch.float64)
+    data, scales = q.data.tolist(), q.scales.double().tolist()
+    for r in range(rows):
+        for i in range(cols):
+            j, t = divmod(i, 32)
+            if q.scheme == "int8":
+                value = data[r][i]
+            else:
+                byte = data[r][16 * j + t % 16]
+                value = (byte & 15 if t < 16 else byte >> 4) - 8
+            out[r, i] = value * scales[r][j]
+    return out
+
+
+def _matvec(W, v: list, bias=None) -> list:
+    W = dequantize_ref(W) if hasattr(W, "scheme") else W.double()
     out = [float(torch.dot(W[r], torch.tensor(v, dtype=torch.float64))) for r in range(W.shape[0])]
     return out if bias is None else [o + float(b) for o, b in zip(out, bias)]
 

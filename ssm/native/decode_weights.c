@@ -1,0 +1,218 @@
+/* The weight matrices of the decoding steps (decode.c, decode_mamba2.c) in any of their storage
+   formats, read and widened to REAL in registers: the projections y = W·x of one token. The
+   activations, the states and every sum stay in REAL (float32 for the low-precision formats);
+   only the matrices are narrow, since a batch-1 step is bound by reading them. library.c
+   includes this file once per REAL, before decode.c: the types the first time only.
+
+   Formats (WMat.type), for a matrix of n_out rows of n inputs:
+     W_REAL  REAL (n_out, n), the dtype of the step;
+     W_BF16  bfloat16 (n_out, n): the high half of a float32;
+     W_F16   IEEE half (n_out, n), widened exactly (subnormals too);
+     W_Q8    int8 (n_out, n) and float32 scales (n_out, nb), nb = ceil(n / 32): w = q·scale of
+             its block of 32 inputs (the last block of a row may be shorter);
+     W_Q4    bytes (n_out, 16·nb) and float32 scales (n_out, nb): block j of a row is 16 bytes,
+             byte k holding input 32j + k in its low nibble and 32j + 16 + k in its high one,
+             w = (nibble − 8)·scale (padding nibbles hold 8: zero). */
+
+#ifndef SSM_DECODE_WEIGHTS_TYPES
+#define SSM_DECODE_WEIGHTS_TYPES
+
+#define DOT_LANES 16 /* partial sums per row of a decoding step's dot products */
+
+enum { W_REAL = 0, W_BF16 = 1, W_F16 = 2, W_Q8 = 3, W_Q4 = 4 };
+#define QBLOCK 32 /* inputs per scale of W_Q8 / W_Q4 */
+
+/* A matrix as the steps read it: its data, its scales (W_Q8, W_Q4; else NULL), its format. */
+typedef struct {
+    const void *w;
+    const float *scale;
+    i64 type;
+} WMat;
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+/* Branch-free (it vectorises): the magnitude's bits shifted into a float's place, times 2^112
+   to move the exponent's bias from 15 to 127 (exact, subnormals included); inf / NaN kept. */
+static inline float f16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } mag, special, out;
+    mag.u = (uint32_t)(h & 0x7fff) << 13;
+    special.u = mag.u | 0x7f800000u;
+    out.f = (h & 0x7c00) == 0x7c00 ? special.f : mag.f * 0x1p112f;
+    out.u |= (uint32_t)(h & 0x8000) << 16;
+    return out.f;
+}
+
+/* The body of a dot_rows over a 16-bit format: decode.c's dot_rows with each weight widened by
+   WIDEN. Defined as a macro so that the compiler sees a plain loop over uint16_t per format. */
+#define SSM_DOT_ROWS_U16(NAME, WIDEN)                                                                   \
+    static inline void NAME(const uint16_t *W, i64 n, i64 nr, const REAL *x, REAL *y) {                \
+        const uint16_t *w0 = W, *w1 = W + (nr > 1 ? n : 0), *w2 = W + (nr > 2 ? 2 * n : 0);             \
+        const uint16_t *w3 = W + (nr > 3 ? 3 * n : 0);                                                  \
+        REAL a0[DOT_LANES] = {0}, a1[DOT_LANES] = {0}, a2[DOT_LANES] = {0}, a3[DOT_LANES] = {0};        \
+        REAL s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                            \
+        i64 i = 0;                                                                                      \
+        for (; i + DOT_LANES <= n; i += DOT_LANES) {                                                    \
+            _Pragma("omp simd") for (int k = 0; k < DOT_LANES; k++) {                                   \
+                const REAL xv = x[i + k];                                                               \
+                a0[k] += (REAL)WIDEN(w0[i + k]) * xv;                                                   \
+                a1[k] += (REAL)WIDEN(w1[i + k]) * xv;                                                   \
+                a2[k] += (REAL)WIDEN(w2[i + k]) * xv;                                                   \
+                a3[k] += (REAL)WIDEN(w3[i + k]) * xv;                                                   \
+            }                                                                                           \
+        }                                                                                               \
+        for (; i < n; i++) {                                                                            \
+            s0 += (REAL)WIDEN(w0[i]) * x[i];                                                            \
+            s1 += (REAL)WIDEN(w1[i]) * x[i];                                                            \
+            s2 += (REAL)WIDEN(w2[i]) * x[i];                                                            \
+            s3 += (REAL)WIDEN(w3[i]) * x[i];                                                            \
+        }                                                                                               \
+        for (int k = 0; k < DOT_LANES; k++) {                                                           \
+            s0 += a0[k];                                                                                \
+            s1 += a1[k];                                                                                \
+            s2 += a2[k];                                                                                \
+            s3 += a3[k];                                                                                \
+        }                                                                                               \
+        const REAL sums[4] = {s0, s1, s2, s3};                                                          \
+        for (i64 r = 0; r < nr; r++) y[r] = sums[r];                                                    \
+    }
+
+#endif /* SSM_DECODE_WEIGHTS_TYPES */
+
+/* ------------------------------------------------------------------ for one REAL */
+
+/* y[r] = W[r]·x for the nr ≤ 4 rows of W (n apart), read side by side in DOT_LANES partial sums
+   each: one row at a time with one running sum waits on each add's latency and keeps too few
+   reads in flight; four rows sharing x's loads read the weights at the machine's bandwidth,
+   which decoding is bound by (measured: as fast as torch's gemv; one row at a time 1.3x slower). */
+static inline void SUF(dot_rows)(const REAL *W, i64 n, i64 nr, const REAL *x, REAL *y) {
+    const REAL *w0 = W, *w1 = W + (nr > 1 ? n : 0), *w2 = W + (nr > 2 ? 2 * n : 0), *w3 = W + (nr > 3 ? 3 * n : 0);
+    REAL a0[DOT_LANES] = {0}, a1[DOT_LANES] = {0}, a2[DOT_LANES] = {0}, a3[DOT_LANES] = {0};
+    REAL s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    i64 i = 0;
+    for (; i + DOT_LANES <= n; i += DOT_LANES) {
+#pragma omp simd
+        for (int k = 0; k < DOT_LANES; k++) {
+            const REAL xv = x[i + k];
+            a0[k] += w0[i + k] * xv;
+            a1[k] += w1[i + k] * xv;
+            a2[k] += w2[i + k] * xv;
+            a3[k] += w3[i + k] * xv;
+        }
+    }
+    for (; i < n; i++) {
+        s0 += w0[i] * x[i];
+        s1 += w1[i] * x[i];
+        s2 += w2[i] * x[i];
+        s3 += w3[i] * x[i];
+    }
+    for (int k = 0; k < DOT_LANES; k++) {
+        s0 += a0[k];
+        s1 += a1[k];
+        s2 += a2[k];
+        s3 += a3[k];
+    }
+    const REAL sums[4] = {s0, s1, s2, s3};
+    for (i64 r = 0; r < nr; r++) y[r] = sums[r];
+}
+
+SSM_DOT_ROWS_U16(SUF(dot_rows_bf16), bf16_to_f32)
+SSM_DOT_ROWS_U16(SUF(dot_rows_f16), f16_to_f32)
+
+/* y[r] = W[r]·x for nr ≤ 4 rows of a W_Q8 matrix (rows n apart, their scales nb apart): per
+   full block of 32, the two halves' products summed in DOT_LANES lanes and scaled once; the
+   last, partial block one input at a time. */
+static inline void SUF(dot_rows_q8)(const int8_t *W, const float *sc, i64 n, i64 nr, const REAL *x, REAL *y) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK;
+    const int8_t *w[4];
+    const float *s[4];
+    for (int r = 0; r < 4; r++) {
+        w[r] = W + (r < nr ? r : 0) * n;
+        s[r] = sc + (r < nr ? r : 0) * nb;
+    }
+    REAL a0[DOT_LANES] = {0}, a1[DOT_LANES] = {0}, a2[DOT_LANES] = {0}, a3[DOT_LANES] = {0};
+    i64 j = 0;
+    for (; (j + 1) * QBLOCK <= n; j++) {
+        const i64 i = j * QBLOCK;
+        const REAL d0 = s[0][j], d1 = s[1][j], d2 = s[2][j], d3 = s[3][j];
+#pragma omp simd
+        for (int k = 0; k < DOT_LANES; k++) {
+            const REAL xl = x[i + k], xh = x[i + DOT_LANES + k];
+            a0[k] += d0 * ((REAL)w[0][i + k] * xl + (REAL)w[0][i + DOT_LANES + k] * xh);
+            a1[k] += d1 * ((REAL)w[1][i + k] * xl + (REAL)w[1][i + DOT_LANES + k] * xh);
+            a2[k] += d2 * ((REAL)w[2][i + k] * xl + (REAL)w[2][i + DOT_LANES + k] * xh);
+            a3[k] += d3 * ((REAL)w[3][i + k] * xl + (REAL)w[3][i + DOT_LANES + k] * xh);
+        }
+    }
+    REAL sums[4] = {0, 0, 0, 0};
+    for (int r = 0; r < 4; r++) {
+        REAL tail = 0;
+        for (i64 i = j * QBLOCK; i < n; i++) tail += (REAL)w[r][i] * x[i];
+        sums[r] = tail * (j < nb ? (REAL)s[r][j] : 0);
+    }
+    for (int k = 0; k < DOT_LANES; k++) {
+        sums[0] += a0[k];
+        sums[1] += a1[k];
+        sums[2] += a2[k];
+        sums[3] += a3[k];
+    }
+    for (i64 r = 0; r < nr; r++) y[r] = sums[r];
+}
+
+/* The same for a W_Q4 matrix (rows 16·nb bytes apart): a block's byte k gives inputs k (low
+   nibble) and 16 + k (high nibble). */
+static inline void SUF(dot_rows_q4)(const uint8_t *W, const float *sc, i64 n, i64 nr, const REAL *x, REAL *y) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK, row = nb * (QBLOCK / 2);
+    const uint8_t *w[4];
+    const float *s[4];
+    for (int r = 0; r < 4; r++) {
+        w[r] = W + (r < nr ? r : 0) * row;
+        s[r] = sc + (r < nr ? r : 0) * nb;
+    }
+    REAL a0[DOT_LANES] = {0}, a1[DOT_LANES] = {0}, a2[DOT_LANES] = {0}, a3[DOT_LANES] = {0};
+    i64 j = 0;
+    for (; (j + 1) * QBLOCK <= n; j++) {
+        const i64 i = j * QBLOCK, b = j * (QBLOCK / 2);
+        const REAL d0 = s[0][j], d1 = s[1][j], d2 = s[2][j], d3 = s[3][j];
+#pragma omp simd
+        for (int k = 0; k < DOT_LANES; k++) {
+            const REAL xl = x[i + k], xh = x[i + DOT_LANES + k];
+            a0[k] += d0 * ((REAL)((w[0][b + k] & 15) - 8) * xl + (REAL)((w[0][b + k] >> 4) - 8) * xh);
+            a1[k] += d1 * ((REAL)((w[1][b + k] & 15) - 8) * xl + (REAL)((w[1][b + k] >> 4) - 8) * xh);
+            a2[k] += d2 * ((REAL)((w[2][b + k] & 15) - 8) * xl + (REAL)((w[2][b + k] >> 4) - 8) * xh);
+            a3[k] += d3 * ((REAL)((w[3][b + k] & 15) - 8) * xl + (REAL)((w[3][b + k] >> 4) - 8) * xh);
+        }
+    }
+    REAL sums[4] = {0, 0, 0, 0};
+    for (int r = 0; r < 4; r++) {
+        REAL tail = 0;
+        for (i64 i = j * QBLOCK; i < n; i++) {
+            const i64 t = i - j * QBLOCK;
+            const uint8_t byte = w[r][j * (QBLOCK / 2) + (t & 15)];
+            tail += (REAL)((t < 16 ? byte & 15 : byte >> 4) - 8) * x[i];
+        }
+        sums[r] = tail * (j < nb ? (REAL)s[r][j] : 0);
+    }
+    for (int k = 0; k < DOT_LANES; k++) {
+        sums[0] += a0[k];
+        sums[1] += a1[k];
+        sums[2] += a2[k];
+        sums[3] += a3[k];
+    }
+    for (i64 r = 0; r < nr; r++) y[r] = sums[r];
+}
+
+/* y[r] = row o + r of W times x, r < nr ≤ 4, in W's format (n inputs). */
+static inline void SUF(dot_rows_any)(const WMat *W, i64 n, i64 o, i64 nr, const REAL *x, REAL *y) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK;
+    switch (W->type) {
+    case W_BF16: SUF(dot_rows_bf16)((const uint16_t *)W->w + o * n, n, nr, x, y); break;
+    case W_F16: SUF(dot_rows_f16)((const uint16_t *)W->w + o * n, n, nr, x, y); break;
+    case W_Q8: SUF(dot_rows_q8)((const int8_t *)W->w + o * n, W->scale + o * nb, n, nr, x, y); break;
+    case W_Q4: SUF(dot_rows_q4)((const uint8_t *)W->w + o * nb * (QBLOCK / 2), W->scale + o * nb, n, nr, x, y); break;
+    default: SUF(dot_rows)((const REAL *)W->w + o * n, n, nr, x, y);
+    }
+}
