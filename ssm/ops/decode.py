@@ -361,7 +361,7 @@ class MambaBlocksStep:
         ):
             return None
         if hidden.dtype != compute or not hidden.is_contiguous():  # the stream is wide in the step
-            hidden = hidden.to(compute, memory_format=torch.contiguous_format)
+            hidden = hidden.to(compute).contiguous()
         struct, fill, name = kind
         batch, d_model = hidden.shape
         feed = _Feed(compute)

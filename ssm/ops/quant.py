@@ -96,4 +96,4 @@ def dequantize_rows(q: QuantizedMatrix, lo: int = 0, hi: int | None = None) -> T
     else:
         b = data.reshape(rows, nb, BLOCK // 2)
         ints = torch.cat([(b & 15), (b >> 4)], -1).float() - 8  # (rows, nb, 32)
-    return (ints * s[..., None]).reshape(rows, nb * BLOCK)[:, : q.in_features]
+    return (ints * s[..., None]).reshape(rows, nb * BLOCK)[:, : q.in_features].contiguous()

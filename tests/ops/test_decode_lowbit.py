@@ -117,6 +117,24 @@ def test_states_of_another_dtype_are_declined():
     assert ops.mamba_blocks_step(torch.randn(1, 40), [blk]) is None
 
 
+def test_a_strided_hidden_is_read_as_its_values():
+    """A 16-bit or strided input (an embedding's rows sliced out of wider ones) is copied into
+    the step's own contiguous float32 stream, never read by its storage."""
+    g = torch.Generator().manual_seed(15)
+    blocks = mamba1_blocks(1, 3, 40, 70, 4, 3, 4, g, torch.float32)
+    wide = torch.randn(3, 64, generator=g)
+    copies = [dataclasses.replace(b, conv_state=b.conv_state.clone(), ssm_state=b.ssm_state.clone()) for b in blocks]
+    want = ops.mamba_blocks_step(wide[:, :40].contiguous(), copies)
+    for hidden in (wide[:, :40], wide[:, :40].bfloat16().float()):
+        copies = [
+            dataclasses.replace(b, conv_state=b.conv_state.clone(), ssm_state=b.ssm_state.clone()) for b in blocks
+        ]
+        got = ops.mamba_blocks_step(hidden, copies)
+        if hidden.is_contiguous():
+            continue
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantize_matrix_round_trip(scheme):
     """Each weight within half a step of its block's scale; the scale is the block's largest
