@@ -9,6 +9,7 @@ from torch import nn
 from ..ops import GatedMLPWeights
 from .cache import LayerCache
 from .norm import RMSNorm, upcast
+from .quant import decoding_matrix
 
 
 class GatedMLP(nn.Module):
@@ -65,8 +66,8 @@ class Block(nn.Module):
         mlp = GatedMLPWeights(
             norm_weight=self.norm2.weight,
             norm_eps=self.norm2.eps,
-            fc1_weight=self.mlp.fc1.weight,
-            fc2_weight=self.mlp.fc2.weight,
+            fc1_weight=decoding_matrix(self.mlp.fc1),
+            fc2_weight=decoding_matrix(self.mlp.fc2),
         )
         return self.mixer.step_weights(self.norm, cache, mlp=mlp)
 

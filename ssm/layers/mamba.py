@@ -12,6 +12,7 @@ from ..ops import MambaBlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import selective_scan, selective_scan_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
 from .norm import RMSNorm, upcast
+from .quant import decoding_matrix
 
 
 def no_weight_decay(p: nn.Parameter) -> nn.Parameter:
@@ -170,18 +171,18 @@ class Mamba(nn.Module):
         return MambaBlockWeights(
             norm_weight=norm.weight,
             norm_eps=norm.eps,
-            in_proj_weight=self.in_proj.weight,
+            in_proj_weight=decoding_matrix(self.in_proj),
             in_proj_bias=self.in_proj.bias,
             conv_weight=self.conv1d.weight,
             conv_bias=self.conv1d.bias,
             conv_state=cache.conv_state,
-            x_proj_weight=self.x_proj.weight,
+            x_proj_weight=decoding_matrix(self.x_proj),
             dt_proj_weight=self.dt_proj.weight,
             dt_proj_bias=self.dt_proj.bias,
             A=decoding_A(self),
             D=self.D,
             ssm_state=cache.ssm_state,
-            out_proj_weight=self.out_proj.weight,
+            out_proj_weight=decoding_matrix(self.out_proj),
             out_proj_bias=self.out_proj.bias,
         )
 
@@ -193,5 +194,5 @@ def decoding_A(mixer: nn.Module) -> torch.Tensor:
     memo = getattr(mixer, "_decay_memo", None)
     if memo is None or memo[0] != key:
         with torch.no_grad():
-            memo = mixer._decay_memo = (key, -torch.exp(mixer.A_log))
+            memo = mixer._decay_memo = (key, -torch.exp(upcast(mixer.A_log)))
     return memo[1]

@@ -12,6 +12,7 @@ from ..scan import ssd, ssd_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
 from .mamba import decoding_A, dt_bias_init, no_weight_decay
 from .norm import RMSNorm, RMSNormGated, upcast
+from .quant import decoding_matrix
 
 
 class Mamba2(nn.Module):
@@ -196,7 +197,7 @@ class Mamba2(nn.Module):
         return Mamba2BlockWeights(
             norm_weight=norm.weight,
             norm_eps=norm.eps,
-            in_proj_weight=self.in_proj.weight,
+            in_proj_weight=decoding_matrix(self.in_proj),
             in_proj_bias=self.in_proj.bias,
             conv_weight=self.conv1d.weight,
             conv_bias=self.conv1d.bias,
@@ -211,7 +212,7 @@ class Mamba2(nn.Module):
             gate_norm_eps=0.0 if gate is None else gate.eps,
             gate_norm_group=self.d_ssm if gate is None else gate.group_size,
             norm_before_gate=False if gate is None else gate.norm_before_gate,
-            out_proj_weight=self.out_proj.weight,
+            out_proj_weight=decoding_matrix(self.out_proj),
             out_proj_bias=self.out_proj.bias,
             mlp=mlp,
         )

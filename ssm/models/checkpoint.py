@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import MambaConfig
+from .quantize import build_quantized, read_quantization, save_quantization
 
 CONFIG, BIN, SAFETENSORS = "config.json", "pytorch_model.bin", "model.safetensors"
 INDEX_SUFFIX = ".index.json"  # model.safetensors.index.json, pytorch_model.bin.index.json
@@ -31,6 +32,7 @@ def save_pretrained(model, directory, safe_serialization: bool = False) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    save_quantization(model, directory)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if safe_serialization:
         if model.config.tie_embeddings:
@@ -64,6 +66,9 @@ def from_pretrained(cls, name_or_path, *, device=None, dtype=None, backend="auto
         state = {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
 
     model = cls(config, backend=backend, device="meta")
+    quantization = read_quantization(directory)
+    if quantization is not None:  # the quantised layers, to take the saved integers as they are
+        build_quantized(model, quantization)
     load_state_dict_strict(model, state)
     return model.to(device=device, dtype=dtype)
 
@@ -241,10 +246,10 @@ def load_state_dict_strict(model, state: dict) -> None:
     for n, p in model.named_parameters():
         for key, value in markers.get(n, {}).items():
             setattr(p, key, value)
-    if tied:
+    if tied and isinstance(model.lm_head, torch.nn.Linear):  # (a quantised head is read by the embedding)
         model.lm_head.weight = model.backbone.embedding.weight
-    # Buffers-free model: every parameter now holds checkpoint data; check nothing stayed on meta.
-    left = [n for n, p in model.named_parameters() if p.is_meta]
+    # every parameter and buffer (a quantised layer's) now holds checkpoint data; check nothing stayed on meta
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if left:
         raise ValueError(f"checkpoint left parameters uninitialised: {left}")
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..layers import MHA, AttentionCache, Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, Mamba3Cache, RMSNorm
+from ..layers.quant import decoding_matrix
 from ..ops import LMHeadWeights, MambaBlocksStep, mamba_blocks_step
 from .config import MambaConfig
 
@@ -133,8 +134,8 @@ class MambaBackbone(nn.Module):
         parts = self._fused_parts(cache, lm_head, cache.batch_size)
         if parts is None:
             return None
-        weight = self.embedding.weight
-        step = MambaBlocksStep.prepare(weight.new_empty(cache.batch_size, weight.shape[1]), *parts)
+        norm = self.norm_f.weight  # the stream's width and dtype (the step widens a 16-bit one)
+        step = MambaBlocksStep.prepare(norm.new_empty(cache.batch_size, norm.shape[0]), *parts)
         if step is None:
             return None
 
@@ -155,12 +156,17 @@ class MambaBackbone(nn.Module):
             # (one copy per cache: later calls find it so)
             if isinstance(layer_cache, LayerCache) and not layer_cache.conv_state.is_contiguous():
                 layer_cache.conv_state = layer_cache.conv_state.contiguous()
+            # a 16-bit model's conv state is kept in float32 by the C step, as its SSM state
+            # (one copy per cache; the tensor path reads either)
+            if isinstance(layer_cache, LayerCache) and layer_cache.conv_state.dtype in (torch.bfloat16, torch.float16):
+                layer_cache.conv_state = layer_cache.conv_state.float()
             weights = layer.step_weights(layer_cache)
             if weights is None:
                 return None
             layer_cache.check_batch(batch)
             blocks.append(weights)
-        return blocks, LMHeadWeights(norm_weight=self.norm_f.weight, norm_eps=self.norm_f.eps, weight=lm_head.weight)
+        head = LMHeadWeights(norm_weight=self.norm_f.weight, norm_eps=self.norm_f.eps, weight=decoding_matrix(lm_head))
+        return blocks, head
 
 
 class MambaLM(nn.Module):
@@ -179,6 +185,7 @@ class MambaLM(nn.Module):
         if not isinstance(config, MambaConfig):
             raise ValueError(f"config must be a MambaConfig, got {type(config).__name__}")
         self.config = config
+        self.quantization: dict | None = None  # set by quantize: scheme, block_size, modules
         self.backbone = MambaBackbone(config, backend=backend, device=device, dtype=dtype)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
         self.reset_parameters()
@@ -386,16 +393,36 @@ class MambaLM(nn.Module):
 
         return step
 
+    def quantize(self, scheme: str = "int8") -> MambaLM:
+        """Quantise the matrices that decoding reads in bulk to ``scheme`` ("int8" or "int4":
+        weight-only, a float32 scale per block of 32 inputs; ssm.ops.quant), in place; returns
+        the model. Which layers stay in the float dtype, and why: ssm/models/quantize.py. The
+        fused CPU step then reads the integers as they are (states and sums in float32);
+        ``save_pretrained`` stores them with a quantization_config.json, and ``from_pretrained``
+        loads them back without quantising again. A model is quantised once (ValueError else)."""
+        from .quantize import quantize_model
+
+        quantize_model(self, scheme)
+        return self
+
     def save_pretrained(self, save_directory, safe_serialization: bool = False) -> None:
         """Write config.json and pytorch_model.bin (mamba-ssm's format; model.safetensors with
-        ``safe_serialization``) into ``save_directory``."""
+        ``safe_serialization``) into ``save_directory``; a quantised model's
+        quantization_config.json too."""
         from .checkpoint import save_pretrained
 
         save_pretrained(self, save_directory, safe_serialization)
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path, *, dtype=None, device=None, backend: str = "auto", revision: str | None = None
+        cls,
+        name_or_path,
+        *,
+        dtype=None,
+        device=None,
+        backend: str = "auto",
+        revision: str | None = None,
+        quantize: str | None = None,
     ) -> MambaLM:
         """Load a model from a local directory in mamba-ssm's format (config.json with
         MambaConfig fields) or transformers' (config.json with hidden_size, num_hidden_layers,
@@ -405,10 +432,14 @@ class MambaLM(nn.Module):
         ``name_or_path`` that is not a directory is taken as a Hugging Face hub repo id
         (``state-spaces/mamba-130m-hf``, at ``revision``), fetched or read from the hub cache by
         huggingface_hub (``pip install "ssm-scan[hub]"``); with HF_HUB_OFFLINE=1 only the cache
-        is read. ``dtype``: None or "auto" keeps the checkpoint's, else a torch dtype or its name."""
+        is read. ``dtype``: None or "auto" keeps the checkpoint's, else a torch dtype or its name
+        (a quantised model's scales stay float32). A checkpoint saved quantised (with its
+        quantization_config.json) loads quantised; ``quantize`` ("int8", "int4") quantises a
+        float checkpoint after loading (``quantize``)."""
         from .checkpoint import from_pretrained
 
-        return from_pretrained(cls, name_or_path, device=device, dtype=dtype, backend=backend, revision=revision)
+        model = from_pretrained(cls, name_or_path, device=device, dtype=dtype, backend=backend, revision=revision)
+        return model if quantize is None else model.quantize(quantize)
 
 
 def _check_left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,160 @@
+"""Low-precision decoding of a MambaLM: a bfloat16 / float16 model and an int8 / int4 quantised
+one (``MambaLM.quantize``) decode through the fused C step, which equals the model's own tensor
+path (the C kernels switched off) on the same weights; quantised checkpoints save and load
+without quantising again; the errors name the argument."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ssm import MambaConfig, MambaLM
+from ssm.layers.quant import QuantEmbedding, QuantLinear
+from ssm.native import library
+from ssm.ops import decode
+
+CONFIGS = {
+    "mamba1": dict(ssm_cfg={"d_state": 8}),
+    "mamba2+mlp": dict(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4}, d_intermediate=40),
+    "mamba1-untied": dict(ssm_cfg={"d_state": 8}, tie_embeddings=False),
+}
+
+
+def tiny(kind) -> MambaLM:
+    """d_model 48: the projections have a full block of 32 inputs and a short one."""
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig(d_model=48, n_layer=2, vocab_size=45, **CONFIGS[kind])).eval()
+    with torch.no_grad():  # larger weights than the init's, so that a wrong rounding shows in the tokens
+        for name, p in model.named_parameters():
+            if name.endswith(("in_proj.weight", "out_proj.weight", "fc1.weight", "fc2.weight")):
+                p.mul_(3)
+    return model
+
+
+def decode_both(model, monkeypatch, steps=10):
+    """Greedy tokens and the step logits, fused (the C step, which must be taken) and on the
+    tensor path (SSM_CPU_KERNEL=0)."""
+    if library() is None:
+        pytest.fail("the C library did not build: the fused low-precision step is untested")
+    ids = torch.randint(0, 45, (3, 4), generator=torch.Generator().manual_seed(2))
+    results = []
+    prepare = decode.MambaBlocksStep.prepare.__func__
+    for env in ("1", "0"):
+        monkeypatch.setenv("SSM_CPU_KERNEL", env)
+        taken = []
+
+        def spy(cls, *args, **kwargs):
+            out = prepare(cls, *args, **kwargs)
+            taken.append(out is not None)
+            return out
+
+        monkeypatch.setattr(decode.MambaBlocksStep, "prepare", classmethod(spy))
+        tokens = model.generate(ids, steps, temperature=0)
+        cache = model.allocate_inference_cache(3)
+        fixed = torch.randint(0, 45, (3, 4 + steps), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():  # the logits of the same tokens on both paths
+            model(fixed[:, :4], cache=cache)
+            logits = torch.stack([model.step(fixed[:, t], cache).float() for t in range(4, 4 + steps)], 1)
+        results.append((tokens, logits, taken))
+    (fused_tokens, fused_logits, taken), (tokens, logits, untaken) = results
+    assert taken and all(taken), "the fused step was not taken"
+    assert not any(untaken), "the fused step ran without the C library"
+    return fused_tokens, fused_logits, tokens, logits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["mamba1", "mamba2+mlp"])
+def test_a_16bit_model_decodes_through_the_fused_step(kind, dtype, monkeypatch):
+    """The fused step keeps the stream in float32 where the tensor path rounds each layer's
+    output to 16 bits: the logits agree to 16-bit precision, and the greedy tokens but where
+    that rounding decides a near tie (then the rows go their own ways): where a row's tokens
+    first differ, the two tokens' logits differ by less than 16-bit rounding there."""
+    model = tiny(kind).to(dtype)
+    fused_tokens, fused_logits, tokens, logits = decode_both(model, monkeypatch)
+    torch.testing.assert_close(fused_logits, logits, rtol=0.05, atol=0.05)
+    for row in range(tokens.shape[0]):
+        differ = (fused_tokens[row] != tokens[row]).nonzero()
+        if len(differ):
+            t = int(differ[0])
+            with torch.no_grad():
+                last = model(tokens[row : row + 1, :t])[0, -1].float()
+            assert abs(last[fused_tokens[row, t]] - last[tokens[row, t]]) < 0.05, f"row {row} parts at {t}"
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_a_quantised_model_decodes_through_the_fused_step(kind, scheme, monkeypatch):
+    """Both paths compute in float32 from the same dequantised weights: equal to float32
+    rounding, and the same tokens."""
+    model = tiny(kind).quantize(scheme)
+    fused_tokens, fused_logits, tokens, logits = decode_both(model, monkeypatch)
+    torch.testing.assert_close(fused_logits, logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fused_tokens, tokens)
+
+
+def test_int8_keeps_the_float_model_s_greedy_tokens():
+    model = tiny("mamba2+mlp")
+    ids = torch.randint(0, 45, (3, 4), generator=torch.Generator().manual_seed(2))
+    want = model.generate(ids, 16, temperature=0)
+    assert torch.equal(model.quantize("int8").generate(ids, 16, temperature=0), want)
+
+
+def test_what_quantize_replaces_and_keeps():
+    model = tiny("mamba1")
+    dt_proj = model.backbone.layers[0].mixer.dt_proj.weight.clone()
+    model.quantize("int8")
+    mixer = model.backbone.layers[0].mixer
+    assert all(isinstance(m, QuantLinear) for m in (mixer.in_proj, mixer.x_proj, mixer.out_proj, model.lm_head))
+    assert isinstance(model.backbone.embedding, QuantEmbedding)  # tied: reads the head's integers
+    assert torch.equal(mixer.dt_proj.weight, dt_proj)  # the Δ projection stays float
+    assert mixer.in_proj.qweight.dtype == torch.int8 and mixer.in_proj.scales.dtype == torch.float32
+    # no float matrix left: the largest float tensors are A_log (D, N) = 768 and dt_proj (D, R) = 288
+    assert max(p.numel() for p in model.parameters()) <= 768
+    model.to(torch.bfloat16)
+    assert mixer.in_proj.scales.dtype == torch.float32  # the scales never narrow
+    untied = tiny("mamba1-untied").quantize("int8")
+    assert isinstance(untied.backbone.embedding, torch.nn.Embedding)
+
+
+@pytest.mark.parametrize("safe", [True, False])
+@pytest.mark.parametrize("kind", ["mamba1", "mamba2+mlp", "mamba1-untied"])
+def test_quantise_save_load_gives_the_same_tokens(kind, safe, tmp_path):
+    model = tiny(kind).quantize("int8")
+    ids = torch.randint(0, 45, (2, 4), generator=torch.Generator().manual_seed(3))
+    want = model.generate(ids, 12, temperature=0)
+    model.save_pretrained(tmp_path, safe_serialization=safe)
+    spec = json.loads((tmp_path / "quantization_config.json").read_text())
+    assert spec["scheme"] == "int8" and spec["block_size"] == 32 and "lm_head" in spec["modules"]
+    loaded = MambaLM.from_pretrained(tmp_path)
+    assert loaded.quantization == model.quantization
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name  # loaded as saved, not quantised again
+    assert torch.equal(loaded.generate(ids, 12, temperature=0), want)
+    # a float model saved over it leaves no stale quantization_config.json
+    tiny(kind).save_pretrained(tmp_path, safe_serialization=safe)
+    assert not (tmp_path / "quantization_config.json").exists()
+    assert MambaLM.from_pretrained(tmp_path).quantization is None
+
+
+def test_from_pretrained_quantize_equals_quantize(tmp_path):
+    tiny("mamba1").save_pretrained(tmp_path)
+    a = MambaLM.from_pretrained(tmp_path, quantize="int4")
+    b = tiny("mamba1").quantize("int4")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+def test_bad_quantisation_requests_name_the_argument(tmp_path):
+    with pytest.raises(ValueError, match="scheme must be one of \\['int8', 'int4'\\], got 'int3'"):
+        tiny("mamba1").quantize("int3")
+    model = tiny("mamba1").quantize("int8")
+    with pytest.raises(ValueError, match="scheme 'int4': this model is already quantised \\(int8\\)"):
+        model.quantize("int4")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="already quantised"):
+        MambaLM.from_pretrained(tmp_path, quantize="int8")
+    (tmp_path / "quantization_config.json").write_text(json.dumps({**model.quantization, "scheme": "int2"}))
+    with pytest.raises(ValueError, match="quantization_config.json's 'scheme' must be one of"):
+        MambaLM.from_pretrained(tmp_path)
