@@ -10,6 +10,8 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
+
 from ssm.scan import backends
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
@@ -264,3 +266,18 @@ def test_decode_mode_runs_mamba2_against_transformers_mamba2(tmp_path):
     for r in report["results"]:
         assert r["tokens_per_s"]["ssm"] > 0
         assert r["same_tokens"] is (True if "transformers" in r["tokens_per_s"] else None)
+
+
+@pytest.mark.parametrize("extra", [["--dtype", "bfloat16"], ["--quantize", "int8"], ["--quantize", "int4"]])
+def test_decode_mode_at_low_precision(tmp_path, extra):
+    """--dtype / --quantize: ssm decodes in that precision (the weights' bytes shrink with it);
+    its tokens are reported against the peer's, not required to agree."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "d.json"
+    args = ["--op", "decode", "--d-model", "32", "--layers", "2", "--vocab", "50", "--new-tokens", "4"]
+    args += ["--prompt-length", "3", "--decode-batches", "1", "--device", "cpu", "--json", str(path), *extra]
+    assert main(args) == 0
+    report = json.loads(path.read_text())
+    assert report["results"][0]["tokens_per_s"]["ssm"] > 0
+    params = report["parameters"]
+    assert report["weight_bytes"] < 2.5 * params  # float32 would be 4 bytes a weight
