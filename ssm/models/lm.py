@@ -120,7 +120,9 @@ class MambaBackbone(nn.Module):
         """``lm_head(forward(input_ids, cache, step=True))`` in one C call — every block, the final
         norm and ``lm_head`` — where it applies (Mamba-1 blocks without an MLP or Mamba-2 blocks,
         RMSNorms, on the CPU, without gradients: ``ssm.ops.mamba_blocks_step``); else None, and the
-        caller steps the blocks one by one. Same numbers either way."""
+        caller steps the blocks one by one. Same numbers either way, but for a bfloat16 / float16
+        model, whose fused step keeps the stream in float32 (its logits float32) where the tensor
+        path rounds each layer's output to 16 bits."""
         if input_ids.ndim != 1:
             return None
         parts = self._fused_parts(cache, lm_head, input_ids.shape[0])

@@ -8,8 +8,15 @@ runs one step; ``MambaBlocksStep.prepare`` builds the C arguments once for a cal
 many tokens with the same tensors (``MambaLM.generate``).
 
 Both return None where the C step does not apply, and the caller steps its layers one by one
-(same numbers): every tensor on the CPU, contiguous, of one dtype (float32 or float64), no
-gradient to keep, not inside torch.compile, the library built, every block of one kind.
+(same numbers): every tensor on the CPU, contiguous, no gradient to keep, not inside
+torch.compile, the library built, every block of one kind, and the dtypes one of these:
+
+    float64 everything: the step computes in float64;
+    float32 (or a bfloat16 / float16 ``hidden``, copied into float32): the step computes in
+    float32, the two states float32, the other vectors float32 or bfloat16 / float16 (widened
+    once), each matrix (the projections, the MLP's, the head) float32, bfloat16, float16 or an
+    int8 / int4 ``QuantizedMatrix`` (ssm.ops.quant), read as stored and widened in registers
+    (ssm/native/decode_weights.c). The output (logits, or hidden and residual) is float32.
 ``mamba_blocks_step_ref`` and ``mamba2_blocks_step_ref`` (reference.py) compute the same steps
 in plain float64 loops.
 
@@ -37,23 +44,24 @@ class MambaBlockWeights:
     """One Mamba-1 block's decoding step: residual ← hidden + residual (the first block:
     residual ← hidden); x = RMSNorm(residual); the mixer's step on x (in_proj, the causal conv's
     step and SiLU, x_proj, dt_proj with softplus, the selective step gated by SiLU(z), out_proj).
-    Every tensor of one dtype, contiguous; a bias may be None. The two states are updated in
+    Dtypes: see the module's docstring (a matrix may be narrower, or a QuantizedMatrix);
+    contiguous; a bias may be None. The two states are updated in
     place."""
 
     norm_weight: Tensor  # (M,)
     norm_eps: float
-    in_proj_weight: Tensor  # (2·D, M): x rows then z rows
+    in_proj_weight: Tensor | QuantizedMatrix  # (2·D, M): x rows then z rows
     in_proj_bias: Tensor | None  # (2·D,)
     conv_weight: Tensor  # (D, 1, K) or (D, K)
     conv_bias: Tensor | None  # (D,)
     conv_state: Tensor  # (B, D, K): the last K conv inputs, most recent last
-    x_proj_weight: Tensor  # (R + 2·N, D): dt rows, B rows, C rows
-    dt_proj_weight: Tensor  # (D, R)
+    x_proj_weight: Tensor | QuantizedMatrix  # (R + 2·N, D): dt rows, B rows, C rows
+    dt_proj_weight: Tensor | QuantizedMatrix  # (D, R)
     dt_proj_bias: Tensor | None  # (D,)
     A: Tensor  # (D, N) = -exp(A_log)
     D: Tensor | None  # (D,): the skip
     ssm_state: Tensor  # (B, D, N)
-    out_proj_weight: Tensor  # (M, D)
+    out_proj_weight: Tensor | QuantizedMatrix  # (M, D)
     out_proj_bias: Tensor | None  # (M,)
 
     def tensors(self) -> list[Tensor | None]:
@@ -67,8 +75,8 @@ class GatedMLPWeights:
 
     norm_weight: Tensor  # (M,)
     norm_eps: float
-    fc1_weight: Tensor  # (2·F, M): f rows then g rows
-    fc2_weight: Tensor  # (M, F)
+    fc1_weight: Tensor | QuantizedMatrix  # (2·F, M): f rows then g rows
+    fc2_weight: Tensor | QuantizedMatrix  # (M, F)
 
 
 @dataclass(frozen=True)
@@ -79,12 +87,13 @@ class Mamba2BlockWeights:
     Δ = clamp(softplus(dt + dt_bias), *dt_limit), h ← exp(Δ·A)·h + Δ·B·xᵀ, y = C·h + D·x;
     y = RMSNorm(y·SiLU(z)) per group of ``gate_norm_group`` channels (or RMSNorm(y)·SiLU(z) with
     ``norm_before_gate``, or y·SiLU(z) without a gate norm); hidden = out_proj [SiLU(z0)·x0, y];
-    then the block's ``mlp`` if any. Every tensor of one dtype, contiguous; a bias may be None.
+    then the block's ``mlp`` if any. Dtypes: see the module's docstring; contiguous; a bias may
+    be None.
     The two states are updated in place."""
 
     norm_weight: Tensor  # (M,)
     norm_eps: float
-    in_proj_weight: Tensor  # (E, M): z0, x0 (Q each), z (S), xBC (C), dt (H) rows
+    in_proj_weight: Tensor | QuantizedMatrix  # (E, M): z0, x0 (Q each), z (S), xBC (C), dt (H) rows
     in_proj_bias: Tensor | None  # (E,)
     conv_weight: Tensor  # (C, 1, K) or (C, K)
     conv_bias: Tensor | None  # (C,)
@@ -99,7 +108,7 @@ class Mamba2BlockWeights:
     gate_norm_eps: float
     gate_norm_group: int  # channels per norm group: a multiple of P dividing S
     norm_before_gate: bool
-    out_proj_weight: Tensor  # (M, Q + S)
+    out_proj_weight: Tensor | QuantizedMatrix  # (M, Q + S)
     out_proj_bias: Tensor | None  # (M,)
     mlp: GatedMLPWeights | None = None
 
@@ -116,7 +125,7 @@ class LMHeadWeights:
 
     norm_weight: Tensor  # (M,)
     norm_eps: float
-    weight: Tensor  # (V, M)
+    weight: Tensor | QuantizedMatrix  # (V, M)
 
 
 class _WMat(ctypes.Structure):
