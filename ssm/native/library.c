@@ -3,9 +3,8 @@
 
    Each family of kernels lives in its own file (selective.c, linear.c, conv.c, norm.c,
    decode_weights.c, decode.c, decode_mamba2.c) over common.h; this file includes every family
-   twice, REAL =
-   float then double, so that every kernel exists as name_f32 and name_f64. One library keeps
-   start-up to one compile and one load per process. */
+   twice, REAL = float then double, so that every kernel exists as name_f32 and name_f64. One
+   library keeps start-up to one compile and one load per process. */
 
 #include "common.h"
 
