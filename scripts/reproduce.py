@@ -66,6 +66,7 @@ STAGES = {
         Stage(1024, 8, 800, 128),
         Stage(4096, 4, 800, 128),
         Stage(4096, 4, 400, 128, lr=1e-4),  # the paper's rate, to settle
+        Stage(4096, 4, 400, 128, lr=1e-4),
     ],
 }
 # --tiny: the same path in seconds (a 1-layer d_model-16 model, a few steps per stage).
