@@ -45,7 +45,7 @@ def comma_ints(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that several ops read (each op's own are added by its module)."""
-    parser.add_argument("--batch", type=int, default=None, help="default 1 (8 for train-step)")
+    parser.add_argument("--batch", type=int, default=None, help="default 1 (8 for train-step and hybrid)")
     parser.add_argument("--dim", type=int, default=1536)
     parser.add_argument("--state", type=int, default=16, help="N, the state size per channel")
     parser.add_argument("--length", type=int, default=None, help="default 1024 (512 for train-step)")
@@ -87,9 +87,9 @@ def fill_defaults(args: argparse.Namespace) -> None:
     if args.layers is None:
         args.layers = 24 if args.op in ("decode", "text") else 4
     if args.batch is None:
-        args.batch = 8 if args.op == "train-step" else 1
+        args.batch = 8 if args.op in ("train-step", "hybrid") else 1
     if args.length is None:
-        args.length = 512 if args.op == "train-step" else 1024
+        args.length = 512 if args.op in ("train-step", "hybrid") else 1024
 
 
 def config_of(args: argparse.Namespace) -> dict:

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from . import report
 from .common import comma_ints, config_of, describe_device, synchronize
-from .train_step import time_train_steps
 
 
 def add_arguments(parser) -> None:
@@ -64,16 +63,17 @@ def build(args, device, hybrid: bool):
     return MambaLM(config).to(device)
 
 
-def decode_tokens_per_s(model, args, device, position: int) -> float:
-    """Greedy steps per second at batch 1 from a cache prefilled with ``position`` tokens."""
+def decode_runner(model, args, device, position: int):
+    """A function timing ``--new-tokens`` greedy steps at batch 1 from a copy of a cache
+    prefilled with ``position`` tokens; returns seconds."""
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, 256, (1, position), generator=g).to(device)
-    model.eval()
     with torch.no_grad():
         cache = model.allocate_inference_cache(1, device=device, max_seqlen=position + args.new_tokens)
         first = model(prompt, cache=cache, num_last_tokens=1)[:, -1, :256].argmax(-1)
 
-        def run() -> float:
+    def run() -> float:
+        with torch.no_grad():
             state, token = cache.map(lambda t: t.clone()), first
             synchronize(device)
             start = time.perf_counter()
@@ -82,10 +82,20 @@ def decode_tokens_per_s(model, args, device, position: int) -> float:
             synchronize(device)
             return time.perf_counter() - start
 
-        for _ in range(args.warmup):
-            run()
-        seconds = statistics.median(run() for _ in range(args.repeats))
-    return args.new_tokens / seconds
+    return run
+
+
+def alternate(runners: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Each runner's seconds over ``repeats`` rounds after ``warmup``, the runners taking turns
+    within every round, so that a change in the machine's load falls on all of them alike."""
+    for _ in range(warmup):
+        for fn in runners.values():
+            fn()
+    times = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, fn in runners.items():
+            times[name].append(fn())
+    return times
 
 
 def run(args) -> tuple[int, dict | None]:
@@ -93,24 +103,41 @@ def run(args) -> tuple[int, dict | None]:
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, 256, (args.batch, args.length + 1), generator=g).to(device)
     inputs, targets = ids[:, :-1], ids[:, 1:]
-    rows = {}
-    for name, hybrid in (("all Mamba-1", False), (f"hybrid, attention at {attention_layers(args)}", True)):
-        model = build(args, device, hybrid).train()
+    names = {"all Mamba-1": False, f"hybrid, attention at {attention_layers(args)}": True}
+    models = {name: build(args, device, hybrid).train() for name, hybrid in names.items()}
 
-        def step(model=model) -> float:
+    def step_runner(model):
+        def step() -> float:
+            start = time.perf_counter()
             model.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(inputs)[..., :256].reshape(-1, 256).float(), targets.reshape(-1))
             loss.backward()
-            return loss.item()
+            synchronize(device)
+            return time.perf_counter() - start
 
-        print(f"measuring {name}: training step ...", file=sys.stderr, flush=True)
-        _, first, times = time_train_steps(step, args.warmup, args.repeats)
-        decode = {}
-        for position in args.decode_positions:
-            print(f"measuring {name}: decoding at position {position} ...", file=sys.stderr, flush=True)
-            decode[position] = decode_tokens_per_s(model, args, device, position)
-        params = sum(p.numel() for p in model.parameters())
-        rows[name] = {"params": params, "first_s": first, "step_s": times, "decode_tok_s": decode}
+        return step
+
+    print("measuring the training steps (the two models take turns) ...", file=sys.stderr, flush=True)
+    steps = {name: step_runner(model) for name, model in models.items()}
+    first = {name: fn() for name, fn in steps.items()}
+    step_s = alternate(steps, args.warmup, args.repeats)
+    decode = {name: {} for name in models}
+    for model in models.values():
+        model.eval()
+    for position in args.decode_positions:
+        print(f"measuring decoding at position {position} (taking turns) ...", file=sys.stderr, flush=True)
+        runners = {name: decode_runner(model, args, device, position) for name, model in models.items()}
+        for name, seconds in alternate(runners, args.warmup, args.repeats).items():
+            decode[name][position] = args.new_tokens / statistics.median(seconds)
+    rows = {
+        name: {
+            "params": sum(p.numel() for p in model.parameters()),
+            "first_s": first[name],
+            "step_s": step_s[name],
+            "decode_tok_s": decode[name],
+        }
+        for name, model in models.items()
+    }
 
     print(
         f"hybrid against all-Mamba: d_model {args.d_model}, {args.layers} layers, vocab 256, N 16, "
