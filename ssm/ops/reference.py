@@ -107,6 +107,17 @@ def _matvec(W, v: list, bias=None) -> list:
     return out if bias is None else [o + float(b) for o, b in zip(out, bias)]
 
 
+def _finish(hid: list, res: list, head):
+    """(hidden, residual) as float64 tensors, or with ``head`` the logits of every row."""
+    if head is None:
+        return torch.tensor(hid, dtype=torch.float64), torch.tensor(res, dtype=torch.float64)
+    logits = []
+    for h_row, r_row in zip(hid, res):
+        r = [h + e for h, e in zip(h_row, r_row)]
+        logits.append(_matvec(head.weight, _rms(r, head.norm_weight, head.norm_eps)))
+    return torch.tensor(logits, dtype=torch.float64)
+
+
 def mamba_blocks_step_ref(hidden: Tensor, blocks, head=None):
     """The decoding step of a stack of Mamba-1 blocks (``ssm.ops.MambaBlockWeights``, read by
     field), one token per batch row, in float64, written out channel by channel:
@@ -158,15 +169,7 @@ def mamba_blocks_step_ref(hidden: Tensor, blocks, head=None):
             hid[b] = _matvec(blk.out_proj_weight, y, blk.out_proj_bias)
         conv_states.append(new_conv)
         ssm_states.append(new_ssm)
-    hidden_out = torch.tensor(hid, dtype=torch.float64)
-    residual_out = torch.tensor(res, dtype=torch.float64)
-    if head is None:
-        return (hidden_out, residual_out), conv_states, ssm_states
-    logits = []
-    for b in range(batch):
-        r = [h + e for h, e in zip(hid[b], res[b])]
-        logits.append(_matvec(head.weight, _rms(r, head.norm_weight, head.norm_eps)))
-    return torch.tensor(logits, dtype=torch.float64), conv_states, ssm_states
+    return _finish(hid, res, head), conv_states, ssm_states
 
 
 def mamba2_blocks_step_ref(hidden: Tensor, blocks, head=None):
@@ -248,12 +251,4 @@ def mamba2_blocks_step_ref(hidden: Tensor, blocks, head=None):
             hid[b] = out
         conv_states.append(new_conv)
         ssm_states.append(new_ssm)
-    hidden_out = torch.tensor(hid, dtype=torch.float64)
-    residual_out = torch.tensor(res, dtype=torch.float64)
-    if head is None:
-        return (hidden_out, residual_out), conv_states, ssm_states
-    logits = []
-    for b in range(batch):
-        r = [h + e for h, e in zip(hid[b], res[b])]
-        logits.append(_matvec(head.weight, _rms(r, head.norm_weight, head.norm_eps)))
-    return torch.tensor(logits, dtype=torch.float64), conv_states, ssm_states
+    return _finish(hid, res, head), conv_states, ssm_states
