@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantize and saved is None:
         model.quantize(args.quantize)
     elif args.quantize and saved != args.quantize:
-        parser.error(f"--quantize {args.quantize}: {directory} is saved quantised as {saved}; load it without --quantize")
+        parser.error(
+            f"--quantize {args.quantize}: {directory} is saved quantised as {saved}; load it without --quantize"
+        )
     precision = model.quantization["scheme"] if model.quantization else str(model.lm_head.weight.dtype).split(".")[-1]
     encoded = [tokenizer.encode(p) for p in prompts]
     if any(not ids for ids in encoded):
