@@ -14,7 +14,8 @@
 
    Prefetch: a matrix larger than the caches is read from memory, and a narrow format does more
    work per byte, so fewer of its cache lines are in flight at a time than for float32; the
-   loops ask for each row's lines PREFETCH bytes ahead. Measured on one loaded core of a Zen 4
+   loops over 16-bit and integer formats ask for each row's lines PREFETCH bytes ahead (float32
+   reads slowed by it: 3.85 -> 3.2 G weights/s, so it has none). Measured on one loaded core of a Zen 4
    EPYC, an LM head (50280 x 768): bf16 4.4 -> 5.5 G weights/s, int8 6.5 -> 7.6 to 10 (noisy).
    Read from L3 (3072 x 768) the same loops run at 21 (bf16, f16, int8) and 17 (int4) G
    weights/s, against 4 to 16 for the portable C. */
@@ -100,7 +101,7 @@ static T512 inline __m512 ld_f16_512(const uint16_t *p) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0; \
         i64 i = 0;                                                                                      \
         for (; i + 32 <= n; i += 32) {                                                                  \
-            PREFETCH4(i * (i64)sizeof(T), 32 * (i64)sizeof(T));                                         \
+            if (sizeof(T) < 4) PREFETCH4(i * (i64)sizeof(T), 32 * (i64)sizeof(T)); \
             const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);                 \
             a0 = _mm512_fmadd_ps(LOAD(w0 + i), x0, a0);                                                 \
             a1 = _mm512_fmadd_ps(LOAD(w1 + i), x0, a1);                                                 \
@@ -202,7 +203,7 @@ static T256 inline __m256 ld_f16_256(const uint16_t *p) { return _mm256_cvtph_ps
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0; \
         i64 i = 0;                                                                                      \
         for (; i + 16 <= n; i += 16) {                                                                  \
-            PREFETCH4(i * (i64)sizeof(T), 16 * (i64)sizeof(T));                                         \
+            if (sizeof(T) < 4) PREFETCH4(i * (i64)sizeof(T), 16 * (i64)sizeof(T)); \
             const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);                  \
             a0 = _mm256_fmadd_ps(LOAD(w0 + i), x0, a0);                                                 \
             a1 = _mm256_fmadd_ps(LOAD(w1 + i), x0, a1);                                                 \
