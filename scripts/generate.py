@@ -3,6 +3,7 @@
     python scripts/generate.py state-spaces/mamba-130m-hf --prompt "Mamba is"
     python scripts/generate.py path/to/model_dir --prompt "a" --prompt "another" --temperature 0
     python scripts/generate.py runs/RUN_DIR --prompt "def main(" --max-new-tokens 200
+    python scripts/generate.py state-spaces/mamba-130m-hf --prompt "Mamba is" --quantize int8
 
 NAME_OR_DIR: a model directory (mamba-ssm's or transformers' layout, sharded or not), a Hugging
 Face hub repo id (huggingface_hub; with HF_HUB_OFFLINE=1 from the local cache only), or a
@@ -11,7 +12,13 @@ repo id, or "bytes"), else the tokenizer.json beside the weights, else bytes for
 ids (this library's byte-level runs). One prompt streams its continuation token by token as it
 is decoded; several are generated together as one batch (left padding, an attention mask) and
 printed when done. A sequence ends at the tokenizer's eos token. The last line, on stderr, gives
-tokens per second.
+tokens per second and the weights' precision.
+
+Precision: --dtype casts the weights after loading (default: the checkpoint's dtype); --quantize
+int8 / int4 quantises them after loading (MambaLM.quantize: blocks of 32 inputs, one float32
+scale each), or names the scheme of a checkpoint saved quantised (loaded as saved; another scheme
+is an error). On the CPU, bfloat16 / float16 and int8 / int4 models decode through the fused C
+step, which reads each matrix as stored (README, "Low-precision decoding").
 """
 
 from __future__ import annotations
@@ -32,7 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the checkpoint's)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16", "float64"],
+        help="the weights' dtype (default: the checkpoint's)",
+    )
+    parser.add_argument(
+        "--quantize", default=None, choices=["int8", "int4"], help="quantise the weights (or: the checkpoint's scheme)"
+    )
     parser.add_argument("--no-stream", action="store_true", help="print the text when done, not token by token")
     parser.add_argument("--show-ids", action="store_true", help="also print each row's new token ids")
     args = parser.parse_args(argv)
@@ -51,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, directory = load_model_and_tokenizer(
         args.name_or_dir, args.tokenizer, device=args.device, dtype=args.dtype
     )
+    saved = model.quantization["scheme"] if model.quantization else None
+    if args.quantize and saved is None:
+        model.quantize(args.quantize)
+    elif args.quantize and saved != args.quantize:
+        parser.error(
+            f"--quantize {args.quantize}: {directory} is saved quantised as {saved}; load it without --quantize"
+        )
+    precision = model.quantization["scheme"] if model.quantization else str(model.lm_head.weight.dtype).split(".")[-1]
     encoded = [tokenizer.encode(p) for p in prompts]
     if any(not ids for ids in encoded):
         parser.error("every --prompt must encode to at least one token")
@@ -99,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{count} new token(s), {steps} step(s) x batch {len(prompts)} in {seconds:.2f} s: "
         f"{steps * len(prompts) / max(seconds, 1e-9):.1f} tokens/s "
-        f"(first token {to_first:.2f} s after start, loading {directory} included)",
+        f"(first token {to_first:.2f} s after start, loading {directory} included; {precision} weights)",
         file=sys.stderr,
     )
     return 0

@@ -8,7 +8,10 @@ and loads them (build.py).
     linear.c        the first-order linear scan                         (ssm/scan/cpu.py)
     conv.c          the causal depthwise conv with SiLU                 (ssm/ops/cpu.py)
     norm.c          RMSNorm and the gated, grouped RMSNorm              (ssm/ops/cpu.py)
+    decode_weights.c  the steps' matrices in f32, bf16, f16, int8, int4  (portable C)
+    decode_simd.c   the same products in AVX2 / AVX-512 intrinsics, chosen at run time (cpu_isa)
     decode.c        a stack of Mamba-1 blocks' decoding step            (ssm/ops/decode.py)
+    decode_mamba2.c a stack of Mamba-2 blocks' decoding step            (ssm/ops/decode.py)
     _buffers.py     the pool the kernels' large outputs come from
 
 Nothing here knows a layer or a model: the kernels take pointers, sizes and strides in
@@ -16,11 +19,26 @@ argument structs, which the binding modules mirror with ctypes.
 """
 
 from ._buffers import pool
-from .build import build_in_background, cache_dir, declare, empty, kernel, library, ptr, ready, strides3, threads
+from .build import (
+    ISA_LEVELS,
+    build_in_background,
+    cache_dir,
+    cpu_isa,
+    declare,
+    empty,
+    kernel,
+    library,
+    ptr,
+    ready,
+    strides3,
+    threads,
+)
 
 __all__ = [
+    "ISA_LEVELS",
     "build_in_background",
     "cache_dir",
+    "cpu_isa",
     "declare",
     "empty",
     "kernel",

@@ -10,6 +10,11 @@ time. The kernels take the OpenMP runtime torch already loaded (same soname), so
 threads, and run on ``torch.get_num_threads()`` of them. One library per process, whatever the
 ops used: one compile, one load.
 
+The decoding steps' matrix-vector products (decode_simd.c) also exist in AVX2 and AVX-512
+intrinsics, compiled per function whatever -march says and chosen at run time: ``cpu_isa()``
+gives the level a step prepared now uses, the best this CPU runs unless ``SSM_CPU_ISA``
+(``portable``, ``avx2``, ``avx512``; ``auto`` or unset: the best) asks for another.
+
 If no compiler works, ``library()`` warns once (per compiler and flags tried) and returns None;
 each op then takes its pure-PyTorch path (correct, slower). ``SSM_CPU_KERNEL=0`` (read at every
 call) asks for those paths without building or warning. Nothing is decided once for the
@@ -53,7 +58,7 @@ FLAGS = (
     "-fno-trapping-math",
     "-ffp-contract=fast",
 )
-ABI = 9  # what ssm_kernels_abi() returns for this version of the argument structs
+ABI = 10  # what ssm_kernels_abi() returns for this version of the argument structs
 
 _lock = threading.Lock()
 _built: dict[tuple, ctypes.CDLL | str] = {}  # build key -> the library, or why it failed
@@ -140,6 +145,7 @@ def _set_argtypes(lib: ctypes.CDLL, name: str, argtypes: list) -> None:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.ssm_kernels_abi.restype = ctypes.c_int
+    lib.ssm_cpu_isa.restype = ctypes.c_int
     if lib.ssm_kernels_abi() != ABI:
         raise RuntimeError(f"{path} has ABI {lib.ssm_kernels_abi()}, expected {ABI}")
     for name, argtypes in list(_declared.items()):
@@ -182,6 +188,26 @@ def library() -> ctypes.CDLL | None:
             )
         return None
     return built
+
+
+ISA_LEVELS = ("portable", "avx2", "avx512")  # decode_simd.c's ISA_*, in order
+
+
+def cpu_isa() -> int:
+    """The instruction-set level (an index into ISA_LEVELS) for the decoding steps' products:
+    ``$SSM_CPU_ISA`` (read at every call) or, unset or ``auto``, the best this CPU runs. A level
+    above that is a ValueError naming the variable (never silently another path). Call only once
+    ``library()`` or ``ready()`` said the library is there."""
+    best = library().ssm_cpu_isa()
+    asked = os.environ.get("SSM_CPU_ISA", "auto").strip().lower() or "auto"
+    if asked == "auto":
+        return best
+    if asked not in ISA_LEVELS:
+        raise ValueError(f"SSM_CPU_ISA must be 'auto' or one of {list(ISA_LEVELS)}, got {asked!r}")
+    level = ISA_LEVELS.index(asked)
+    if level > best:
+        raise ValueError(f"SSM_CPU_ISA={asked}: this CPU runs at most {ISA_LEVELS[best]!r}")
+    return level
 
 
 def kernel(name: str, dtype: torch.dtype):

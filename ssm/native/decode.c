@@ -69,6 +69,15 @@ static inline void SUF(project_rows)(const WMat *W, const REAL *bias, i64 n_in, 
     }
 }
 
+/* y (n_out) = W·x (x: n inputs) on nthreads threads, split by rows as the steps split theirs: one
+   projection alone, for the tests and the benchmark of the matrix reads (decode_weights.c,
+   decode_simd.c) at each format and instruction-set level. */
+void SUF(decode_matvec)(const WMat *W, i64 n, i64 n_out, const REAL *x, REAL *y, i64 nthreads) {
+    (void)nthreads; /* unused without OpenMP */
+#pragma omp parallel for schedule(static) num_threads((int)nthreads)
+    for (i64 o = 0; o < n_out; o += 4) SUF(project_rows)(W, NULL, n, n_out, o, 1, x, n, y, n_out);
+}
+
 /* A Mamba-1 block's decoding step (BlockStepArgs), run by every thread of the calling parallel
    region; a barrier after each projection and after each run of per-channel stages. At batch 1
    decoding is bound by reading the weights, so each projection is split by output rows across

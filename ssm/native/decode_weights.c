@@ -22,11 +22,12 @@
 enum { W_REAL = 0, W_BF16 = 1, W_F16 = 2, W_Q8 = 3, W_Q4 = 4 };
 #define QBLOCK 32 /* inputs per scale of W_Q8 / W_Q4 */
 
-/* A matrix as the steps read it: its data, its scales (W_Q8, W_Q4; else NULL), its format. */
+/* A matrix as the steps read it: its data, its scales (W_Q8, W_Q4; else NULL), its format, and
+   the instruction set its products run in (decode_simd.c's ISA_*; float32 steps only). */
 typedef struct {
     const void *w;
     const float *scale;
-    i64 type;
+    i64 type, isa;
 } WMat;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -79,6 +80,8 @@ static inline float f16_to_f32(uint16_t h) {
         const REAL sums[4] = {s0, s1, s2, s3};                                                          \
         for (i64 r = 0; r < nr; r++) y[r] = sums[r];                                                    \
     }
+
+#include "decode_simd.c"
 
 #endif /* SSM_DECODE_WEIGHTS_TYPES */
 
@@ -205,9 +208,13 @@ static inline void SUF(dot_rows_q4)(const uint8_t *W, const float *sc, i64 n, i6
     for (i64 r = 0; r < nr; r++) y[r] = sums[r];
 }
 
-/* y[r] = row o + r of W times x, r < nr ≤ 4, in W's format (n inputs). */
+/* y[r] = row o + r of W times x, r < nr ≤ 4, in W's format (n inputs): in intrinsics where
+   W->isa asks for them (float32 only), else in the portable code above. */
 static inline void SUF(dot_rows_any)(const WMat *W, i64 n, i64 o, i64 nr, const REAL *x, REAL *y) {
     const i64 nb = (n + QBLOCK - 1) / QBLOCK;
+#if REAL_IS_F32
+    if (simd_dot_rows(W, n, o, nr, x, y)) return; /* decode_simd.c, at the level W->isa asks */
+#endif
     switch (W->type) {
     case W_BF16: SUF(dot_rows_bf16)((const uint16_t *)W->w + o * n, n, nr, x, y); break;
     case W_F16: SUF(dot_rows_f16)((const uint16_t *)W->w + o * n, n, nr, x, y); break;

@@ -2,13 +2,15 @@
    loads it through ctypes): plain C11 + OpenMP, no Python or torch headers.
 
    Each family of kernels lives in its own file (selective.c, linear.c, conv.c, norm.c,
-   decode_weights.c, decode.c, decode_mamba2.c) over common.h; this file includes every family
-   twice, REAL = float then double, so that every kernel exists as name_f32 and name_f64. One
-   library keeps start-up to one compile and one load per process. */
+   decode_weights.c with decode_simd.c, decode.c, decode_mamba2.c) over common.h; this file
+   includes every family twice, REAL = float then double (REAL_IS_F32 1, then 0), so that every
+   kernel exists as name_f32 and name_f64. One library keeps start-up to one compile and one
+   load per process. */
 
 #include "common.h"
 
 #define REAL float
+#define REAL_IS_F32 1
 #define SUF(name) name##_f32
 #define EXP exp_f32
 #define LOG1P log1p_f32
@@ -21,11 +23,13 @@
 #include "decode.c"
 #include "decode_mamba2.c"
 #undef REAL
+#undef REAL_IS_F32
 #undef SUF
 #undef EXP
 #undef LOG1P
 
 #define REAL double
+#define REAL_IS_F32 0
 #define SUF(name) name##_f64
 #define EXP exp_f64
 #define LOG1P log1p_f64
@@ -38,9 +42,10 @@
 #include "decode.c"
 #include "decode_mamba2.c"
 #undef REAL
+#undef REAL_IS_F32
 #undef SUF
 #undef EXP
 #undef LOG1P
 
 /* The version of the argument structs (ssm/native/build.py checks it at load). */
-int ssm_kernels_abi(void) { return 9; }
+int ssm_kernels_abi(void) { return 10; }

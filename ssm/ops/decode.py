@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from ..native import declare, kernel, ready, threads
+from ..native import cpu_isa, declare, kernel, ready, threads
 from .quant import QuantizedMatrix
 
 
@@ -129,9 +129,10 @@ class LMHeadWeights:
 
 
 class _WMat(ctypes.Structure):
-    """WMat of ssm/native (decode_weights.c): a matrix's data, its scales, its format."""
+    """WMat of ssm/native (decode_weights.c): a matrix's data, its scales, its format, the
+    instruction-set level of its products (ssm.native.cpu_isa, decode_simd.c)."""
 
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("type", ctypes.c_int64)]
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("type", ctypes.c_int64), ("isa", ctypes.c_int64)]
 
 
 # WMat.type for each storage of a matrix (W_REAL: the step's own dtype)
@@ -193,6 +194,27 @@ declare("mamba_blocks_step", [ctypes.POINTER(_BlockStepArgs), ctypes.c_int64, _H
 declare("mamba2_blocks_step", [ctypes.POINTER(_Mamba2StepArgs), ctypes.c_int64, _HEAD])
 
 
+declare(
+    "decode_matvec",
+    [ctypes.POINTER(_WMat), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64],
+)
+
+
+def decode_matvec(weight: Tensor | QuantizedMatrix, x: Tensor, nthreads: int | None = None) -> Tensor:
+    """weight (O, I) · x (I,) as the fused steps compute their projections (the same C reads, at
+    ``cpu_isa()``'s level): for tests and benchmarks of the matrix reads alone. x float32 (any
+    stored format) or float64 (weight float64); raises ValueError where the step would decline."""
+    feed = _Feed(x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32)
+    m = feed.mat(weight)
+    out_features, in_features = weight.shape
+    if not (feed.ok and ready() and x.dtype == feed.compute and x.shape == (in_features,) and x.is_contiguous()):
+        raise ValueError(f"decode_matvec: weight {tuple(weight.shape)} and x {tuple(x.shape)} {x.dtype} do not fit")
+    y = x.new_empty(out_features)
+    kernel("decode_matvec", x.dtype)(ctypes.byref(m), in_features, out_features, x.data_ptr(), y.data_ptr(),
+                                     nthreads or threads())  # fmt: skip
+    return y
+
+
 def mamba_blocks_step(
     hidden: Tensor,
     blocks: Sequence[MambaBlockWeights] | Sequence[Mamba2BlockWeights],
@@ -215,6 +237,7 @@ class _Feed:
 
     def __init__(self, compute: torch.dtype):
         self.compute, self.keep, self.ok = compute, [], True
+        self.isa = cpu_isa() if compute == torch.float32 else 0  # the float64 step is portable C
         self.grad = torch.is_grad_enabled()
 
     def _fits(self, t: Tensor) -> bool:
@@ -243,6 +266,7 @@ class _Feed:
     def mat(self, t) -> _WMat:
         """A matrix: the compute dtype, bfloat16 or float16, or a QuantizedMatrix."""
         m = _WMat()
+        m.isa = self.isa
         if isinstance(t, QuantizedMatrix):
             if self._fits(t.data) and self._fits(t.scales) and t.scales.dtype == torch.float32:
                 m.w, m.scale, m.type = t.data.data_ptr(), t.scales.data_ptr(), _W_TYPES[t.scheme]

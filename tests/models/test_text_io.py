@@ -204,3 +204,58 @@ def test_complete_gives_each_prompt_the_text_of_generate_alone(tmp_path):
     assert complete(loaded, tok, prompts, 9, temperature=0) == [alone(p) for p in prompts]
     with pytest.raises(ValueError, match="complete: prompts"):
         complete(loaded, tok, [""], 3)
+
+
+def fused_spy(monkeypatch) -> list[bool]:
+    """Whether each generate call took the fused C step (MambaBlocksStep.prepare gave a step)."""
+    from ssm.ops import decode
+
+    prepare, taken = decode.MambaBlocksStep.prepare.__func__, []
+
+    def spy(cls, *args, **kwargs):
+        out = prepare(cls, *args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode.MambaBlocksStep, "prepare", classmethod(spy))
+    return taken
+
+
+@pytest.mark.parametrize("flags", [["--quantize", "int8"], ["--quantize", "int4"], ["--dtype", "bfloat16"]])
+def test_generate_script_precision_flags_take_the_fused_step(tmp_path, capsys, monkeypatch, flags):
+    """--quantize / --dtype give the tokens of model.quantize(...) (or .to(dtype)) + generate,
+    decoded by the fused C step."""
+    from ssm.native import library
+
+    if library() is None:
+        pytest.fail("the C library did not build: the fused low-precision step is untested")
+    directory, model = model_dir(tmp_path)
+    tok = load_tokenizer(directory)
+    prompt = "The selective state"
+    taken = fused_spy(monkeypatch)
+    argv = [str(directory), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0", "--show-ids"]
+    out, err = run_script("generate.py", argv + flags, capsys)
+    assert taken and all(taken), f"{flags} did not decode through the fused step"
+    assert f"{flags[1]} weights" in err.strip().splitlines()[-1]
+    want = model.quantize(flags[1]) if flags[0] == "--quantize" else model.to(getattr(torch, flags[1]))
+    ids = torch.tensor([tok.encode(prompt)])
+    expected = want.generate(ids, 12, temperature=0, eos_token_id=0)[0, ids.shape[1] :].tolist()
+    assert new_ids(out) == [expected[: expected.index(0)] if 0 in expected else expected]
+
+
+def test_generate_script_on_a_quantised_checkpoint(tmp_path, capsys, monkeypatch):
+    """A checkpoint saved quantised loads as saved: with or without its own --quantize the same
+    tokens; another scheme is an error naming the flag."""
+    directory, model = model_dir(tmp_path)
+    saved = tmp_path / "int8"
+    model.quantize("int8").save_pretrained(saved)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (saved / name).write_bytes((directory / name).read_bytes())
+    argv = [str(saved), "--prompt", "def", "--max-new-tokens", "8", "--temperature", "0", "--show-ids"]
+    plain, _ = run_script("generate.py", argv, capsys)
+    again, err = run_script("generate.py", argv + ["--quantize", "int8"], capsys)
+    assert new_ids(plain) == new_ids(again) and "int8 weights" in err
+    main = runpy.run_path(str(ROOT / "scripts" / "generate.py"))["main"]
+    with pytest.raises(SystemExit):
+        main(argv + ["--quantize", "int4"])
+    assert "--quantize int4" in capsys.readouterr().err

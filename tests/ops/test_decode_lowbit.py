@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ssm import ops
-from ssm.native import library
+from ssm.native import ISA_LEVELS, library
 from ssm.ops import LMHeadWeights, QuantizedMatrix, quantize_matrix
 
 from .test_against_reference import random_blocks as mamba1_blocks
@@ -56,14 +56,21 @@ def make(kind, dtype, g):
     return mamba2_blocks(3, 2, 40, 4, 9, 4, 2, 4, dtype, g, Q=5, F=35), 40
 
 
-@pytest.mark.parametrize("compute", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "compute, isa", [(torch.float64, "auto")] + [(torch.float32, level) for level in ("auto", *ISA_LEVELS)]
+)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", ["mamba1", "mamba2"])
-def test_narrow_matrices_against_the_reference_on_the_same_weights(kind, fmt, compute):
+def test_narrow_matrices_against_the_reference_on_the_same_weights(kind, fmt, compute, isa, monkeypatch):
     """float64 compute isolates the reads (tolerance 1e-10: a wrong scale, block or nibble
-    shows); float32 is what a model runs."""
+    shows); float32 is what a model runs, at each instruction-set level (SSM_CPU_ISA: the
+    portable C and each intrinsics path this CPU has; tests/ops/test_decode_simd.py bounds
+    their products more tightly)."""
     if library() is None:
         pytest.fail("the C library did not build: the low-precision fused steps are untested")
+    if isa != "auto" and ISA_LEVELS.index(isa) > library().ssm_cpu_isa():
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv("SSM_CPU_ISA", isa)
     g = torch.Generator().manual_seed(11)
     blocks, M = make(kind, compute, g)
     blocks = store(blocks, fmt)
