@@ -48,9 +48,10 @@ class Stage:
 # 1e-6 of 1 on every token but the key, which no loss at 256 asks for. The case the long stages
 # almost never show (the key right before the final trigger, 1 sequence in L - 2) is kept in view
 # by the config's data.short_gap_prob, not by a last short stage, which undid the long ones.
-# The two longest stages run at 3e-4: at 1e-3 and batch 1, Adam's steps after a quiet stretch
-# of near-zero gradients can be several times the rate, and seed 2 lost its task there (its loss
-# at 2^18 jumped from 0.001 to 6).
+# Open: at 1e-3 and batch 1 the longest stage can break a run (seed 2: loss at 2^18 from 0.001
+# to 6; Adam's steps after a quiet stretch of near-zero gradients are several times the rate);
+# with the two longest stages at 3e-4 seed 2 stayed stable but held only 13 of 16 keys at 2^20.
+# docs/paper-results.md has the runs.
 # Selective copying learns at 64 from the start, where at 256 it sat on its plateau for over
 # 1,000 steps; the longer stages then teach it to ignore up to 4096 noise tokens.
 # docs/paper-results.md gives the runs that showed each of these.
@@ -60,8 +61,8 @@ STAGES = {
         Stage(256, 8, 1000),
         Stage(2048, 8, 200, 128),
         Stage(16384, 2, 60, 32),
-        Stage(65536, 1, 30, 8, lr=3e-4),
-        Stage(262144, 1, 60, 4, lr=3e-4),
+        Stage(65536, 1, 30, 8),
+        Stage(262144, 1, 60, 4),
     ],
     "selective_copying": [
         Stage(64, 64, 4000),
