@@ -1,5 +1,5 @@
 """--op text: text in, text out as a user runs it. A model directory at mamba-130m's shapes
-(random weights, transformers' layout written by transformers itself, in 2 safetensors shards)
+(random weights, transformers' layout written by transformers itself, in safetensors shards)
 with a byte-level BPE tokenizer.json trained on Python's own sources; then ``scripts/generate.py
 DIR --prompt ... --temperature 0`` in a fresh process, timed from its start to the first
 streamed token and at its decoding rate (its own last line), against transformers' greedy
@@ -38,7 +38,7 @@ def check(args, parser) -> None:
 
 
 def build_directory(args, directory: Path):
-    """transformers' MambaForCausalLM saved in 2 shards (or, without transformers or with
+    """transformers' MambaForCausalLM saved in shards (about half its bytes each) (or, without transformers or with
     --no-peer, this library's model in mamba-ssm's layout), plus a tokenizer trained here.
     Returns transformers' model, or None."""
     from ssm.models.tokenizer import train_bpe
@@ -114,6 +114,7 @@ def run(args) -> tuple[int, dict]:
         "generate_py_process_s": process_s,
         "transformers_tokens_per_s": hf_rate,
         "same_tokens": same,
+        "shards": len(shards),
     }
     return (1 if same is False else 0), result
 
@@ -133,8 +134,10 @@ def markdown(result: dict, args) -> str:
     body = report.table(["engine", "tokens/s (greedy, batch 1)", "main() to first token (loading included)"], rows)
     body += (
         f"\n\nA {result['config']['d_model']}-wide, {result['config']['layers']}-layer Mamba-1 with random weights "
-        "in transformers' layout (2 shards) and a BPE tokenizer.json trained on Python's sources; the same "
-        f"prompt, {result['config']['new_tokens']} greedy tokens. Same tokens: {result['same_tokens']}."
+        f"in transformers' layout ({result.get('shards')} safetensors shards) and a BPE tokenizer.json trained on "
+        "Python's sources; the same "
+        f"prompt, {result['config']['new_tokens']} greedy tokens. Same tokens: {result['same_tokens']}. The whole generate.py "
+        f"process, Python's start and torch's import included: {result['generate_py_process_s']:.1f} s."
     )
     title = f"text in, text out: scripts/generate.py against transformers, {result['config']['device']}"
     return "text", title, body
