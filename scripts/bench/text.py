@@ -136,8 +136,9 @@ def markdown(result: dict, args) -> str:
         f"\n\nA {result['config']['d_model']}-wide, {result['config']['layers']}-layer Mamba-1 with random weights "
         f"in transformers' layout ({result.get('shards')} safetensors shards) and a BPE tokenizer.json trained on "
         "Python's sources; the same "
-        f"prompt, {result['config']['new_tokens']} greedy tokens. Same tokens: {result['same_tokens']}. The whole generate.py "
-        f"process, Python's start and torch's import included: {result['generate_py_process_s']:.1f} s."
+        f"prompt, {result['config']['new_tokens']} greedy tokens. Same tokens: {result['same_tokens']}. "
+        "The whole generate.py process, Python's start and torch's import included: "
+        f"{result['generate_py_process_s']:.1f} s."
     )
     title = f"text in, text out: scripts/generate.py against transformers, {result['config']['device']}"
     return "text", title, body
