@@ -124,6 +124,19 @@ def median_ms(step: Callable[[], object], device: torch.device, warmup: int, rep
     return 1e3 * statistics.median(times)
 
 
+def alternate(runners: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Each runner's seconds over ``repeats`` rounds after ``warmup``, the runners taking turns
+    within every round, so that a change in the machine's load falls on all of them alike."""
+    for _ in range(warmup):
+        for fn in runners.values():
+            fn()
+    times = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, fn in runners.items():
+            times[name].append(fn())
+    return times
+
+
 def relative_difference(x: torch.Tensor, reference: torch.Tensor) -> float:
     """max|x - reference| / max|reference|; NaN if either holds a NaN."""
     return ((x - reference).abs().max() / reference.abs().max().clamp(min=1e-30)).item()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import report
-from .common import comma_ints, config_of, describe_device, synchronize
+from .common import alternate, comma_ints, config_of, describe_device, synchronize
 
 
 def add_arguments(parser) -> None:
@@ -83,19 +83,6 @@ def decode_runner(model, args, device, position: int):
             return time.perf_counter() - start
 
     return run
-
-
-def alternate(runners: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Each runner's seconds over ``repeats`` rounds after ``warmup``, the runners taking turns
-    within every round, so that a change in the machine's load falls on all of them alike."""
-    for _ in range(warmup):
-        for fn in runners.values():
-            fn()
-    times = {name: [] for name in runners}
-    for _ in range(repeats):
-        for name, fn in runners.items():
-            times[name].append(fn())
-    return times
 
 
 def run(args) -> tuple[int, dict | None]:

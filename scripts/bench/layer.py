@@ -15,7 +15,7 @@ import time
 import torch
 
 from . import peers, report
-from .common import DTYPES, TOLERANCE, config_of, describe_device, relative_difference, synchronize
+from .common import DTYPES, TOLERANCE, alternate, config_of, describe_device, relative_difference, synchronize
 
 
 def add_arguments(parser) -> None:
@@ -67,17 +67,23 @@ def run(args) -> tuple[int, dict | None]:
         xi = x.detach().requires_grad_()
         return torch.autograd.grad(layer(xi), [xi, *layer.parameters()], grad)
 
-    samples = {(name, way): [] for name in layers for way in ("fwd", "fwd+bwd")}
-    for i in range(args.warmup + args.repeats):
-        for name, layer in layers.items():
-            for way, fn in (("fwd", forward), ("fwd+bwd", fwd_bwd)):
-                synchronize(device)
-                start = time.perf_counter()
-                fn(layer)
-                synchronize(device)
-                if i >= args.warmup:
-                    samples[name, way].append(1e3 * (time.perf_counter() - start))
-    ms = {key: statistics.median(v) for key, v in samples.items()}
+    def timed(fn, layer):
+        def run() -> float:
+            synchronize(device)
+            start = time.perf_counter()
+            fn(layer)
+            synchronize(device)
+            return time.perf_counter() - start
+
+        return run
+
+    runners = {
+        (name, way): timed(fn, layer)
+        for name, layer in layers.items()
+        for way, fn in (("fwd", forward), ("fwd+bwd", fwd_bwd))
+    }
+    samples = alternate(runners, args.warmup, args.repeats)
+    ms = {key: 1e3 * statistics.median(v) for key, v in samples.items()}
     params = {name: sum(p.numel() for p in layer.parameters()) for name, layer in layers.items()}
     print(
         f"mixer layers, input ({args.batch}, {args.length}, {d}) {args.dtype}, expand 2, N = {N}, P = {P}, "
