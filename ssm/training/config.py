@@ -76,10 +76,12 @@ class DataSection:
     num_memorize: int = 8  # K: tokens to copy (selective_copying)
     val_samples: int = 512  # validation sequences
     # induction_heads, training split only: the share of sequences whose first trigger is drawn
-    # among the last 16 positions (key at most 16 tokens before the final trigger) instead of
-    # uniformly. A long training length shows that short case once in L - 2 sequences; this keeps
-    # it in view. Validation and test sequences are always drawn uniformly, as the paper's.
+    # among the last short_gap_window positions (key at most that many tokens before the final
+    # trigger) instead of uniformly. A long training length shows that short case once in L - 2
+    # sequences; this keeps it in view. Validation and test sequences are always drawn uniformly,
+    # as the paper's.
     short_gap_prob: float = 0.0
+    short_gap_window: int = 16
     paths: list = field(default_factory=list)  # text: file globs; empty = the Python standard library's sources
     val_fraction: float = 0.1  # text: share of files held out for validation
     # text: each file is a document; a row holding several restarts the model at each document

@@ -68,13 +68,23 @@ class InductionHeads(Dataset):
         targets  - - - - - - ... - 6
     """
 
-    SHORT_GAP = 16  # short_gap_prob's window: the first trigger among the last 16 positions
-
-    def __init__(self, seq_len: int, num_tokens: int, seed: int, split: str, size: int, short_gap_prob: float = 0.0):
+    def __init__(
+        self,
+        seq_len: int,
+        num_tokens: int,
+        seed: int,
+        split: str,
+        size: int,
+        short_gap_prob: float = 0.0,
+        short_gap_window: int = 16,
+    ):
         if seq_len < 3:
             raise ValueError(f"data.seq_len must be >= 3 for induction_heads, got {seq_len}")
         if not 0.0 <= short_gap_prob <= 1.0:
             raise ValueError(f"data.short_gap_prob must be in [0, 1], got {short_gap_prob}")
+        if isinstance(short_gap_window, bool) or not isinstance(short_gap_window, int) or short_gap_window < 1:
+            raise ValueError(f"data.short_gap_window must be an int >= 1, got {short_gap_window!r}")
+        self.short_gap_window = short_gap_window  # short_gap_prob's draws: the first trigger among the last W slots
         self.L, self.num_tokens, self.seed, self.split, self.size = seq_len, num_tokens, seed, split, size
         self.short_gap_prob = short_gap_prob if split == "train" else 0.0
         self.vocab_size = num_tokens + 1
@@ -88,7 +98,7 @@ class InductionHeads(Dataset):
         inputs = torch.randint(0, self.num_tokens, (self.L,), generator=g)
         at = int(torch.randint(0, self.L - 2, (), generator=g))
         if self.short_gap_prob and float(torch.rand((), generator=g)) < self.short_gap_prob:
-            at = int(torch.randint(max(0, self.L - 2 - self.SHORT_GAP), self.L - 2, (), generator=g))
+            at = int(torch.randint(max(0, self.L - 2 - self.short_gap_window), self.L - 2, (), generator=g))
         inputs[at] = self.trigger
         inputs[-1] = self.trigger
         targets = torch.full((self.L,), IGNORE)
@@ -282,7 +292,7 @@ class TaskDataModule(pl.LightningDataModule):
         if c.task == "selective_copying":
             return SelectiveCopying(L, c.num_tokens, c.num_memorize, self.seed, split, size)
         if c.task == "induction_heads":
-            return InductionHeads(L, c.num_tokens, self.seed, split, size, c.short_gap_prob)
+            return InductionHeads(L, c.num_tokens, self.seed, split, size, c.short_gap_prob, c.short_gap_window)
         if self.text is None and self.tokenizer is not None:
             self.text = {
                 split: read_tokens(files, self.tokenizer, c.pack_documents)

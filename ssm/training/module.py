@@ -183,10 +183,11 @@ class LanguageModelTask(pl.LightningModule):
             int(slot): self.model.inference_cache_from(layers)
             for slot, layers in checkpoint.get("carried_state", {}).items()
         }
-        # The schedule's base rate is part of its saved state, so a resume would keep the old
-        # optim.lr however the config now sets it. The config wins: a resumed run (a curriculum
-        # stage, say) trains at the rate its config asks for, from the step it resumes at.
-        # Lightning restores optimisers and schedules after this hook, from this dict.
+        # The schedule's base rate and the optimiser's hyperparameters are part of their saved
+        # state, so a resume would keep the old optim.lr, betas and eps however the config now
+        # sets them. The config wins: a resumed run (a curriculum stage, say) trains with what its
+        # config asks for, from the step it resumes at. Lightning restores optimisers and
+        # schedules after this hook, from this dict.
         o, step = self.optim, int(checkpoint.get("global_step", 0))
         rate = o.lr * warmup_cosine(step, o.warmup_steps, self.max_steps, o.min_lr_ratio)
         for schedule in checkpoint.get("lr_schedulers", []):
@@ -196,6 +197,7 @@ class LanguageModelTask(pl.LightningModule):
         for optimizer in checkpoint.get("optimizer_states", []):
             for group in optimizer.get("param_groups", []):
                 group["initial_lr"], group["lr"] = o.lr, rate
+                group["betas"], group["eps"] = tuple(o.betas), o.eps
 
     def configure_optimizers(self):
         o = self.optim

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssm.training.config import DataSection
+from ssm.training.config import DataSection, load_config
 from ssm.training.data import (
     IGNORE,
     ByteText,
@@ -68,11 +68,12 @@ def test_induction_heads_key_follows_the_first_trigger_and_never_sits_on_the_las
     assert keys_seen == set(range(num_tokens))
 
 
-def test_induction_heads_short_gap_prob_moves_training_keys_near_the_end_only():
-    L, n, window = 200, 16, InductionHeads.SHORT_GAP
+@pytest.mark.parametrize("window", [16, 4, 1])
+def test_induction_heads_short_gap_prob_moves_training_keys_near_the_end_only(window):
+    L, n = 200, 16
 
     def first_triggers(split, p, size=400):
-        ds = InductionHeads(L, n, seed=3, split=split, size=size, short_gap_prob=p)
+        ds = InductionHeads(L, n, seed=3, split=split, size=size, short_gap_prob=p, short_gap_window=window)
         firsts = []
         for i in range(size):
             inputs, targets = ds[i]
@@ -83,7 +84,7 @@ def test_induction_heads_short_gap_prob_moves_training_keys_near_the_end_only():
         return firsts
 
     always = first_triggers("train", 1.0)
-    assert set(always) == set(range(L - 2 - window, L - 2)), "p = 1: every first trigger among the last 16 slots"
+    assert set(always) == set(range(L - 2 - window, L - 2)), "p = 1: every first trigger among the last W slots"
     some = first_triggers("train", 0.5)
     near = sum(f >= L - 2 - window for f in some) / len(some)
     assert 0.4 < near < 0.65, near  # half drawn near the end, plus the uniform draws that land there
@@ -92,6 +93,16 @@ def test_induction_heads_short_gap_prob_moves_training_keys_near_the_end_only():
     assert first_triggers("val", 1.0) == first_triggers("val", 0.0)
     with pytest.raises(ValueError, match="data.short_gap_prob"):
         InductionHeads(L, n, seed=0, split="train", size=1, short_gap_prob=1.5)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="data.short_gap_window must be an int >= 1"):
+            InductionHeads(L, n, seed=0, split="train", size=1, short_gap_prob=0.2, short_gap_window=bad)
+
+
+def test_the_data_module_hands_short_gap_window_to_induction_heads():
+    config = load_config(None, ["data.task=induction_heads", "data.short_gap_prob=1", "data.short_gap_window=2"])
+    ds = TaskDataModule(config.data, seed=0).dataset("train", 50, 64)
+    firsts = {int((ds[i][0] == config.data.num_tokens).nonzero()[0]) for i in range(50)}
+    assert firsts == {60, 61}
 
 
 @pytest.mark.parametrize("seq_len,extra", [(10, 1), (10, 3), (7, 60)])

@@ -33,7 +33,12 @@ def test_paper_configs_parse_with_the_papers_settings():
     for task, stages in reproduce()["STAGES"].items():
         assert max(s.seq_len for s in stages) >= 4096
         for s in stages:
-            load_config(ROOT / "configs" / "paper" / f"{task}.yaml", [f"data.seq_len={s.seq_len}"])
+            c = load_config(ROOT / "configs" / "paper" / f"{task}.yaml", [f"data.seq_len={s.seq_len}", *s.overrides])
+            assert c.data.seq_len == s.seq_len
+    # the long induction-heads stages train with a short second-moment memory (see STAGES)
+    ih_path = ROOT / "configs" / "paper" / "induction_heads.yaml"
+    betas = [tuple(load_config(ih_path, s.overrides).optim.betas) for s in reproduce()["STAGES"]["induction_heads"]]
+    assert betas == [(0.9, 0.999)] * 3 + [(0.9, 0.95)] * 3
 
 
 @pytest.mark.parametrize("task", ["induction_heads", "selective_copying"])

@@ -180,6 +180,23 @@ def test_a_resumed_run_trains_at_the_learning_rate_its_config_gives(tmp_path):
     assert rates == pytest.approx({0: 1e-3, 1: 1e-3, 2: 1e-3, 3: 2e-4, 4: 2e-4, 5: 2e-4}, rel=1e-6)
 
 
+def test_a_resumed_run_trains_with_the_adam_betas_and_eps_its_config_gives(tmp_path):
+    # The optimiser's saved param_groups carry betas and eps; a curriculum stage that resumes
+    # with others (a shorter second-moment memory for the long, batch-1 stages) must use them.
+    constant = RESUMABLE + [f"run_dir={tmp_path}"]
+    train(load_config(None, constant + ["trainer.max_steps=3", "optim.betas=[0.9, 0.999]", "optim.eps=1e-8"]))
+    first = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["optimizer_states"][0]["param_groups"]
+    assert [tuple(g["betas"]) for g in first] == [(0.9, 0.999)] * len(first)
+    train(
+        load_config(
+            None,
+            constant + ["trainer.max_steps=5", "optim.betas=[0.8, 0.95]", "optim.eps=1e-6", f"resume={tmp_path}"],
+        )
+    )
+    groups = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["optimizer_states"][0]["param_groups"]
+    assert [(tuple(g["betas"]), g["eps"]) for g in groups] == [((0.8, 0.95), 1e-6)] * len(groups)
+
+
 def test_stateful_text_resumes_exactly(tmp_path):
     """data.stateful: the carried state of every row is part of the checkpoint, so a run
     resumed from step 4 continues each row's stream from where it stood and ends with the
