@@ -11,6 +11,9 @@
    B = 1 and no tap reaches before its sequence's start (zeros there, as at step 0).
    Forward: y (B, L, D) contiguous = silu(conv) with silu, else conv; and when yT is not NULL the
    same values in yT (B, D, L) contiguous, the layout the scans read (no transposed copy of y).
+   state (B, D, K) or NULL, strides sst (row, channel, tap), forward only and without cu_seqlens:
+   the K inputs before step 0 of each row, most recent last (its first entry is never read):
+   taps before step 0 read it instead of zeros, as a prefill continuing from a cache.
    Backward: from grad (B, L, D) contiguous (of y; NULL: zeros) plus gradT (B, D, L) contiguous
    (of yT; NULL: zeros), d_x (B, L, D) contiguous, d_wt (K, D), d_bias (D) or NULL; part:
    scratch of nthreads·(2K + 2)·D elements. */
@@ -18,6 +21,8 @@ typedef struct {
     i64 batch, length, dim, K, sxb, sx, nseq, silu, nthreads;
     const void *x, *wt, *bias;
     const i64 *cu_seqlens;
+    const void *state;
+    i64 sst[3];
     void *y, *yT;
     const void *grad, *gradT;
     void *d_x, *d_wt, *d_bias, *part;
@@ -28,14 +33,21 @@ typedef struct {
 /* ------------------------------------------------------------------ for one REAL */
 
 /* One step's pre-activation of every channel: v[d] = bias[d] + Σ_k wt[k][d]·x[t - K + 1 + k][d],
-   taps before the sequence's first step lo left out. */
-static inline void SUF(conv_row)(const ConvArgs *a, const REAL *xb, i64 t, i64 lo, REAL *v) {
+   taps before the sequence's first step lo left out, or read from row b of a->state. */
+static inline void SUF(conv_row)(const ConvArgs *a, const REAL *xb, i64 b, i64 t, i64 lo, REAL *v) {
     const i64 Dn = a->dim, K = a->K;
     const REAL *wt = (const REAL *)a->wt, *bias = (const REAL *)a->bias;
     for (i64 d = 0; d < Dn; d++) v[d] = bias ? bias[d] : 0;
     for (i64 k = 0; k < K; k++) {
         const i64 p = t - (K - 1) + k;
-        if (p < lo) continue;
+        if (p < lo) {
+            if (a->state) { /* p - lo = -1 is the state's last tap */
+                const REAL *sp = (const REAL *)a->state + b * a->sst[0] + (K + p - lo) * a->sst[2];
+                const REAL *wk = wt + k * Dn;
+                for (i64 d = 0; d < Dn; d++) v[d] += wk[d] * sp[d * a->sst[1]];
+            }
+            continue;
+        }
         const REAL *xp = xb + p * a->sx, *wk = wt + k * Dn;
 #pragma omp simd
         for (i64 d = 0; d < Dn; d++) v[d] += wk[d] * xp[d];
@@ -52,7 +64,7 @@ void SUF(conv_fwd)(const ConvArgs *a) {
         i64 lo, hi;
         seq_bounds(a->cu_seqlens, a->nseq, L, t, &lo, &hi);
         REAL *v = (REAL *)a->y + r * Dn;
-        SUF(conv_row)(a, (const REAL *)a->x + b * a->sxb, t, lo, v);
+        SUF(conv_row)(a, (const REAL *)a->x + b * a->sxb, b, t, lo, v);
         if (a->silu) {
 #pragma omp simd
             for (i64 d = 0; d < Dn; d++) v[d] *= SUF(sigmoid)(v[d]);
@@ -94,7 +106,7 @@ void SUF(conv_bwd)(const ConvArgs *a) {
             }
             REAL *gv = ring + (r % K) * Dn;
             if (a->silu) {
-                SUF(conv_row)(a, xb, t, lo, gv);
+                SUF(conv_row)(a, xb, b, t, lo, gv);
 #pragma omp simd
                 for (i64 d = 0; d < Dn; d++) {
                     const REAL sg = SUF(sigmoid)(gv[d]);

@@ -27,12 +27,16 @@ ConvOut = tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor |
 
 
 def _silu_cpu(x, weight, bias, state, cu_seqlens, transposed) -> ConvOut | None:
-    """The C kernel, or None where it does not apply (a state to continue from, another device
-    or dtype, x's channels not contiguous, no library)."""
-    if state is not None:
-        return None
-    out = causal_conv1d_cpu(x, weight, bias, cu_seqlens, True, transposed)
-    return None if out is None else (out, None)
+    """The C kernel, or None where it does not apply (another device or dtype, x's channels not
+    contiguous, no library; a state to continue from with packed sequences or a gradient)."""
+    out = causal_conv1d_cpu(x, weight, bias, cu_seqlens, True, transposed, state)
+    if out is None or state is None:
+        return None if out is None else (out, None)
+    # the new state: the last K inputs of each row, its own steps then (L < K) the old state's
+    K, L = state.shape[-1], x.shape[1]
+    recent = x[:, max(L - K, 0) :].transpose(1, 2).to(state.dtype)
+    new_state = recent.contiguous() if L >= K else torch.cat([state[..., L:], recent], -1)
+    return out, new_state
 
 
 def _silu_torch(x, weight, bias, state, cu_seqlens, transposed) -> ConvOut:
@@ -63,14 +67,16 @@ def causal_conv1d_silu(
     or None): out is (B, L, D), or with ``transposed`` (that, the same values as (B, D, L), the
     scans' layout).
 
-    ``backend="auto"`` takes the C kernel on the CPU where it applies (no state; float32 or
-    float64; x's channels contiguous): no copy of x, no padded or transposed copies, the SiLU
-    fused, each output contiguous, the backward in one pass. Elsewhere, or with
+    ``backend="auto"`` takes the C kernel on the CPU where it applies (float32 or float64; x's
+    channels contiguous; a state only without cu_seqlens and without gradients, as a cached
+    prefill or a chunked evaluation reads): no copy of x, no padded or transposed copies, the
+    SiLU fused, each output contiguous, the backward in one pass. Elsewhere, or with
     ``backend="torch"``, ``causal_conv1d`` on x seen as (B, D, L), the first output a view of
     the second. ``backend="cpu"`` where the kernel does not apply is an error."""
     needs = lambda: (
-        f"no state, float32 or float64 CPU tensors and x's channels contiguous (got state "
-        f"{'given' if state is not None else 'None'}, x {x.dtype} on {x.device} with strides {x.stride()})"
+        f"float32 or float64 CPU tensors, x's channels contiguous, and a state only without cu_seqlens "
+        f"or gradients (got state {'given' if state is not None else 'None'}, cu_seqlens "
+        f"{'given' if cu_seqlens is not None else 'None'}, x {x.dtype} on {x.device} with strides {x.stride()})"
     )
     return BACKENDS.run(
         backend, x.device, (x, weight, bias, state, cu_seqlens, transposed), fallback="torch", needs=needs

@@ -23,10 +23,10 @@ class _ConvArgs(ctypes.Structure):
 
     _fields_ = [
         (name, ctypes.c_int64) for name in ("batch", "length", "dim", "K", "sxb", "sx", "nseq", "silu", "nthreads")
-    ] + [
-        (name, ctypes.c_void_p)
-        for name in ("x", "wt", "bias", "cu_seqlens", "y", "yT", "grad", "gradT", "d_x", "d_wt", "d_bias", "part")
     ]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("x", "wt", "bias", "cu_seqlens", "state")]
+    _fields_ += [("sst", ctypes.c_int64 * 3)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("y", "yT", "grad", "gradT", "d_x", "d_wt", "d_bias", "part")]
 
 
 class _NormArgs(ctypes.Structure):
@@ -58,12 +58,22 @@ def _conv_args(x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | 
 
 @torch.library.custom_op("ssm::cpu_causal_conv_fwd", mutates_args=(), device_types="cpu")
 def _conv_fwd(
-    x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None, silu: bool, transposed: bool
+    x: Tensor,
+    wt: Tensor,
+    bias: Tensor | None,
+    cu_seqlens: Tensor | None,
+    state: Tensor | None,
+    silu: bool,
+    transposed: bool,
 ) -> tuple[Tensor, Tensor]:
     """x (B, L, D) with its channels contiguous (any batch and step strides), wt (K, D) and bias
     (D,) contiguous, all of one dtype → (silu of) the causal depthwise convolution, (B, L, D),
-    and with ``transposed`` the same values as (B, D, L) contiguous (else an empty tensor)."""
+    and with ``transposed`` the same values as (B, D, L) contiguous (else an empty tensor).
+    ``state`` (B, D, K), any strides, x's dtype, no cu_seqlens, no gradient: the inputs before
+    step 0, most recent last."""
     a = _conv_args(x, wt, bias, cu_seqlens, silu)
+    if state is not None:
+        a.state, a.sst = state.data_ptr(), (ctypes.c_int64 * 3)(*state.stride())
     y = empty(x.shape, x)
     yT = empty((x.shape[0], x.shape[2], x.shape[1]) if transposed else (0,), x)
     a.y, a.yT = y.data_ptr(), (yT.data_ptr() if transposed else None)
@@ -72,7 +82,7 @@ def _conv_fwd(
 
 
 @_conv_fwd.register_fake
-def _(x, wt, bias, cu_seqlens, silu, transposed):
+def _(x, wt, bias, cu_seqlens, state, silu, transposed):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[2], x.shape[1]) if transposed else x.new_empty(0)
 
 
@@ -104,17 +114,19 @@ def _(grad, gradT, x, wt, bias, cu_seqlens, silu):
 
 
 def _conv_setup(ctx, inputs, output):
-    x, wt, bias, cu_seqlens, silu, transposed = inputs
+    x, wt, bias, cu_seqlens, state, silu, transposed = inputs
     ctx.save_for_backward(x, wt, bias, cu_seqlens)
-    ctx.silu, ctx.transposed = silu, transposed
+    ctx.silu, ctx.transposed, ctx.with_state = silu, transposed, state is not None
 
 
 def _conv_backward(ctx, grad, gradT):
+    if ctx.with_state:  # causal_conv1d_cpu never records one; the kernel's backward reads no state
+        raise RuntimeError("the C convolution has no backward from a state; take the tensor path")
     x, wt, bias, cu_seqlens = ctx.saved_tensors
     grad = None if grad is None else grad.contiguous()
     gradT = None if gradT is None or not ctx.transposed else gradT.contiguous()
     d_x, d_wt, d_bias = _conv_bwd(grad, gradT, x, wt, bias, cu_seqlens, ctx.silu)
-    return d_x, d_wt, (d_bias if bias is not None else None), None, None, None
+    return d_x, d_wt, (d_bias if bias is not None else None), None, None, None, None
 
 
 _conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
@@ -127,6 +139,7 @@ def causal_conv1d_cpu(
     cu_seqlens: Tensor | None = None,
     silu: bool = False,
     transposed: bool = False,
+    state: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | None:
     """The causal depthwise convolution of x (B, L, D), channels last as a Mamba layer's in_proj
     leaves it (its channels contiguous; no copy of x), with weight (D, 1, K) and optional bias
@@ -137,8 +150,13 @@ def causal_conv1d_cpu(
     (B, D, L) contiguous): the scans' layout, written by the same pass instead of a transposed
     copy (and the gradients of both are added in the backward's pass).
 
+    ``state`` (B, D, K): the K inputs before step 0 of each row, most recent last (a
+    convolution state, as a cache keeps it), read by the first K - 1 steps' taps instead of
+    zeros; forward only (no gradient through it or from it) and without ``cu_seqlens``.
+
     None when it does not apply, and the caller takes the tensor path: x, weight and bias on
-    the CPU in one dtype (float32 or float64), x's channels contiguous, kernels built."""
+    the CPU in one dtype (float32 or float64), x's channels contiguous, kernels built; with a
+    state, no cu_seqlens and nothing that needs a gradient."""
     dtype = x.dtype
     if (
         dtype not in (torch.float32, torch.float64)
@@ -148,8 +166,18 @@ def causal_conv1d_cpu(
         or not ready()
     ):
         return None
+    if state is not None:
+        if (
+            cu_seqlens is not None
+            or state.device.type != "cpu"
+            or state.shape != (x.shape[0], x.shape[2], weight.shape[-1])
+            or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, state)))
+        ):
+            return None
+        state = state.to(dtype)
     wt = weight[:, 0, :].t().contiguous()  # (K, D): a step's taps across channels are adjacent
-    y, yT = _conv_fwd(x, wt, None if bias is None else bias.contiguous(), cu_seqlens, bool(silu), bool(transposed))
+    bias = None if bias is None else bias.contiguous()
+    y, yT = _conv_fwd(x, wt, bias, cu_seqlens, state, bool(silu), bool(transposed))
     return (y, yT) if transposed else y
 
 

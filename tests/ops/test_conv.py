@@ -106,6 +106,59 @@ def test_the_channels_last_c_convolution(case, silu):
     assert torch.autograd.gradcheck(only_t, inputs)
 
 
+@pytest.mark.parametrize("L", [1, 3, 4, 9])
+@pytest.mark.parametrize("strided_state", [False, True])
+def test_the_c_convolution_continues_from_a_state(L, strided_state):
+    """A cached prefill (or a chunked evaluation) continues from a conv state: the C kernel
+    reads it for the first K - 1 steps. Values and the new state against the loop above, for
+    L shorter than, equal to and longer than K, with a state of any strides; under no_grad."""
+    from ssm.native import library
+    from ssm.ops import causal_conv1d_silu
+
+    if library() is None:
+        pytest.fail("the cpu kernels did not build: the C convolution is untested")
+    g = torch.Generator().manual_seed(2)
+    batch, D, K = 3, 5, 4
+    xz = torch.randn(batch, L, 2 * D, generator=g, dtype=torch.float64)
+    x = xz[..., :D]  # as in_proj leaves it
+    weight = torch.randn(D, 1, K, generator=g, dtype=torch.float64)
+    bias = torch.randn(D, generator=g, dtype=torch.float64)
+    state = torch.randn(batch, D, K, generator=g, dtype=torch.float64)
+    if strided_state:
+        state = torch.randn(batch, K, D, generator=g, dtype=torch.float64).transpose(1, 2)
+    want = torch.nn.functional.silu(by_hand(x.transpose(1, 2), weight, bias, state))
+    want_state = torch.cat([state, x.transpose(1, 2)], -1)[..., -K:]
+    with torch.no_grad():
+        (y, yT), new_state = causal_conv1d_silu(x, weight, bias, state, None, True, backend="cpu")
+    torch.testing.assert_close(yT, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(y, yT.transpose(1, 2)) and y.is_contiguous() and yT.is_contiguous()
+    assert torch.equal(new_state, want_state) and new_state.is_contiguous()
+    # the tensor path gives the same
+    with torch.no_grad():
+        (_, yT_torch), state_torch = causal_conv1d_silu(x, weight, bias, state, None, True, backend="torch")
+    torch.testing.assert_close(yT, yT_torch, rtol=1e-12, atol=1e-12)
+    assert torch.equal(new_state, state_torch)
+
+
+def test_with_a_state_and_a_gradient_the_convolution_takes_the_tensor_path():
+    """The C kernel has no backward through a state: where a gradient is wanted "auto" takes
+    the tensor path (gradients right), and "cpu" says why it cannot."""
+    from ssm.ops import causal_conv1d_silu
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(2, 4, 4, generator=g, dtype=torch.float64)
+    y, _ = causal_conv1d_silu(x, weight, None, state)
+    y.sum().backward()
+    want = torch.nn.functional.silu(by_hand(x.transpose(1, 2), weight, None, state)).transpose(1, 2)
+    wx, ww = torch.autograd.grad(want.sum(), (x, weight))
+    torch.testing.assert_close(x.grad, wx)
+    torch.testing.assert_close(weight.grad, ww)
+    with pytest.raises(Exception, match="a state only without cu_seqlens or gradients"):
+        causal_conv1d_silu(x, weight, None, state, backend="cpu")
+
+
 def test_the_channels_last_c_convolution_declines_what_it_does_not_run():
     from ssm.ops import cpu
 
