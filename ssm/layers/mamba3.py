@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import GatedMLPWeights, Mamba3BlockWeights
 from ..scan import TrapezoidalState, trapezoidal_scan, trapezoidal_scan_step
 from .cache import Mamba3Cache, check_sequence, check_token
 from .mamba import dt_bias_init, no_weight_decay
 from .norm import RMSNorm, RMSNormGated, upcast
+from .quant import decoding_matrix
 
 
 def heavy_tail(x: torch.Tensor) -> torch.Tensor:
@@ -222,6 +224,42 @@ class Mamba3(nn.Module):
         cache.state = _wrapped(state)
         out = self._finish(y, z, u.dtype)
         return out if hidden_states.ndim == 2 else out[:, None]
+
+    def step_weights(
+        self, norm: nn.Module, cache: Mamba3Cache, mlp: GatedMLPWeights | None = None
+    ) -> Mamba3BlockWeights | None:
+        """What ``ssm.ops.mamba_blocks_step`` needs to run the decoding step of a block around
+        this mixer (residual, ``norm``, this mixer's step, which updates ``cache`` in place, then
+        the block's ``mlp`` if any) in C, or None where it cannot: a norm other than RMSNorm, or
+        MIMO (its step is the per-op one for now). The model's backbone collects these from every
+        block and steps the whole stack in one call."""
+        if not isinstance(norm, RMSNorm) or self.is_mimo or self.B_norm.eps != self.C_norm.eps:
+            return None
+        phase, ssm, key, value = cache.state
+        gate = self.norm if self.is_outproj_norm else None
+        return Mamba3BlockWeights(
+            norm_weight=norm.weight,
+            norm_eps=norm.eps,
+            in_proj_weight=decoding_matrix(self.in_proj),
+            B_norm_weight=self.B_norm.weight,
+            C_norm_weight=self.C_norm.weight,
+            bc_norm_eps=self.B_norm.eps,
+            B_bias=self.B_bias[:, 0],
+            C_bias=self.C_bias[:, 0],
+            dt_bias=self.dt_bias,
+            A_floor=self.A_floor,
+            D=self.D,
+            phase=phase,
+            ssm_state=ssm,
+            key=key,
+            value=value,
+            ngroups=self.ngroups,
+            halved=self.rotary == "halved",
+            gate_norm_weight=None if gate is None else gate.weight,
+            gate_norm_eps=0.0 if gate is None else gate.eps,
+            out_proj_weight=decoding_matrix(self.out_proj),
+            mlp=mlp,
+        )
 
 
 def _wrapped(state: TrapezoidalState) -> TrapezoidalState:

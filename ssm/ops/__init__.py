@@ -6,10 +6,11 @@ error, never a silent fallback), and a plain reference that every backend is tes
     causal_conv1d(x, weight, bias, ...)        the causal depthwise conv of x (B, D, L)    (conv.py)
     causal_conv1d_step(x, weight, bias, state) its one-token step                          (conv.py)
     rms_norm(x, weight, eps, z=None, ...)      RMSNorm, grouped and gated (Mamba-2)         (norm.py)
-    mamba_blocks_step(hidden, blocks, head)    a stack of Mamba-1 or Mamba-2 blocks' decoding
+    mamba_blocks_step(hidden, blocks, head)    a stack of Mamba-1, -2 or -3 blocks' decoding
                                                step and the LM head in one C call, or None  (decode.py)
     MambaBlockWeights, Mamba2BlockWeights,     what a layer, a block's MLP and a model hand
-    GatedMLPWeights, LMHeadWeights             that step                                    (decode.py)
+    Mamba3BlockWeights, GatedMLPWeights,       that step                                    (decode.py)
+    LMHeadWeights
     quantize_matrix(weight, scheme)            a matrix as int8 / int4 with a scale per 32
                                                inputs (QuantizedMatrix), as that step reads it (quant.py)
 
@@ -24,6 +25,7 @@ from .decode import (
     GatedMLPWeights,
     LMHeadWeights,
     Mamba2BlockWeights,
+    Mamba3BlockWeights,
     MambaBlocksStep,
     MambaBlockWeights,
     mamba_blocks_step,
@@ -47,6 +49,7 @@ __all__ = [
     "MambaBlocksStep",
     "MambaBlockWeights",
     "Mamba2BlockWeights",
+    "Mamba3BlockWeights",
     "GatedMLPWeights",
     "LMHeadWeights",
     "QuantizedMatrix",

@@ -1,8 +1,9 @@
-"""The decoding step of a stack of Mamba-1 or of Mamba-2 blocks, and the LM head, in one C call
-per token (ssm/native/decode.c, decode_mamba2.c), for recurrent generation on the CPU.
+"""The decoding step of a stack of Mamba-1, Mamba-2 or Mamba-3 (SISO) blocks, and the LM head, in
+one C call per token (ssm/native/decode.c, decode_mamba2.c, decode_mamba3.c), for recurrent
+generation on the CPU.
 
-A layer hands its tensors over as a ``MambaBlockWeights`` or a ``Mamba2BlockWeights`` (with a
-``GatedMLPWeights`` for a block's MLP), and the model its head as ``LMHeadWeights``: typed,
+A layer hands its tensors over as a ``MambaBlockWeights``, ``Mamba2BlockWeights`` or
+``Mamba3BlockWeights`` (with a ``GatedMLPWeights`` for a block's MLP), and the model its head as ``LMHeadWeights``: typed,
 documented fields, so that nothing here knows a module's parameter names. ``mamba_blocks_step``
 runs one step; ``MambaBlocksStep.prepare`` builds the C arguments once for a caller that decodes
 many tokens with the same tensors (``MambaLM.generate``).
@@ -120,6 +121,48 @@ class Mamba2BlockWeights:
 
 
 @dataclass(frozen=True)
+class Mamba3BlockWeights:
+    """One Mamba-3 (SISO) block's decoding step: residual ← hidden + residual (the first block:
+    residual ← hidden); u = RMSNorm(residual); (z, x, B, C, dt, a, λ, θ) = in_proj u; B and C
+    RMS-normalised per group, plus their per-head biases; per head h (group h // (H/G)):
+    Δ = softplus(dt + dt_bias), A = min(−heavy_tail(a), −A_floor), λ = sigmoid(λ), the phase
+    φ ← φ + Δ·π·tanh(θ) turning the T rotary pairs of k = B + B_bias and q = C + C_bias
+    (``halved``: pairs (m, m + N/2), else (2m, 2m + 1)), the trapezoidal step
+    h ← exp(Δ·A)·h + (1 − λ)·Δ·exp(Δ·A)·value·keyᵀ + λ·Δ·x·kᵀ, y = h·q + D·x, key ← k,
+    value ← x; y·SiLU(z) (or with ``gate_norm_weight`` RMSNorm(y) per head · weight · SiLU(z));
+    hidden = out_proj y; then the block's ``mlp`` if any. Dtypes: see the module's docstring;
+    contiguous. The four state tensors are updated in place (the phase kept in [0, 2π))."""
+
+    norm_weight: Tensor  # (M,)
+    norm_eps: float
+    in_proj_weight: Tensor | QuantizedMatrix  # (E, M): z, x (S each), B, C (G·N each), dt, a, λ (H each), θ (T)
+    B_norm_weight: Tensor  # (N,)
+    C_norm_weight: Tensor  # (N,)
+    bc_norm_eps: float
+    B_bias: Tensor  # (H, N)
+    C_bias: Tensor  # (H, N)
+    dt_bias: Tensor  # (H,)
+    A_floor: float
+    D: Tensor | None  # (H,)
+    phase: Tensor  # (B, H, T)
+    ssm_state: Tensor  # (B, H, P, N)
+    key: Tensor  # (B, H, N): the last step's rotated key
+    value: Tensor  # (B, H, P): the last step's x
+    ngroups: int  # G
+    halved: bool
+    gate_norm_weight: Tensor | None  # (S,); None: y·SiLU(z)
+    gate_norm_eps: float
+    out_proj_weight: Tensor | QuantizedMatrix  # (M, S)
+    mlp: GatedMLPWeights | None = None
+
+    def tensors(self) -> list[Tensor | None]:
+        out = [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        if self.mlp is not None:
+            out += [self.mlp.norm_weight, self.mlp.fc1_weight, self.mlp.fc2_weight]
+        return out
+
+
+@dataclass(frozen=True)
 class LMHeadWeights:
     """After the last block: residual ← hidden + residual; logits = weight · RMSNorm(residual)."""
 
@@ -189,9 +232,27 @@ class _Mamba2StepArgs(ctypes.Structure):
     )  # fmt: skip
 
 
+class _Mamba3StepArgs(ctypes.Structure):
+    """Mamba3StepArgs of ssm/native (decode_mamba3.c), field for field."""
+
+    _fields_ = (
+        [(name, ctypes.c_int64) for name in ("batch", "d_model", "H", "P", "N", "G", "T", "F", "halved", "nthreads")]
+        + [(name, ctypes.c_double) for name in ("eps", "bc_eps", "gate_eps", "eps2", "A_floor")]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "hidden", "residual", "norm_w", "B_norm_w", "C_norm_w", "B_bias", "C_bias", "dt_bias", "Dskip",
+                "phase", "ssm_state", "key", "value", "gate_w", "norm2_w", "work", "new_hidden", "new_residual",
+            )
+        ]
+        + [(name, _WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
+    )  # fmt: skip
+
+
 _HEAD = ctypes.POINTER(_HeadArgs)
 declare("mamba_blocks_step", [ctypes.POINTER(_BlockStepArgs), ctypes.c_int64, _HEAD])
 declare("mamba2_blocks_step", [ctypes.POINTER(_Mamba2StepArgs), ctypes.c_int64, _HEAD])
+declare("mamba3_blocks_step", [ctypes.POINTER(_Mamba3StepArgs), ctypes.c_int64, _HEAD])
 
 
 declare(
@@ -217,14 +278,14 @@ def decode_matvec(weight: Tensor | QuantizedMatrix, x: Tensor, nthreads: int | N
 
 def mamba_blocks_step(
     hidden: Tensor,
-    blocks: Sequence[MambaBlockWeights] | Sequence[Mamba2BlockWeights],
+    blocks: Sequence[MambaBlockWeights] | Sequence[Mamba2BlockWeights] | Sequence[Mamba3BlockWeights],
     head: LMHeadWeights | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | None:
-    """The decoding step of ``blocks`` (all Mamba-1 or all Mamba-2) in order, in one C call.
+    """The decoding step of ``blocks`` (all of one kind) in order, in one C call.
     ``hidden`` (B, M) enters the first block; returns the last block's (hidden, residual), or
     with ``head`` the logits (B, V). None where the C step does not apply (see the module's
-    docstring). The caller validates Mamba-1 shapes against its layers; Mamba-2 blocks whose
-    shapes do not fit together raise ValueError."""
+    docstring). The caller validates Mamba-1 shapes against its layers; Mamba-2 and Mamba-3
+    blocks whose shapes do not fit together raise ValueError."""
     step = MambaBlocksStep.prepare(hidden, blocks, head)
     return None if step is None else step()
 
@@ -345,6 +406,56 @@ def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_mo
     return batch * (d_model + E + C + Q + S + H + 3 * F)
 
 
+def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_model: int, feed: _Feed) -> int:
+    """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
+    them); return the scratch the block needs (elements)."""
+    if block.ssm_state.ndim != 4:
+        raise ValueError(f"ssm_state must be (B, H, P, N), got shape {tuple(block.ssm_state.shape)}")
+    _, H, P, N = block.ssm_state.shape
+    G, S, T = block.ngroups, H * P, block.phase.shape[-1]
+    F = 0 if block.mlp is None else block.mlp.fc2_weight.shape[1]
+    E = 2 * S + 2 * G * N + 3 * H + T
+    expected = {
+        "ssm_state": ((batch, H, P, N), block.ssm_state),
+        "phase": ((batch, H, T), block.phase),
+        "key": ((batch, H, N), block.key),
+        "value": ((batch, H, P), block.value),
+        "in_proj_weight": ((E, d_model), block.in_proj_weight),
+        "B_norm_weight": ((N,), block.B_norm_weight),
+        "C_norm_weight": ((N,), block.C_norm_weight),
+        "B_bias": ((H, N), block.B_bias),
+        "C_bias": ((H, N), block.C_bias),
+        "dt_bias": ((H,), block.dt_bias),
+        "out_proj_weight": ((d_model, S), block.out_proj_weight),
+    }
+    if block.D is not None:
+        expected["D"] = ((H,), block.D)
+    if block.gate_norm_weight is not None:
+        expected["gate_norm_weight"] = ((S,), block.gate_norm_weight)
+    if block.mlp is not None:
+        expected["mlp.fc1_weight"] = ((2 * F, d_model), block.mlp.fc1_weight)
+    for name, (shape, t) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"Mamba3BlockWeights.{name} must have shape {shape}, got {tuple(t.shape)}")
+    if G < 1 or H % G or T < 1 or T > (N // 2):
+        raise ValueError(f"Mamba3BlockWeights: ngroups {G} must divide H = {H}, and 1 <= T = {T} <= N / 2 = {N // 2}")
+    a.batch, a.d_model, a.H, a.P, a.N, a.G, a.T, a.F = batch, d_model, H, P, N, G, T, F
+    a.halved = int(block.halved)
+    a.eps, a.bc_eps, a.gate_eps, a.A_floor = block.norm_eps, block.bc_norm_eps, block.gate_norm_eps, block.A_floor
+    a.norm_w, a.B_norm_w, a.C_norm_w = (
+        feed.vec(t) for t in (block.norm_weight, block.B_norm_weight, block.C_norm_weight)
+    )
+    a.B_bias, a.C_bias, a.dt_bias = (feed.vec(t) for t in (block.B_bias, block.C_bias, block.dt_bias))
+    a.Dskip, a.gate_w = feed.vec(block.D), feed.vec(block.gate_norm_weight)
+    a.phase, a.ssm_state = feed.state(block.phase), feed.state(block.ssm_state)
+    a.key, a.value = feed.state(block.key), feed.state(block.value)
+    a.in_w, a.out_w = feed.mat(block.in_proj_weight), feed.mat(block.out_proj_weight)
+    if block.mlp is not None:
+        a.eps2, a.norm2_w = block.mlp.norm_eps, feed.vec(block.mlp.norm_weight)
+        a.fc1_w, a.fc2_w = feed.mat(block.mlp.fc1_weight), feed.mat(block.mlp.fc2_weight)
+    return batch * (d_model + E + 2 * G * N + 2 * H * N + S + 3 * F)
+
+
 # the dtype the step computes in, for each dtype of the hidden stream it is given
 _COMPUTE = {torch.float64: torch.float64, torch.float32: torch.float32}
 _COMPUTE.update({torch.bfloat16: torch.float32, torch.float16: torch.float32})
@@ -353,6 +464,7 @@ _COMPUTE.update({torch.bfloat16: torch.float32, torch.float16: torch.float32})
 _KINDS = {
     MambaBlockWeights: (_BlockStepArgs, _mamba1_args, "mamba_blocks_step"),
     Mamba2BlockWeights: (_Mamba2StepArgs, _mamba2_args, "mamba2_blocks_step"),
+    Mamba3BlockWeights: (_Mamba3StepArgs, _mamba3_args, "mamba3_blocks_step"),
 }
 
 
@@ -378,7 +490,7 @@ class MambaBlocksStep:
     def prepare(
         cls,
         hidden: Tensor,
-        blocks: Sequence[MambaBlockWeights] | Sequence[Mamba2BlockWeights],
+        blocks: Sequence[MambaBlockWeights] | Sequence[Mamba2BlockWeights] | Sequence[Mamba3BlockWeights],
         head: LMHeadWeights | None = None,
     ) -> MambaBlocksStep | None:
         """See ``mamba_blocks_step`` for the arguments, and for when this is None."""

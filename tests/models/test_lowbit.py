@@ -19,6 +19,7 @@ CONFIGS = {
     "mamba1": dict(ssm_cfg={"d_state": 8}),
     "mamba2+mlp": dict(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4}, d_intermediate=40),
     "mamba1-untied": dict(ssm_cfg={"d_state": 8}, tie_embeddings=False),
+    "mamba3": dict(ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "chunk_size": 4}),
 }
 
 
@@ -65,7 +66,7 @@ def decode_both(model, monkeypatch, steps=10):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["mamba1", "mamba2+mlp"])
+@pytest.mark.parametrize("kind", ["mamba1", "mamba2+mlp", "mamba3"])
 def test_a_16bit_model_decodes_through_the_fused_step(kind, dtype, monkeypatch):
     """The fused step keeps the stream in float32 where the tensor path rounds each layer's
     output to 16 bits: the logits agree to 16-bit precision, and the greedy tokens but where
