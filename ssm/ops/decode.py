@@ -3,8 +3,8 @@ one C call per token (ssm/native/decode.c, decode_mamba2.c, decode_mamba3.c), fo
 generation on the CPU.
 
 A layer hands its tensors over as a ``MambaBlockWeights``, ``Mamba2BlockWeights`` or
-``Mamba3BlockWeights`` (with a ``GatedMLPWeights`` for a block's MLP), and the model its head as ``LMHeadWeights``: typed,
-documented fields, so that nothing here knows a module's parameter names. ``mamba_blocks_step``
+``Mamba3BlockWeights`` (with a ``GatedMLPWeights`` for a block's MLP), and the model its head as
+``LMHeadWeights``: typed, documented fields, so that nothing here knows a module's parameter names. ``mamba_blocks_step``
 runs one step; ``MambaBlocksStep.prepare`` builds the C arguments once for a caller that decodes
 many tokens with the same tensors (``MambaLM.generate``).
 
