@@ -4,9 +4,9 @@ generation on the CPU.
 
 A layer hands its tensors over as a ``MambaBlockWeights``, ``Mamba2BlockWeights`` or
 ``Mamba3BlockWeights`` (with a ``GatedMLPWeights`` for a block's MLP), and the model its head as
-``LMHeadWeights``: typed, documented fields, so that nothing here knows a module's parameter names. ``mamba_blocks_step``
-runs one step; ``MambaBlocksStep.prepare`` builds the C arguments once for a caller that decodes
-many tokens with the same tensors (``MambaLM.generate``).
+``LMHeadWeights``: typed, documented fields, so that nothing here knows a module's parameter
+names. ``mamba_blocks_step`` runs one step; ``MambaBlocksStep.prepare`` builds the C arguments
+once for a caller that decodes many tokens with the same tensors (``MambaLM.generate``).
 
 Both return None where the C step does not apply, and the caller steps its layers one by one
 (same numbers): every tensor on the CPU, contiguous, no gradient to keep, not inside
