@@ -268,6 +268,19 @@ def test_decode_mode_runs_mamba2_against_transformers_mamba2(tmp_path):
         assert r["same_tokens"] is (True if "transformers" in r["tokens_per_s"] else None)
 
 
+def test_decode_mode_runs_mamba3_without_a_peer(tmp_path):
+    """--mixer mamba3: ssm's Mamba-3 LM decodes (transformers has no Mamba-3: no peer row)."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "d3.json"
+    args = ["--op", "decode", "--mixer", "mamba3", "--d-model", "16", "--layers", "2", "--vocab", "50"]
+    args += ["--new-tokens", "4", "--prompt-length", "3", "--decode-batches", "1", "--device", "cpu"]
+    assert main([*args, "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["config"]["mixer"] == "mamba3"
+    (r,) = report["results"]
+    assert r["tokens_per_s"]["ssm"] > 0 and list(r["tokens_per_s"]) == ["ssm"] and r["same_tokens"] is None
+
+
 @pytest.mark.parametrize("extra", [["--dtype", "bfloat16"], ["--quantize", "int8"], ["--quantize", "int4"]])
 def test_decode_mode_at_low_precision(tmp_path, extra):
     """--dtype / --quantize: ssm decodes in that precision (the weights' bytes shrink with it);

@@ -1,7 +1,7 @@
 """--op decode: greedy decoding throughput of a language model at a real size (mamba-130m's by
 default: d_model 768, 24 layers, vocabulary 50280, float32), ssm against transformers'
 MambaForCausalLM (``--mixer mamba2``: Mamba2ForCausalLM at mamba2-130m's shapes) holding the
-same weights, at each of ``--decode-batches``, beside the rate at which torch reads as many bytes
+same weights (``--mixer mamba3``: Mamba-3 SISO at the same shapes, no peer), at each of ``--decode-batches``, beside the rate at which torch reads as many bytes
 as the weights hold. The tokens must be the same, or part only at
 a tie: where the float64 model finds the two tokens' logits closer than ``TIE`` (exit status 1
 otherwise).
@@ -36,9 +36,10 @@ def add_arguments(parser) -> None:
     group.add_argument("--decode-batches", type=comma_ints, default=[1, 8], help="batch sizes to decode")
     group.add_argument(
         "--mixer",
-        choices=("mamba1", "mamba2"),
+        choices=("mamba1", "mamba2", "mamba3"),
         default="mamba1",
-        help="the layers: Mamba-1 (N 16) or Mamba-2 (N 128, head dim 64, one group)",
+        help="the layers: Mamba-1 (N 16), Mamba-2 (N 128, head dim 64, one group) or Mamba-3 SISO (N 128, "
+        "head dim 64; no transformers peer)",
     )
     group.add_argument(
         "--quantize", choices=("int8", "int4"), default=None, help="quantise ssm's weights (MambaLM.quantize)"
@@ -57,14 +58,15 @@ def run(args) -> tuple[int, dict]:
     device = torch.device(args.device)
     peer = peers.transformers_mamba2 if args.mixer == "mamba2" else peers.transformers_mamba
     dtype = DTYPES[args.dtype]
-    hf_model = None if args.no_peer else peer(args, device, vocab_size=args.vocab)
+    hf_model = None if args.no_peer or args.mixer == "mamba3" else peer(args, device, vocab_size=args.vocab)
     if hf_model is not None:
         hf_model.eval()
         hf_model.generation_config.eos_token_id = None  # every row decodes --new-tokens tokens
         hf_model.generation_config.pad_token_id = 0
     ssm_cfg = None
-    if args.mixer == "mamba2":
-        ssm_cfg = {"layer": "Mamba2", "d_state": 128, "headdim": math.gcd(2 * args.d_model, 64)}
+    if args.mixer in ("mamba2", "mamba3"):
+        layer = "Mamba2" if args.mixer == "mamba2" else "Mamba3"
+        ssm_cfg = {"layer": layer, "d_state": 128, "headdim": math.gcd(2 * args.d_model, 64)}
     model = peers.ssm_lm(args, hf_model, device, vocab_size=args.vocab, ssm_cfg=ssm_cfg).eval()
     exact_precision = dtype == torch.float32 and args.quantize is None  # else tokens are not required to agree
     if exact_precision is False:
