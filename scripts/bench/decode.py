@@ -1,7 +1,8 @@
 """--op decode: greedy decoding throughput of a language model at a real size (mamba-130m's by
 default: d_model 768, 24 layers, vocabulary 50280, float32), ssm against transformers'
 MambaForCausalLM (``--mixer mamba2``: Mamba2ForCausalLM at mamba2-130m's shapes) holding the
-same weights (``--mixer mamba3``: Mamba-3 SISO at the same shapes, no peer), at each of ``--decode-batches``, beside the rate at which torch reads as many bytes
+same weights (``--mixer mamba3``: Mamba-3 SISO at the same shapes, no peer), at each of
+``--decode-batches``, beside the rate at which torch reads as many bytes
 as the weights hold. The tokens must be the same, or part only at
 a tie: where the float64 model finds the two tokens' logits closer than ``TIE`` (exit status 1
 otherwise).
