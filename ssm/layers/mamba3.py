@@ -230,13 +230,14 @@ class Mamba3(nn.Module):
     ) -> Mamba3BlockWeights | None:
         """What ``ssm.ops.mamba_blocks_step`` needs to run the decoding step of a block around
         this mixer (residual, ``norm``, this mixer's step, which updates ``cache`` in place, then
-        the block's ``mlp`` if any) in C, or None where it cannot: a norm other than RMSNorm, or
-        MIMO (its step is the per-op one for now). The model's backbone collects these from every
-        block and steps the whole stack in one call."""
-        if not isinstance(norm, RMSNorm) or self.is_mimo or self.B_norm.eps != self.C_norm.eps:
+        the block's ``mlp`` if any) in C, SISO or MIMO, or None where it cannot (a norm other than
+        RMSNorm). The model's backbone collects these from every block and steps the whole stack
+        in one call."""
+        if not isinstance(norm, RMSNorm) or self.B_norm.eps != self.C_norm.eps:
             return None
         phase, ssm, key, value = cache.state
         gate = self.norm if self.is_outproj_norm else None
+        mimo = (self.mimo_x, self.mimo_z, self.mimo_o) if self.is_mimo else (None, None, None)
         return Mamba3BlockWeights(
             norm_weight=norm.weight,
             norm_eps=norm.eps,
@@ -244,8 +245,8 @@ class Mamba3(nn.Module):
             B_norm_weight=self.B_norm.weight,
             C_norm_weight=self.C_norm.weight,
             bc_norm_eps=self.B_norm.eps,
-            B_bias=self.B_bias[:, 0],
-            C_bias=self.C_bias[:, 0],
+            B_bias=self.B_bias,
+            C_bias=self.C_bias,
             dt_bias=self.dt_bias,
             A_floor=self.A_floor,
             D=self.D,
@@ -258,6 +259,9 @@ class Mamba3(nn.Module):
             gate_norm_weight=None if gate is None else gate.weight,
             gate_norm_eps=0.0 if gate is None else gate.eps,
             out_proj_weight=decoding_matrix(self.out_proj),
+            mimo_x=mimo[0],
+            mimo_z=mimo[1],
+            mimo_o=mimo[2],
             mlp=mlp,
         )
 

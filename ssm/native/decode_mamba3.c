@@ -1,5 +1,5 @@
-/* The decoding step of a whole stack of Mamba-3 (SISO) blocks, and the LM head, in one call per
-   token (ssm/ops/decode.py calls it), as decode.c's mamba_blocks_step is for Mamba-1 and
+/* The decoding step of a whole stack of Mamba-3 blocks (SISO or MIMO), and the LM head, in one
+   call per token (ssm/ops/decode.py calls it), as decode.c's mamba_blocks_step is for Mamba-1 and
    decode_mamba2.c's for Mamba-2: a block's residual add and RMSNorm, in_proj, the RMSNorm and
    per-head bias of B and C, the rotary phase, the trapezoidal step of every head, the gate (or
    the per-head gated norm), out_proj, and the block's gated MLP when it has one. library.c
@@ -7,35 +7,41 @@
    decode.c's project_rows / add_rms_norm / head_step): the argument struct the first time only.
 
    Shape symbols: B batch, M d_model, H heads, P head dim, S = H·P (d_inner), N state size,
-   G groups of B and C, T rotary pairs, F the block MLP's hidden size,
-   E = 2·S + 2·G·N + 3·H + T in_proj's rows. */
+   G groups of B and C, R the MIMO rank (1: SISO), T rotary pairs, F the block MLP's hidden
+   size, E = 2·S + 2·R·G·N + 3·H + T in_proj's rows. */
 
 #ifndef SSM_DECODE_MAMBA3_TYPES
 #define SSM_DECODE_MAMBA3_TYPES
 
-/* Arguments of a whole Mamba-3 (SISO) block's decoding step (one token per sequence):
+/* Arguments of a whole Mamba-3 block's decoding step (one token per sequence), SISO (R = 1, no
+   mimo_*) or MIMO of rank R:
      residual ← hidden + residual;  u = RMSNorm(residual; norm_w, eps)
-     (z, x, B, C, dt, a, λ, θ) = in_w·u                         rows S, S, G·N, G·N, H, H, H, T
-     B_g = RMSNorm(B_g; B_norm_w, bc_eps) per group, likewise C; head h reads group h / (H / G)
+     (z, x, B, C, dt, a, λ, θ) = in_w·u                      rows S, S, R·G·N, R·G·N, H, H, H, T
+     B_{r,g} = RMSNorm(B_{r,g}; B_norm_w, bc_eps) per rank and group, likewise C; head h reads
+       group h / (H / G)
      Δ_h = softplus(dt_h + dt_bias_h);  A_h = min(−heavy_tail(a_h), −A_floor);  λ_h = sigmoid(λ_h)
-     φ_{h,m} ← φ_{h,m} + Δ_h·π·tanh(θ_m);  k = Rot(φ_h)(B_g + B_bias_h), q = Rot(φ_h)(C_g + C_bias_h)
-       (pairs (2m, 2m+1), or with halved (m, m + N/2), for m < T)
+     φ_{h,m} ← φ_{h,m} + Δ_h·π·tanh(θ_m);  k_r = Rot(φ_h)(B_{r,g} + B_bias_{h,r}),
+       q_r = Rot(φ_h)(C_{r,g} + C_bias_{h,r})  (pairs (2m, 2m+1), or with halved (m, m + N/2), m < T)
+     v_r = x_h ⊙ mimo_x_{h,r}, v'_r = value_h ⊙ mimo_x_{h,r}  (SISO: v = x, v' = value)
      α = exp(Δ·A), β = (1 − λ)·Δ·α, γ = λ·Δ
-     h_{h,p,n} ← α·h + β·value_{h,p}·key_{h,n} + γ·x_{h,p}·k_n;  y_{h,p} = Σ_n q_n·h + D_h·x_{h,p}
-     key_h ← k, value_h ← x_h, φ reduced modulo 2π
-     y = y·SiLU(z), or with gate_w RMSNorm(y) per head (gate_eps)·gate_w·SiLU(z)
-     hidden = out_w·y
+     h_{h,p,n} ← α·h + Σ_r (β·v'_{r,p}·key_{r,h,n} + γ·v_{r,p}·k_{r,n});  y_{r,p} = Σ_n q_{r,n}·h + D_h·v_{r,p}
+     key_{r,h} ← k_r, value_h ← x_h, φ reduced modulo 2π
+     g_r = z_h ⊙ mimo_z_{h,r} (SISO: z_h);  y_r ← y_r·SiLU(g_r), or with gate_w
+       RMSNorm(y_r) (over P; gate_eps)·gate_w_h·SiLU(g_r)
+     out_h = Σ_r mimo_o_{h,r} ⊙ y_r (SISO: y);  hidden = out_w·out
    then with fc1_w (the block's MLP) as in decode_mamba2.c. heavy_tail(a) = 1 + a for a ≥ 0,
    1 / (1 − a) below. Every tensor contiguous, in one dtype, but the matrices (WMat). Shapes:
    hidden, residual, new_hidden, new_residual (B, M) (residual NULL in the first block);
-   norm_w (M); B_norm_w, C_norm_w (N); B_bias, C_bias (H, N); dt_bias (H); Dskip (H) or NULL;
-   phase (B, H, T), ssm_state (B, H, P, N), key (B, H, N), value (B, H, P), all updated in place;
-   gate_w (S) or NULL; in_w (E, M); out_w (M, S); norm2_w (M), fc1_w (2·F, M), fc2_w (M, F), or
-   fc1_w NULL (F 0); work: scratch of B·(M + E + 2·G·N + 2·H·N + S + 3·F) elements. */
+   norm_w (M); B_norm_w, C_norm_w (N); B_bias, C_bias (H, R, N); dt_bias (H); Dskip (H) or NULL;
+   mimo_x, mimo_z, mimo_o (H, R, P) or NULL (SISO); phase (B, H, T), ssm_state (B, H, P, N),
+   key (B, R, H, N), value (B, H, P), all updated in place; gate_w (S) or NULL; in_w (E, M);
+   out_w (M, S); norm2_w (M), fc1_w (2·F, M), fc2_w (M, F), or fc1_w NULL (F 0);
+   work: scratch of B·(M + E + 2·R·G·N + 2·H·R·N + H·R·P + S + 3·F) elements. */
 typedef struct {
-    i64 batch, d_model, H, P, N, G, T, F, halved, nthreads;
+    i64 batch, d_model, H, P, N, G, R, T, F, halved, nthreads;
     double eps, bc_eps, gate_eps, eps2, A_floor;
     const void *hidden, *residual, *norm_w, *B_norm_w, *C_norm_w, *B_bias, *C_bias, *dt_bias, *Dskip;
+    const void *mimo_x, *mimo_z, *mimo_o;
     void *phase, *ssm_state, *key, *value;
     const void *gate_w, *norm2_w;
     void *work, *new_hidden, *new_residual;
@@ -62,21 +68,22 @@ static inline void SUF(rotate_pairs)(REAL *w, const REAL *cs, const REAL *sn, i6
    region: the projections split by output rows, the B / C norms by (row, group), the heads by
    (row, head), each head's state (P·N), key, value and phase read and written by one thread. */
 static void SUF(mamba3_block_step)(const Mamba3StepArgs *a) {
-    const i64 Bn = a->batch, M = a->d_model, H = a->H, P = a->P, N = a->N, G = a->G, T = a->T, F = a->F;
-    const i64 S = H * P, GN = G * N, E = 2 * S + 2 * GN + 3 * H + T, heads_per_group = H / G;
-    const i64 x_at = S, B_at = 2 * S, C_at = B_at + GN, dt_at = C_at + GN, A_at = dt_at + H, lam_at = A_at + H;
+    const i64 Bn = a->batch, M = a->d_model, H = a->H, P = a->P, N = a->N, G = a->G, R = a->R, T = a->T, F = a->F;
+    const i64 S = H * P, RGN = R * G * N, E = 2 * S + 2 * RGN + 3 * H + T, heads_per_group = H / G;
+    const i64 x_at = S, B_at = 2 * S, C_at = B_at + RGN, dt_at = C_at + RGN, A_at = dt_at + H, lam_at = A_at + H;
     const i64 th_at = lam_at + H;
     const REAL *hid = (const REAL *)a->hidden, *res = (const REAL *)a->residual;
     const REAL *B_bias = (const REAL *)a->B_bias, *C_bias = (const REAL *)a->C_bias;
     const REAL *dt_bias = (const REAL *)a->dt_bias, *Dskip = (const REAL *)a->Dskip, *gate_w = (const REAL *)a->gate_w;
+    const REAL *mimo_x = (const REAL *)a->mimo_x, *mimo_z = (const REAL *)a->mimo_z, *mimo_o = (const REAL *)a->mimo_o;
     REAL *phase = (REAL *)a->phase, *state = (REAL *)a->ssm_state, *key = (REAL *)a->key, *value = (REAL *)a->value;
     REAL *new_hid = (REAL *)a->new_hidden, *new_res = (REAL *)a->new_residual;
     const REAL two_pi = (REAL)(2 * 3.14159265358979323846), pi = (REAL)3.14159265358979323846;
-    /* scratch: normed (Bn, M); proj (Bn, E), in_proj's output; bc (Bn, 2·G·N), the normed B then
-       C; kq (Bn, H, 2N), each head's rotated k then q; y (Bn, S), out_proj's input; fc (Bn, 2F)
-       then gated (Bn, F), the block MLP's */
-    REAL *normed = (REAL *)a->work, *proj = normed + Bn * M, *bc = proj + Bn * E, *kq = bc + Bn * 2 * GN;
-    REAL *y = kq + Bn * H * 2 * N, *fc = y + Bn * S, *gated = fc + Bn * 2 * F;
+    /* scratch: normed (Bn, M); proj (Bn, E), in_proj's output; bc (Bn, 2·R·G·N), the normed B
+       then C; kq (Bn, H, R, 2N), each head's rotated k_r then q_r; yr (Bn, H, R, P), each head's
+       output per rank; y (Bn, S), out_proj's input; fc (Bn, 2F) then gated (Bn, F), the MLP's */
+    REAL *normed = (REAL *)a->work, *proj = normed + Bn * M, *bc = proj + Bn * E, *kq = bc + Bn * 2 * RGN;
+    REAL *yr = kq + Bn * H * R * 2 * N, *y = yr + Bn * H * R * P, *fc = y + Bn * S, *gated = fc + Bn * 2 * F;
 #pragma omp for schedule(static)
     for (i64 b = 0; b < Bn; b++)
         SUF(add_rms_norm)(hid + b * M, res ? res + b * M : NULL, (const REAL *)a->norm_w, a->eps, M,
@@ -85,14 +92,14 @@ static void SUF(mamba3_block_step)(const Mamba3StepArgs *a) {
     for (i64 o = 0; o < E; o += 4) /* in_proj: z, x, B, C, dt, a, λ, θ */
         SUF(project_rows)(&a->in_w, NULL, M, E, o, Bn, normed, M, proj, E);
 #pragma omp for schedule(static)
-    for (i64 i = 0; i < Bn * 2 * G; i++) { /* the RMSNorm of group g of B (which 0) or C (1) of row b */
-        const i64 b = i / (2 * G), which = i % (2 * G) / G, g = i % G;
-        const REAL *v = proj + b * E + (which ? C_at : B_at) + g * N;
+    for (i64 i = 0; i < Bn * 2 * R * G; i++) { /* the RMSNorm of (rank, group) j of B (which 0) or C (1) of row b */
+        const i64 b = i / (2 * R * G), which = i % (2 * R * G) / (R * G), j = i % (R * G);
+        const REAL *v = proj + b * E + (which ? C_at : B_at) + j * N;
         const REAL *w = (const REAL *)(which ? a->C_norm_w : a->B_norm_w);
         REAL ss = 0;
         for (i64 n = 0; n < N; n++) ss += v[n] * v[n];
         const REAL scale = 1 / sqrt(ss / N + (REAL)a->bc_eps);
-        REAL *out = bc + b * 2 * GN + which * GN + g * N;
+        REAL *out = bc + b * 2 * RGN + which * RGN + j * N;
         for (i64 n = 0; n < N; n++) out[n] = v[n] * scale * w[n];
     }
 #pragma omp for schedule(static)
@@ -103,10 +110,15 @@ static void SUF(mamba3_block_step)(const Mamba3StepArgs *a) {
         const REAL ar = pb[A_at + h], tail = ar >= 0 ? 1 + ar : 1 / (1 - ar);
         const REAL A = -tail < -(REAL)a->A_floor ? -tail : -(REAL)a->A_floor;
         const REAL lam = SUF(sigmoid)(pb[lam_at + h]);
-        REAL *ph = phase + i * T, *k = kq + i * 2 * N, *q = k + N;
-        for (i64 n = 0; n < N; n++) {
-            k[n] = bc[b * 2 * GN + g * N + n] + B_bias[h * N + n];
-            q[n] = bc[b * 2 * GN + GN + g * N + n] + C_bias[h * N + n];
+        REAL *ph = phase + i * T, *kqh = kq + i * R * 2 * N;
+        for (i64 r = 0; r < R; r++) { /* k_r and q_r before the rotation */
+            const REAL *Bv = bc + b * 2 * RGN + (r * G + g) * N, *Cv = Bv + RGN;
+            const REAL *Bb = B_bias + (h * R + r) * N, *Cb = C_bias + (h * R + r) * N;
+            REAL *k = kqh + r * 2 * N, *q = k + N;
+            for (i64 n = 0; n < N; n++) {
+                k[n] = Bv[n] + Bb[n];
+                q[n] = Cv[n] + Cb[n];
+            }
         }
         for (i64 m0 = 0; m0 < T; m0 += 32) { /* the phase turns on; k and q rotated, 32 pairs at a time */
             const i64 nm = T - m0 < 32 ? T - m0 : 32;
@@ -118,30 +130,53 @@ static void SUF(mamba3_block_step)(const Mamba3StepArgs *a) {
                 const REAL r = fmod(p, two_pi); /* kept in [0, 2π), as the layer's step keeps it */
                 ph[m0 + j] = r < 0 ? r + two_pi : r;
             }
-            SUF(rotate_pairs)(k, cs, sn, m0, nm, N, a->halved);
-            SUF(rotate_pairs)(q, cs, sn, m0, nm, N, a->halved);
+            for (i64 r = 0; r < 2 * R; r++) SUF(rotate_pairs)(kqh + r * N, cs, sn, m0, nm, N, a->halved);
         }
         const REAL alpha = EXP(dt * A), beta = (1 - lam) * dt * alpha, gamma = lam * dt;
         const REAL *x = pb + x_at + h * P, *z = pb + h * P;
-        REAL *hs = state + i * P * N, *kp = key + i * N, *vp = value + i * P, *yh = y + b * S + h * P;
+        REAL *hs = state + i * P * N, *vp = value + i * P, *yh = yr + i * R * P;
         const REAL Dh = Dskip ? Dskip[h] : 0;
-        REAL ss = 0;
         for (i64 p = 0; p < P; p++) {
-            REAL *hp = hs + p * N, acc = 0;
-            const REAL bv = beta * vp[p], gx = gamma * x[p];
-#pragma omp simd reduction(+ : acc)
-            for (i64 n = 0; n < N; n++) {
-                hp[n] = alpha * hp[n] + bv * kp[n] + gx * k[n];
-                acc += q[n] * hp[n];
+            REAL *hp = hs + p * N;
+#pragma omp simd
+            for (i64 n = 0; n < N; n++) hp[n] *= alpha;
+            for (i64 r = 0; r < R; r++) { /* rank r's inputs, this step's and the last one's */
+                const REAL mx = mimo_x ? mimo_x[(h * R + r) * P + p] : 1;
+                const REAL bv = beta * vp[p] * mx, gx = gamma * x[p] * mx;
+                const REAL *kp = key + ((b * R + r) * H + h) * N, *k = kqh + r * 2 * N;
+#pragma omp simd
+                for (i64 n = 0; n < N; n++) hp[n] += bv * kp[n] + gx * k[n];
             }
-            yh[p] = acc + Dh * x[p];
-            ss += yh[p] * yh[p];
+            for (i64 r = 0; r < R; r++) {
+                const REAL *q = kqh + r * 2 * N + N, mx = mimo_x ? mimo_x[(h * R + r) * P + p] : 1;
+                REAL acc = 0;
+#pragma omp simd reduction(+ : acc)
+                for (i64 n = 0; n < N; n++) acc += q[n] * hp[n];
+                yh[r * P + p] = acc + Dh * x[p] * mx;
+            }
         }
-        for (i64 n = 0; n < N; n++) kp[n] = k[n];
+        for (i64 r = 0; r < R; r++) {
+            REAL *kp = key + ((b * R + r) * H + h) * N;
+            for (i64 n = 0; n < N; n++) kp[n] = kqh[r * 2 * N + n];
+        }
         for (i64 p = 0; p < P; p++) vp[p] = x[p];
-        const REAL scale = gate_w ? 1 / sqrt(ss / P + (REAL)a->gate_eps) : 1;
-        for (i64 p = 0; p < P; p++)
-            yh[p] = yh[p] * scale * (gate_w ? gate_w[h * P + p] : 1) * (z[p] * SUF(sigmoid)(z[p]));
+        REAL *out = y + b * S + h * P;
+        for (i64 p = 0; p < P; p++) out[p] = 0;
+        for (i64 r = 0; r < R; r++) { /* the gate (or gated norm) of rank r, and the sum over ranks */
+            const REAL *yv = yh + r * P;
+            REAL scale = 1;
+            if (gate_w) {
+                REAL ss = 0;
+                for (i64 p = 0; p < P; p++) ss += yv[p] * yv[p];
+                scale = 1 / sqrt(ss / P + (REAL)a->gate_eps);
+            }
+            for (i64 p = 0; p < P; p++) {
+                const i64 at = (h * R + r) * P + p;
+                const REAL gz = z[p] * (mimo_z ? mimo_z[at] : 1);
+                out[p] += (mimo_o ? mimo_o[at] : 1) * yv[p] * scale * (gate_w ? gate_w[h * P + p] : 1) *
+                          (gz * SUF(sigmoid)(gz));
+            }
+        }
     }
 #pragma omp for schedule(static)
     for (i64 o = 0; o < M; o += 4) /* out_proj */

@@ -1,4 +1,4 @@
-"""The decoding step of a stack of Mamba-1, Mamba-2 or Mamba-3 (SISO) blocks, and the LM head, in
+"""The decoding step of a stack of Mamba-1, Mamba-2 or Mamba-3 blocks, and the LM head, in
 one C call per token (ssm/native/decode.c, decode_mamba2.c, decode_mamba3.c), for recurrent
 generation on the CPU.
 
@@ -122,37 +122,42 @@ class Mamba2BlockWeights:
 
 @dataclass(frozen=True)
 class Mamba3BlockWeights:
-    """One Mamba-3 (SISO) block's decoding step: residual ← hidden + residual (the first block:
-    residual ← hidden); u = RMSNorm(residual); (z, x, B, C, dt, a, λ, θ) = in_proj u; B and C
-    RMS-normalised per group, plus their per-head biases; per head h (group h // (H/G)):
-    Δ = softplus(dt + dt_bias), A = min(−heavy_tail(a), −A_floor), λ = sigmoid(λ), the phase
-    φ ← φ + Δ·π·tanh(θ) turning the T rotary pairs of k = B + B_bias and q = C + C_bias
-    (``halved``: pairs (m, m + N/2), else (2m, 2m + 1)), the trapezoidal step
-    h ← exp(Δ·A)·h + (1 − λ)·Δ·exp(Δ·A)·value·keyᵀ + λ·Δ·x·kᵀ, y = h·q + D·x, key ← k,
-    value ← x; y·SiLU(z) (or with ``gate_norm_weight`` RMSNorm(y) per head · weight · SiLU(z));
-    hidden = out_proj y; then the block's ``mlp`` if any. Dtypes: see the module's docstring;
-    contiguous. The four state tensors are updated in place (the phase kept in [0, 2π))."""
+    """One Mamba-3 block's decoding step, SISO or MIMO of rank R: residual ← hidden + residual
+    (the first block: residual ← hidden); u = RMSNorm(residual); (z, x, B, C, dt, a, λ, θ) =
+    in_proj u; B and C RMS-normalised per rank and group, plus their per-head biases; per head h
+    (group h // (H/G)): Δ = softplus(dt + dt_bias), A = min(−heavy_tail(a), −A_floor),
+    λ = sigmoid(λ), the phase φ ← φ + Δ·π·tanh(θ) turning the T rotary pairs of k_r = B_r + B_bias
+    and q_r = C_r + C_bias (``halved``: pairs (m, m + N/2), else (2m, 2m + 1)); with v_r =
+    x ⊙ mimo_x_r (SISO: x) the trapezoidal step h ← exp(Δ·A)·h + Σ_r ((1 − λ)·Δ·exp(Δ·A)·v'_r·key_rᵀ
+    + λ·Δ·v_r·k_rᵀ) (v'_r from the last step's x), y_r = h·q_r + D·v_r, key ← k, value ← x; each
+    y_r gated by SiLU(z ⊙ mimo_z_r) (or with ``gate_norm_weight`` RMSNorm(y_r) per head · weight ·
+    that), summed over the ranks with mimo_o; hidden = out_proj y; then the block's ``mlp`` if
+    any. Dtypes: see the module's docstring; contiguous. The four state tensors are updated in
+    place (the phase kept in [0, 2π))."""
 
     norm_weight: Tensor  # (M,)
     norm_eps: float
-    in_proj_weight: Tensor | QuantizedMatrix  # (E, M): z, x (S each), B, C (G·N each), dt, a, λ (H each), θ (T)
+    in_proj_weight: Tensor | QuantizedMatrix  # (E, M): z, x (S each), B, C (R·G·N each), dt, a, λ (H each), θ (T)
     B_norm_weight: Tensor  # (N,)
     C_norm_weight: Tensor  # (N,)
     bc_norm_eps: float
-    B_bias: Tensor  # (H, N)
-    C_bias: Tensor  # (H, N)
+    B_bias: Tensor  # (H, R, N)
+    C_bias: Tensor  # (H, R, N)
     dt_bias: Tensor  # (H,)
     A_floor: float
     D: Tensor | None  # (H,)
     phase: Tensor  # (B, H, T)
     ssm_state: Tensor  # (B, H, P, N)
-    key: Tensor  # (B, H, N): the last step's rotated key
+    key: Tensor  # (B, R, H, N), or (B, H, N) for SISO: the last step's rotated keys
     value: Tensor  # (B, H, P): the last step's x
     ngroups: int  # G
     halved: bool
     gate_norm_weight: Tensor | None  # (S,); None: y·SiLU(z)
     gate_norm_eps: float
     out_proj_weight: Tensor | QuantizedMatrix  # (M, S)
+    mimo_x: Tensor | None = None  # (H, R, P) each, MIMO only
+    mimo_z: Tensor | None = None
+    mimo_o: Tensor | None = None
     mlp: GatedMLPWeights | None = None
 
     def tensors(self) -> list[Tensor | None]:
@@ -236,13 +241,17 @@ class _Mamba3StepArgs(ctypes.Structure):
     """Mamba3StepArgs of ssm/native (decode_mamba3.c), field for field."""
 
     _fields_ = (
-        [(name, ctypes.c_int64) for name in ("batch", "d_model", "H", "P", "N", "G", "T", "F", "halved", "nthreads")]
+        [
+            (name, ctypes.c_int64)
+            for name in ("batch", "d_model", "H", "P", "N", "G", "R", "T", "F", "halved", "nthreads")
+        ]
         + [(name, ctypes.c_double) for name in ("eps", "bc_eps", "gate_eps", "eps2", "A_floor")]
         + [
             (name, ctypes.c_void_p)
             for name in (
                 "hidden", "residual", "norm_w", "B_norm_w", "C_norm_w", "B_bias", "C_bias", "dt_bias", "Dskip",
-                "phase", "ssm_state", "key", "value", "gate_w", "norm2_w", "work", "new_hidden", "new_residual",
+                "mimo_x", "mimo_z", "mimo_o", "phase", "ssm_state", "key", "value", "gate_w", "norm2_w",
+                "work", "new_hidden", "new_residual",
             )
         ]
         + [(name, _WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
@@ -409,37 +418,41 @@ def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_mo
 def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_model: int, feed: _Feed) -> int:
     """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
     them); return the scratch the block needs (elements)."""
-    if block.ssm_state.ndim != 4:
-        raise ValueError(f"ssm_state must be (B, H, P, N), got shape {tuple(block.ssm_state.shape)}")
+    if block.ssm_state.ndim != 4 or block.B_bias.ndim != 3:
+        shapes = tuple(block.ssm_state.shape), tuple(block.B_bias.shape)
+        raise ValueError(f"ssm_state must be (B, H, P, N) and B_bias (H, R, N), got shapes {shapes}")
     _, H, P, N = block.ssm_state.shape
-    G, S, T = block.ngroups, H * P, block.phase.shape[-1]
+    G, S, T, R = block.ngroups, H * P, block.phase.shape[-1], block.B_bias.shape[1]
     F = 0 if block.mlp is None else block.mlp.fc2_weight.shape[1]
-    E = 2 * S + 2 * G * N + 3 * H + T
+    E = 2 * S + 2 * R * G * N + 3 * H + T
     expected = {
         "ssm_state": ((batch, H, P, N), block.ssm_state),
         "phase": ((batch, H, T), block.phase),
-        "key": ((batch, H, N), block.key),
+        "key": ((batch, R, H, N) if block.key.ndim == 4 else (batch, H, N), block.key),
         "value": ((batch, H, P), block.value),
         "in_proj_weight": ((E, d_model), block.in_proj_weight),
         "B_norm_weight": ((N,), block.B_norm_weight),
         "C_norm_weight": ((N,), block.C_norm_weight),
-        "B_bias": ((H, N), block.B_bias),
-        "C_bias": ((H, N), block.C_bias),
+        "B_bias": ((H, R, N), block.B_bias),
+        "C_bias": ((H, R, N), block.C_bias),
         "dt_bias": ((H,), block.dt_bias),
         "out_proj_weight": ((d_model, S), block.out_proj_weight),
     }
-    if block.D is not None:
-        expected["D"] = ((H,), block.D)
-    if block.gate_norm_weight is not None:
-        expected["gate_norm_weight"] = ((S,), block.gate_norm_weight)
+    optional = {"D": (H,), "gate_norm_weight": (S,), "mimo_x": (H, R, P), "mimo_z": (H, R, P), "mimo_o": (H, R, P)}
+    for name, shape in optional.items():
+        if getattr(block, name) is not None:
+            expected[name] = (shape, getattr(block, name))
     if block.mlp is not None:
         expected["mlp.fc1_weight"] = ((2 * F, d_model), block.mlp.fc1_weight)
     for name, (shape, t) in expected.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"Mamba3BlockWeights.{name} must have shape {shape}, got {tuple(t.shape)}")
-    if G < 1 or H % G or T < 1 or T > (N // 2):
-        raise ValueError(f"Mamba3BlockWeights: ngroups {G} must divide H = {H}, and 1 <= T = {T} <= N / 2 = {N // 2}")
-    a.batch, a.d_model, a.H, a.P, a.N, a.G, a.T, a.F = batch, d_model, H, P, N, G, T, F
+    if G < 1 or H % G or T < 1 or T > (N // 2) or (block.key.ndim == 3 and R != 1):
+        raise ValueError(
+            f"Mamba3BlockWeights: ngroups {G} must divide H = {H}, 1 <= T = {T} <= N / 2 = {N // 2}, "
+            f"and a key without a rank axis means R = 1 (B_bias has R = {R})"
+        )
+    a.batch, a.d_model, a.H, a.P, a.N, a.G, a.R, a.T, a.F = batch, d_model, H, P, N, G, R, T, F
     a.halved = int(block.halved)
     a.eps, a.bc_eps, a.gate_eps, a.A_floor = block.norm_eps, block.bc_norm_eps, block.gate_norm_eps, block.A_floor
     a.norm_w, a.B_norm_w, a.C_norm_w = (
@@ -447,13 +460,14 @@ def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_mo
     )
     a.B_bias, a.C_bias, a.dt_bias = (feed.vec(t) for t in (block.B_bias, block.C_bias, block.dt_bias))
     a.Dskip, a.gate_w = feed.vec(block.D), feed.vec(block.gate_norm_weight)
+    a.mimo_x, a.mimo_z, a.mimo_o = (feed.vec(t) for t in (block.mimo_x, block.mimo_z, block.mimo_o))
     a.phase, a.ssm_state = feed.state(block.phase), feed.state(block.ssm_state)
     a.key, a.value = feed.state(block.key), feed.state(block.value)
     a.in_w, a.out_w = feed.mat(block.in_proj_weight), feed.mat(block.out_proj_weight)
     if block.mlp is not None:
         a.eps2, a.norm2_w = block.mlp.norm_eps, feed.vec(block.mlp.norm_weight)
         a.fc1_w, a.fc2_w = feed.mat(block.mlp.fc1_weight), feed.mat(block.mlp.fc2_weight)
-    return batch * (d_model + E + 2 * G * N + 2 * H * N + S + 3 * F)
+    return batch * (d_model + E + 2 * R * G * N + 2 * H * R * N + H * R * P + S + 3 * F)
 
 
 # the dtype the step computes in, for each dtype of the hidden stream it is given

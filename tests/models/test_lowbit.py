@@ -20,6 +20,9 @@ CONFIGS = {
     "mamba2+mlp": dict(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4}, d_intermediate=40),
     "mamba1-untied": dict(ssm_cfg={"d_state": 8}, tie_embeddings=False),
     "mamba3": dict(ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "chunk_size": 4}),
+    "mamba3-mimo": dict(
+        ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "chunk_size": 4, "is_mimo": True, "mimo_rank": 2}
+    ),
 }
 
 

@@ -1,9 +1,10 @@
-"""MambaLM's decoding of Mamba-3 (SISO) blocks through the fused C step (ssm.ops.mamba_blocks_step
-with Mamba3BlockWeights): taken on the CPU in float32 and float64, and giving what the per-op path
-(Mamba3.step, tensor code) and the forward (the chunked trapezoidal scan) give: logits and every
-part of every layer's state (phase, ssm, key, value), over several tokens at batch > 1, with
-groups, the output norm, a block MLP, both rotary fractions. Greedy generation gives the same
-tokens with it and without it; MIMO and LayerNorm blocks are declined, not miscomputed."""
+"""MambaLM's decoding of Mamba-3 blocks (SISO and MIMO) through the fused C step
+(ssm.ops.mamba_blocks_step with Mamba3BlockWeights): taken on the CPU in float32 and float64, and
+giving what the per-op path (Mamba3.step, tensor code) and the forward (the chunked trapezoidal
+scan) give: logits and every part of every layer's state (phase, ssm, key, value), over several
+tokens at batch > 1, with groups, the output norm, a block MLP, both rotary fractions and MIMO
+ranks. Greedy generation gives the same tokens with it and without it; a gradient to keep
+declines it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ CONFIGS = {
     "every pair rotated, d_state 12, A floor": dict(
         ssm_cfg={**M3, "d_state": 12, "rope_fraction": 1.0, "A_floor": 0.5}
     ),
+    "MIMO rank 2": dict(ssm_cfg={**M3, "is_mimo": True, "mimo_rank": 2}),
+    "MIMO rank 3, output norm, ngroups 2, every pair rotated": dict(
+        ssm_cfg={**M3, "is_mimo": True, "mimo_rank": 3, "is_outproj_norm": True, "ngroups": 2, "rope_fraction": 1.0}
+    ),
 }
+# perturbed off their initial values, so that a parameter the step drops or swaps shows
+PERTURBED = ("bias", ".D", "norm.weight", "norm2.weight", "norm_f.weight", "_norm.weight", "mimo_x", "mimo_z", "mimo_o")
 
 
 def model_of(kind: str, dtype=torch.float32, ssm_cfg=None) -> MambaLM:
@@ -32,7 +39,7 @@ def model_of(kind: str, dtype=torch.float32, ssm_cfg=None) -> MambaLM:
     model = MambaLM(MambaConfig(d_model=32, n_layer=3, vocab_size=45, **config)).to(dtype).eval()
     with torch.no_grad():  # biases, norm weights and D off their initial 0 / 1, so that a dropped one shows
         for name, p in model.named_parameters():
-            if name.endswith(("bias", ".D", "norm.weight", "norm2.weight", "norm_f.weight", "_norm.weight")):
+            if name.endswith(PERTURBED):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(sum(map(ord, name)))) * 0.3)
     return model
 
@@ -117,20 +124,15 @@ def test_greedy_generation_gives_the_same_tokens_with_the_fused_step(monkeypatch
     assert torch.equal(fused, model.generate(ids, 20, temperature=0, attention_mask=mask))
 
 
-def test_mimo_and_a_gradient_take_the_per_op_step(monkeypatch):
-    """MIMO has no fused step yet, and a gradient to keep declines it: both decode on the
-    per-op path, still equal to the forward."""
-    ids = torch.randint(0, 45, (2, 8), generator=torch.Generator().manual_seed(3))
-    mimo = model_of("plain", torch.float64, ssm_cfg={**M3, "is_mimo": True, "mimo_rank": 2})
-    logits, _, taken = decode(mimo, ids, monkeypatch, True)
-    assert taken == [], "MIMO blocks were handed to the fused step"
-    with torch.no_grad():
-        torch.testing.assert_close(logits, mimo(ids)[:, 5:], rtol=1e-10, atol=1e-10)
-    model = model_of("plain")
-    cache = model.allocate_inference_cache(2)
-    model(ids[:, :5], cache=cache)
+def test_a_gradient_to_keep_takes_the_per_op_step(monkeypatch):
+    """A step under autograd with parameters that want gradients declines the fused step (it
+    keeps none); the per-op step's output equals the forward's."""
     import ssm.models.lm as lm_module
 
+    ids = torch.randint(0, 45, (2, 8), generator=torch.Generator().manual_seed(3))
+    model = model_of("MIMO rank 2")
+    cache = model.allocate_inference_cache(2)
+    model(ids[:, :5], cache=cache)
     calls, fused_step = [], lm_module.mamba_blocks_step
     monkeypatch.setattr(lm_module, "mamba_blocks_step", lambda *a, **k: calls.append(fused_step(*a, **k) is not None))
     step = model.step(ids[:, 5], cache)
@@ -146,6 +148,9 @@ def test_mamba3_block_weights_of_the_wrong_shape_are_refused():
     weights = model.backbone.layers[0].step_weights(cache.layers[0])
     import dataclasses
 
-    bad = dataclasses.replace(weights, B_bias=weights.B_bias[:, :-1])
-    with pytest.raises(ValueError, match=r"Mamba3BlockWeights.B_bias must have shape \(8, 8\)"):
+    bad = dataclasses.replace(weights, C_bias=weights.C_bias[..., :-1])
+    with pytest.raises(ValueError, match=r"Mamba3BlockWeights.C_bias must have shape \(8, 1, 8\)"):
+        MambaBlocksStep.prepare(torch.zeros(2, 32), [bad])
+    bad = dataclasses.replace(weights, mimo_x=torch.ones(8, 2, 8))
+    with pytest.raises(ValueError, match=r"Mamba3BlockWeights.mimo_x must have shape \(8, 1, 8\)"):
         MambaBlocksStep.prepare(torch.zeros(2, 32), [bad])
