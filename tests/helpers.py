@@ -570,3 +570,22 @@ def assert_compiled_matches_eager(f, inputs, **tolerance):
 
     for got, expected in zip(loss_and_grads(compiled), loss_and_grads(f)):
         torch.testing.assert_close(got, expected, **tolerance)
+
+
+def assert_generate_takes_the_fused_step_and_keeps_its_tokens(model, monkeypatch, vocab: int = 45) -> None:
+    """generate (batch 2, left-padded prompts of different lengths) with the fused decoding step
+    prepared once, and with it refused: the same greedy tokens."""
+    ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    prepare, prepared = model.backbone.prepare_fused_step, []
+
+    def spy(*args):
+        step = prepare(*args)
+        prepared.append(step is not None)
+        return step
+
+    monkeypatch.setattr(model.backbone, "prepare_fused_step", spy)
+    fused = model.generate(ids, 20, temperature=0, attention_mask=mask)
+    assert prepared == [True], "generate did not take the fused step"
+    monkeypatch.setattr(model.backbone, "prepare_fused_step", lambda *args: None)
+    assert torch.equal(fused, model.generate(ids, 20, temperature=0, attention_mask=mask))

@@ -57,6 +57,28 @@ static inline void thread_share(i64 n, i64 *lo, i64 *hi) {
 
 /* ------------------------------------------------------------------ for one REAL */
 
+/* A block's gated MLP after its mixer, run by every thread of the calling parallel region (each
+   row of new_hid and new_res (Bn, M) updated in place): residual ← hidden + residual;
+   (f, g) = fc1 · RMSNorm(residual; norm2_w, eps2); hidden = fc2 · (f·SiLU(g)). Scratch: normed
+   (Bn, M), fc (Bn, 2F), gated (Bn, F). Shared by the Mamba-2 and Mamba-3 steps. */
+static void SUF(gated_mlp_step)(i64 Bn, i64 M, i64 F, const WMat *fc1, const WMat *fc2, const REAL *norm2_w,
+                                double eps2, REAL *new_hid, REAL *new_res, REAL *normed, REAL *fc, REAL *gated) {
+#pragma omp for schedule(static)
+    for (i64 b = 0; b < Bn; b++)
+        SUF(add_rms_norm)(new_hid + b * M, new_res + b * M, norm2_w, eps2, M, new_res + b * M, normed + b * M);
+#pragma omp for schedule(static)
+    for (i64 o = 0; o < 2 * F; o += 4)
+        SUF(project_rows)(fc1, NULL, M, 2 * F, o, Bn, normed, M, fc, 2 * F);
+#pragma omp for schedule(static)
+    for (i64 i = 0; i < Bn * F; i++) {
+        const REAL f = fc[i / F * 2 * F + i % F], g = fc[i / F * 2 * F + F + i % F];
+        gated[i] = f * g * SUF(sigmoid)(g);
+    }
+#pragma omp for schedule(static)
+    for (i64 o = 0; o < M; o += 4)
+        SUF(project_rows)(fc2, NULL, F, M, o, Bn, gated, F, new_hid, M);
+}
+
 /* A Mamba-2 block's decoding step (Mamba2StepArgs), run by every thread of the calling parallel
    region. As in decode.c's block_step, each projection is split by output rows across the
    threads (the weight reads bound a batch-1 step); the per-channel stages split the conv's
@@ -163,21 +185,8 @@ static void SUF(mamba2_block_step)(const Mamba2StepArgs *a) {
         SUF(project_rows)(&a->out_w, out_b, Q + S, M, o, Bn, yin, Q + S, new_hid, M);
     if (!a->fc1_w.w) return;
     /* the block's MLP: residual ← hidden + residual; fc1; f·SiLU(g); fc2 */
-#pragma omp for schedule(static)
-    for (i64 b = 0; b < Bn; b++)
-        SUF(add_rms_norm)(new_hid + b * M, new_res + b * M, (const REAL *)a->norm2_w, a->eps2, M, new_res + b * M,
-                          normed + b * M);
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < 2 * F; o += 4)
-        SUF(project_rows)(&a->fc1_w, NULL, M, 2 * F, o, Bn, normed, M, fc, 2 * F);
-#pragma omp for schedule(static)
-    for (i64 i = 0; i < Bn * F; i++) {
-        const REAL f = fc[i / F * 2 * F + i % F], g = fc[i / F * 2 * F + F + i % F];
-        gated[i] = f * g * SUF(sigmoid)(g);
-    }
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < M; o += 4)
-        SUF(project_rows)(&a->fc2_w, NULL, F, M, o, Bn, gated, F, new_hid, M);
+    SUF(gated_mlp_step)(Bn, M, F, &a->fc1_w, &a->fc2_w, (const REAL *)a->norm2_w, a->eps2, new_hid, new_res, normed,
+                        fc, gated);
 }
 
 /* The decoding step of n Mamba-2 blocks in order (layers[l] reads layers[l-1]'s outputs), then

@@ -183,21 +183,8 @@ static void SUF(mamba3_block_step)(const Mamba3StepArgs *a) {
         SUF(project_rows)(&a->out_w, NULL, S, M, o, Bn, y, S, new_hid, M);
     if (!a->fc1_w.w) return;
     /* the block's MLP: residual ← hidden + residual; fc1; f·SiLU(g); fc2 */
-#pragma omp for schedule(static)
-    for (i64 b = 0; b < Bn; b++)
-        SUF(add_rms_norm)(new_hid + b * M, new_res + b * M, (const REAL *)a->norm2_w, a->eps2, M, new_res + b * M,
-                          normed + b * M);
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < 2 * F; o += 4)
-        SUF(project_rows)(&a->fc1_w, NULL, M, 2 * F, o, Bn, normed, M, fc, 2 * F);
-#pragma omp for schedule(static)
-    for (i64 i = 0; i < Bn * F; i++) {
-        const REAL f = fc[i / F * 2 * F + i % F], g = fc[i / F * 2 * F + F + i % F];
-        gated[i] = f * g * SUF(sigmoid)(g);
-    }
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < M; o += 4)
-        SUF(project_rows)(&a->fc2_w, NULL, F, M, o, Bn, gated, F, new_hid, M);
+    SUF(gated_mlp_step)(Bn, M, F, &a->fc1_w, &a->fc2_w, (const REAL *)a->norm2_w, a->eps2, new_hid, new_res, normed,
+                        fc, gated);
 }
 
 /* The decoding step of n Mamba-3 blocks in order, then the LM head when head is not NULL, in

@@ -80,6 +80,14 @@ class GatedMLPWeights:
     fc2_weight: Tensor | QuantizedMatrix  # (M, F)
 
 
+def _tensors_and_mlp(weights) -> list:
+    """The tensors of a block's weights (Mamba2BlockWeights, Mamba3BlockWeights), then its MLP's."""
+    out = [getattr(weights, f.name) for f in fields(weights) if isinstance(getattr(weights, f.name), Tensor)]
+    if weights.mlp is not None:
+        out += [weights.mlp.norm_weight, weights.mlp.fc1_weight, weights.mlp.fc2_weight]
+    return out
+
+
 @dataclass(frozen=True)
 class Mamba2BlockWeights:
     """One Mamba-2 block's decoding step: residual ← hidden + residual (the first block:
@@ -114,10 +122,7 @@ class Mamba2BlockWeights:
     mlp: GatedMLPWeights | None = None
 
     def tensors(self) -> list[Tensor | None]:
-        out = [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)]
-        if self.mlp is not None:
-            out += [self.mlp.norm_weight, self.mlp.fc1_weight, self.mlp.fc2_weight]
-        return out
+        return _tensors_and_mlp(self)
 
 
 @dataclass(frozen=True)
@@ -161,10 +166,7 @@ class Mamba3BlockWeights:
     mlp: GatedMLPWeights | None = None
 
     def tensors(self) -> list[Tensor | None]:
-        out = [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)]
-        if self.mlp is not None:
-            out += [self.mlp.norm_weight, self.mlp.fc1_weight, self.mlp.fc2_weight]
-        return out
+        return _tensors_and_mlp(self)
 
 
 @dataclass(frozen=True)

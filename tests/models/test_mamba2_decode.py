@@ -11,6 +11,7 @@ import torch
 
 from ssm import MambaConfig, MambaLM
 from ssm.native import library
+from tests.helpers import assert_generate_takes_the_fused_step_and_keeps_its_tokens
 
 M2 = {"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4}
 CONFIGS = {
@@ -79,20 +80,7 @@ def test_greedy_generation_gives_the_same_tokens_with_the_fused_step(kind, monke
     """generate (batch 2, left-padded prompts of different lengths) with the fused step prepared
     once, and with it refused: the same tokens."""
     model = model_of(kind)
-    ids = torch.randint(0, 45, (2, 6), generator=torch.Generator().manual_seed(2))
-    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
-    prepare, prepared = model.backbone.prepare_fused_step, []
-
-    def spy(*args):
-        step = prepare(*args)
-        prepared.append(step is not None)
-        return step
-
-    monkeypatch.setattr(model.backbone, "prepare_fused_step", spy)
-    fused = model.generate(ids, 20, temperature=0, attention_mask=mask)
-    assert prepared == [True], "generate did not take the fused step"
-    monkeypatch.setattr(model.backbone, "prepare_fused_step", lambda *args: None)
-    assert torch.equal(fused, model.generate(ids, 20, temperature=0, attention_mask=mask))
+    assert_generate_takes_the_fused_step_and_keeps_its_tokens(model, monkeypatch)
 
 
 def test_the_fused_mamba2_step_is_declined_where_it_does_not_apply(monkeypatch):

@@ -13,6 +13,7 @@ import torch
 
 from ssm import MambaConfig, MambaLM
 from ssm.native import library
+from tests.helpers import assert_generate_takes_the_fused_step_and_keeps_its_tokens
 
 M3 = {"layer": "Mamba3", "d_state": 8, "headdim": 8, "chunk_size": 4}
 CONFIGS = {
@@ -108,20 +109,7 @@ def test_greedy_generation_gives_the_same_tokens_with_the_fused_step(monkeypatch
     """generate (batch 2, left-padded prompts of different lengths) with the fused step prepared
     once, and with it refused: the same tokens."""
     model = model_of("ngroups 2, block MLP")
-    ids = torch.randint(0, 45, (2, 6), generator=torch.Generator().manual_seed(2))
-    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
-    prepare, prepared = model.backbone.prepare_fused_step, []
-
-    def spy(*args):
-        step = prepare(*args)
-        prepared.append(step is not None)
-        return step
-
-    monkeypatch.setattr(model.backbone, "prepare_fused_step", spy)
-    fused = model.generate(ids, 20, temperature=0, attention_mask=mask)
-    assert prepared == [True], "generate did not take the fused step"
-    monkeypatch.setattr(model.backbone, "prepare_fused_step", lambda *args: None)
-    assert torch.equal(fused, model.generate(ids, 20, temperature=0, attention_mask=mask))
+    assert_generate_takes_the_fused_step_and_keeps_its_tokens(model, monkeypatch)
 
 
 def test_a_gradient_to_keep_takes_the_per_op_step(monkeypatch):
