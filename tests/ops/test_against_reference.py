@@ -108,7 +108,8 @@ def test_rms_norm(backend, case, dtype):
 def test_a_named_backend_that_cannot_take_the_inputs_is_an_error():
     x, w = torch.randn(1, 6, 3), torch.randn(3, 1, 4)
     with pytest.raises(ValueError, match="backend 'cpu' of causal_conv1d_silu does not take these inputs"):
-        ops.causal_conv1d_silu(x, w, None, torch.zeros(1, 3, 4), backend="cpu")
+        # a state to continue from with packed sequences: the C kernel takes one only unpacked
+        ops.causal_conv1d_silu(x, w, None, torch.zeros(2, 3, 4), torch.tensor([0, 2, 6]), backend="cpu")
     with pytest.raises(ValueError, match="unknown backend 'fast'"):
         ops.rms_norm(x, torch.ones(3), backend="fast")
     with pytest.raises(ValueError, match="weight must have shape"):
