@@ -162,3 +162,44 @@ def test_bad_quantisation_requests_name_the_argument(tmp_path):
     (tmp_path / "quantization_config.json").write_text(json.dumps({**model.quantization, "scheme": "int2"}))
     with pytest.raises(ValueError, match="quantization_config.json's 'scheme' must be one of"):
         MambaLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["mamba1", "mamba3"])
+def test_a_quantised_model_never_widens_a_whole_large_matrix(kind, scheme):
+    """Memory: a quantised model's prefill (the tensor path) widens its matrices 1024 rows at a
+    time and its fused decoding step reads them as stored, so no float tensor (views aside) as
+    large as the head's matrix (2500 x 48 here) is ever made, in prefill or in decoding. The
+    check sees a whole matrix widened (dequantize_rows over every row)."""
+    from ssm.ops.quant import dequantize_rows
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if library() is None:
+        pytest.fail("the C library did not build: the fused low-precision step is untested")
+    torch.manual_seed(0)
+    config = MambaConfig(d_model=48, n_layer=2, vocab_size=2500, **{k: v for k, v in CONFIGS[kind].items()})
+    model = MambaLM(config).eval()
+    limit = model.lm_head.weight.numel()  # the largest matrix
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not t._is_view():
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    ids = torch.randint(0, 2500, (1, 5), generator=torch.Generator().manual_seed(0))
+
+    def widest(m) -> int:
+        with torch.no_grad(), Largest() as seen:
+            m.generate(ids, 4, temperature=0)
+        return seen.largest
+
+    model.quantize(scheme)
+    assert widest(model) < limit, "a quantised matrix was widened whole"
+    with Largest() as seen:  # the check itself: a whole matrix widened is seen
+        dequantize_rows(model.lm_head.matrix())
+    assert seen.largest >= limit
