@@ -171,8 +171,9 @@ def test_a_quantised_model_never_widens_a_whole_large_matrix(kind, scheme):
     time and its fused decoding step reads them as stored, so no float tensor (views aside) as
     large as the head's matrix (2500 x 48 here) is ever made, in prefill or in decoding. The
     check sees a whole matrix widened (dequantize_rows over every row)."""
-    from ssm.ops.quant import dequantize_rows
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ssm.ops.quant import dequantize_rows
 
     if library() is None:
         pytest.fail("the C library did not build: the fused low-precision step is untested")
