@@ -11,6 +11,7 @@
     generate    a decoding step against position, and the cache against recomputation
     packed      packed documents against padded ones, and the packed scan against a loop
     cold-start  scripts/train.py's start-up with an empty and a filled kernel cache
+    memory      the resident memory of decoding at each precision (float32 .. int4)
 
 Each op lives in scripts/bench/<op>.py (``python scripts/benchmark.py --op OP --help`` prints its
 description); every op takes ``--device cpu|cuda`` (on CUDA the Triton backend is timed beside

@@ -281,6 +281,23 @@ def test_decode_mode_runs_mamba3_without_a_peer(tmp_path):
     assert r["tokens_per_s"]["ssm"] > 0 and list(r["tokens_per_s"]) == ["ssm"] and r["same_tokens"] is None
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="--op memory reads /proc/self/status")
+def test_memory_mode_reports_each_precision_from_its_own_process(tmp_path):
+    """--op memory: every precision loads the same float32 checkpoint in a process of its own and
+    decodes; the weights' bytes shrink with the precision, the readings are ordered as they
+    must be (after import <= before decoding <= whole peak), and the tokens are decoded."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "m.json"
+    args = ["--op", "memory", "--d-model", "32", "--layers", "2", "--vocab", "64", "--new-tokens", "3"]
+    assert main([*args, "--precisions", "float32,bfloat16,int8,int4", "--json", str(path)]) == 0
+    results = json.loads(path.read_text())["results"]
+    weights = {name: r["weight_bytes"] for name, r in results.items()}
+    assert weights["float32"] > weights["bfloat16"] > weights["int8"] > weights["int4"] > 0
+    for r in results.values():
+        assert 0 < r["import_rss"] <= r["before_decoding"] <= r["whole_peak"] and len(r["tokens"]) == 3
+        assert r["decoding_peak"] <= r["whole_peak"]
+
+
 @pytest.mark.parametrize("extra", [["--dtype", "bfloat16"], ["--quantize", "int8"], ["--quantize", "int4"]])
 def test_decode_mode_at_low_precision(tmp_path, extra):
     """--dtype / --quantize: ssm decodes in that precision (the weights' bytes shrink with it);

@@ -18,4 +18,5 @@ OPS = {
     "hybrid": "hybrid",
     "text": "text",
     "cold-start": "cold_start",
+    "memory": "memory",
 }

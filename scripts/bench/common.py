@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def fill_defaults(args: argparse.Namespace) -> None:
     """The defaults that depend on the op."""
     if args.layers is None:
-        args.layers = 24 if args.op in ("decode", "text") else 4
+        args.layers = 24 if args.op in ("decode", "text", "memory") else 4
     if args.batch is None:
         args.batch = 8 if args.op in ("train-step", "hybrid") else 1
     if args.length is None:

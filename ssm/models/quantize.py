@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ..layers import GatedMLP, Mamba, Mamba2
@@ -75,7 +76,22 @@ def quantize_model(model, scheme) -> None:
             raise ValueError(f"cannot quantise {name}: a {type(linear).__name__}, not an nn.Linear")
         _replace(model, name, QuantLinear.from_linear(linear, scheme))
     _tie(model)
+    _own_storage(model)
     model.quantization = {"scheme": scheme, "block_size": BLOCK, "modules": names}
+
+
+def _own_storage(model) -> None:
+    """Give every tensor that stays in float (norms, conv, A, D, dt_proj, an untied embedding) a
+    storage of its own. Those loaded from a safetensors file are views of its memory map, and
+    one such view keeps the whole file mapped: after quantising, the float matrices' pages (read
+    while quantising) stayed resident, 4x the int8 weights at mamba-130m's size (measured with
+    --op memory: 1,022 MiB resident before decoding against 629 for bfloat16)."""
+    seen = set()
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):  # each shared tensor once
+            if id(t) not in seen and t.is_floating_point() and t.device.type == "cpu":
+                seen.add(id(t))
+                t.data = t.data.clone()
 
 
 def save_quantization(model, directory: Path) -> None:

@@ -5,7 +5,9 @@ without quantising again; the errors name the argument."""
 
 from __future__ import annotations
 
+import gc
 import json
+import sys
 
 import pytest
 import torch
@@ -148,6 +150,29 @@ def test_from_pretrained_quantize_equals_quantize(tmp_path):
     b = tiny("mamba1").quantize("int4")
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the process's memory maps in /proc/self/maps")
+def test_a_model_quantised_after_loading_releases_the_checkpoint_s_memory_map(tmp_path):
+    """Tensors loaded from a safetensors file are views of its memory map; the ones that stay
+    float after quantising (norms, conv, A, D) get storage of their own, so that the file, whose
+    float matrices' pages quantising read, is no longer mapped (it stayed resident: --op memory
+    measured 1,022 MiB before decoding for int8 at mamba-130m's shapes, 588 after this)."""
+
+    def mapped() -> bool:
+        gc.collect()
+        with open("/proc/self/maps") as f:
+            return any(str(tmp_path / "model.safetensors") in line for line in f)
+
+    tiny("mamba1").save_pretrained(tmp_path, safe_serialization=True)
+    model = MambaLM.from_pretrained(tmp_path)
+    assert mapped()  # the float model reads its weights from the map (what this test relies on)
+    del model
+    assert not mapped()
+    model = MambaLM.from_pretrained(tmp_path, quantize="int8")
+    assert not mapped(), "the quantised model still holds views of the checkpoint's memory map"
+    head = model.lm_head
+    assert model.backbone.embedding._head[0] is head  # tying kept: the embedding reads the head's integers
 
 
 def test_bad_quantisation_requests_name_the_argument(tmp_path):
