@@ -66,6 +66,7 @@ bench-run:
 	$(BENCH) --op hybrid
 	$(BENCH) --op packed
 	$(BENCH) --op cold-start
+	$(if $(filter cpu,$(BENCH_DEVICE)),$(BENCH) --op memory --new-tokens 64)
 
 # The package, editable, with the extras the command needs (test includes train). It also brings
 # the dependencies of torch when torch came from a wheel on disk without them.

@@ -43,6 +43,7 @@ def test_every_op_has_a_module_that_runs():
         "hybrid",
         "text",
         "cold-start",
+        "memory",
     }
     for op in ops:
         module = bench(ops[op])

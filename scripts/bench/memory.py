@@ -81,6 +81,8 @@ def check(args, parser) -> None:
         parser.error(f"--precisions: unknown {unknown}; choose from {list(PRECISIONS)}")
     if sys.platform != "linux":
         parser.error("--op memory reads /proc/self/status: Linux only")
+    if args.device != "cpu":
+        parser.error("--op memory measures decoding on the CPU (resident memory); run it with --device cpu")
 
 
 def save_checkpoint(args, directory: str) -> None:
