@@ -288,20 +288,8 @@ def test_memory_mode_reports_each_precision_from_its_own_process(tmp_path):
     must be (after import <= before decoding <= whole peak), and the tokens are decoded."""
     main = runpy.run_path(str(SCRIPT))["main"]
     path = tmp_path / "m.json"
-    args = [
-        "--op",
-        "memory",
-        "--device",
-        "cpu",
-        "--d-model",
-        "32",
-        "--layers",
-        "2",
-        "--vocab",
-        "64",
-        "--new-tokens",
-        "3",
-    ]
+    args = ["--op", "memory", "--device", "cpu", "--d-model", "32", "--layers", "2", "--vocab", "64"]
+    args += ["--new-tokens", "3"]
     assert main([*args, "--precisions", "float32,bfloat16,int8,int4", "--json", str(path)]) == 0
     results = json.loads(path.read_text())["results"]
     weights = {name: r["weight_bytes"] for name, r in results.items()}
