@@ -108,6 +108,9 @@ class OptimSection:
     eps: float = 1e-8
     warmup_steps: int = 100  # linear warmup, then cosine decay to min_lr_ratio·lr at max_steps
     min_lr_ratio: float = 0.1
+    # the last decay_steps steps of the run (trainer.max_steps) take the rate linearly to 0; with
+    # min_lr_ratio 1, warmup-stable-decay. A curriculum's last stage can anneal this way.
+    decay_steps: int = 0
 
 
 @dataclass

@@ -84,13 +84,22 @@ def forward_rows(
     return logits, per_sequence.map(lambda t: t[last].detach())
 
 
-def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float, decay: int = 0) -> float:
     """Learning-rate factor: linear from 0 to 1 over ``warmup`` steps, then a cosine down to
-    ``min_ratio`` at ``total``."""
+    ``min_ratio`` at ``total``; with ``decay`` > 0 the last ``decay`` steps before ``total`` also
+    take it linearly to 0 (the last step at 1/decay of it): with min_ratio 1, warmup-stable-decay."""
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    factor = min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if decay > 0 and step >= total - decay:
+        factor *= max(0, total - step) / decay
+    return factor
+
+
+def schedule_factor(step: int, optim: OptimSection, total: int) -> float:
+    """``warmup_cosine`` as ``optim`` sets it."""
+    return warmup_cosine(step, optim.warmup_steps, total, optim.min_lr_ratio, optim.decay_steps)
 
 
 class LanguageModelTask(pl.LightningModule):
@@ -122,6 +131,8 @@ class LanguageModelTask(pl.LightningModule):
                 "the keys and values of every token seen, which would grow without bound. Train the hybrid "
                 f"(model.attn_layer_idx = {model.config.attn_layer_idx}) with data.stateful=false"
             )
+        if isinstance(optim.decay_steps, bool) or not isinstance(optim.decay_steps, int) or optim.decay_steps < 0:
+            raise ValueError(f"optim.decay_steps must be an int >= 0 (0: no final decay), got {optim.decay_steps!r}")
         self.model, self.optim, self.max_steps, self.stateful = model, optim, max_steps, stateful
         self.token_bytes = token_bytes  # (V,) bytes per token id (text): val/bpb per byte, not per token
         self._last_batch_end = None
@@ -189,7 +200,7 @@ class LanguageModelTask(pl.LightningModule):
         # config asks for, from the step it resumes at. Lightning restores optimisers and
         # schedules after this hook, from this dict.
         o, step = self.optim, int(checkpoint.get("global_step", 0))
-        rate = o.lr * warmup_cosine(step, o.warmup_steps, self.max_steps, o.min_lr_ratio)
+        rate = o.lr * schedule_factor(step, o, self.max_steps)
         for schedule in checkpoint.get("lr_schedulers", []):
             if "base_lrs" in schedule:
                 schedule["base_lrs"] = [o.lr] * len(schedule["base_lrs"])
@@ -204,7 +215,5 @@ class LanguageModelTask(pl.LightningModule):
         optimizer = torch.optim.AdamW(
             parameter_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps
         )
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, o.warmup_steps, self.max_steps, o.min_lr_ratio)
-        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule_factor(step, o, self.max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -54,6 +54,15 @@ def test_warmup_then_cosine():
     assert math.isclose(warmup_cosine(500, 10, 100, 0.1), 0.1)
 
 
+def test_the_final_decay_takes_the_rate_linearly_to_zero():
+    # constant (min_ratio 1), then the last 20 of 100 steps down to 0: warmup-stable-decay, by hand
+    assert [warmup_cosine(k, 0, 100, 1.0, decay=20) for k in (0, 79, 80)] == [1.0, 1.0, 1.0]
+    assert [warmup_cosine(k, 0, 100, 1.0, decay=20) for k in (90, 99, 100)] == [0.5, 0.05, 0.0]
+    # on top of the cosine: at step 90 the cosine's 0.1 + 0.9·(1 + cos(0.9π))/2, halved
+    assert math.isclose(warmup_cosine(90, 0, 100, 0.1, decay=20), (0.1 + 0.45 * (1 + math.cos(0.9 * math.pi))) / 2)
+    assert warmup_cosine(50, 0, 100, 1.0, decay=0) == 1.0
+
+
 def hand_batch():
     """Two sequences of 3 positions, 4 tokens. Scored positions have logits (log 2, 0, 0, 0) or
     (0, log 3, 0, 0): probabilities 2/5, 1/5, 1/5, 1/5 and 1/6, 3/6, 1/6, 1/6. Unscored positions

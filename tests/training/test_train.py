@@ -180,6 +180,22 @@ def test_a_resumed_run_trains_at_the_learning_rate_its_config_gives(tmp_path):
     assert rates == pytest.approx({0: 1e-3, 1: 1e-3, 2: 1e-3, 3: 2e-4, 4: 2e-4, 5: 2e-4}, rel=1e-6)
 
 
+def test_a_last_stage_anneals_with_decay_steps(tmp_path):
+    # a curriculum's last stage resumed with optim.decay_steps = its length: constant rate, then
+    # linearly to 0 over that stage (lr at its steps 3, 4, 5: 3/3, 2/3, 1/3 of the rate)
+    constant = RESUMABLE + ["optim.warmup_steps=0", "optim.min_lr_ratio=1.0", "optim.lr=1e-3", f"run_dir={tmp_path}"]
+    train(load_config(None, constant + ["trainer.max_steps=3"]))
+    train(load_config(None, constant + ["trainer.max_steps=6", "optim.decay_steps=3", f"resume={tmp_path}"]))
+    rates = {
+        int(step): float(value)
+        for step, name, value in (line.split(",") for line in (tmp_path / "metrics.csv").read_text().splitlines()[1:])
+        if name == "lr"
+    }
+    assert rates == pytest.approx({0: 1e-3, 1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 2e-3 / 3, 5: 1e-3 / 3}, rel=1e-6)
+    with pytest.raises(ValueError, match="optim.decay_steps must be an int >= 0"):
+        train(load_config(None, constant + ["trainer.max_steps=6", "optim.decay_steps=-1", f"run_dir={tmp_path}/b"]))
+
+
 def test_a_resumed_run_trains_with_the_adam_betas_and_eps_its_config_gives(tmp_path):
     # The optimiser's saved param_groups carry betas and eps; a curriculum stage that resumes
     # with others (a shorter second-moment memory for the long, batch-1 stages) must use them.
