@@ -168,8 +168,8 @@ class Mamba3(nn.Module):
     # ------------------------------------------------------------------ the API
 
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> Mamba3Cache:
-        device = device or self.in_proj.weight.device
-        state_dtype = torch.float64 if (dtype or self.in_proj.weight.dtype) == torch.float64 else torch.float32
+        device = device or self.dt_bias.device  # (in_proj may be a QuantLinear: no .weight)
+        state_dtype = torch.float64 if (dtype or self.dt_bias.dtype) == torch.float64 else torch.float32
         H, P, N, M = self.nheads, self.headdim, self.d_state, self.num_rope_angles
         key = (batch, self.mimo_rank, H, N) if self.is_mimo else (batch, H, N)
         zeros = [

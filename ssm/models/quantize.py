@@ -4,8 +4,8 @@ rebuilds the same layers and loads their integers as saved, without quantising a
 
 What is quantised: the matrices that a decoding step reads in bulk, each an ``nn.Linear``
 replaced by a ``ssm.layers.quant.QuantLinear`` — every Mamba-1 mixer's in_proj, x_proj and
-out_proj, every Mamba-2 mixer's in_proj and out_proj, every block MLP's fc1 and fc2, and the LM
-head (with tied embeddings the embedding then reads the head's integers: ``QuantEmbedding``).
+out_proj, every Mamba-2 and Mamba-3 mixer's in_proj and out_proj, every block MLP's fc1 and fc2,
+and the LM head (with tied embeddings the embedding then reads the head's integers: ``QuantEmbedding``).
 They hold nearly all of a model's bytes (about 98% of mamba-130m's outside the embedding).
 
 What stays in the model's float dtype, and why:
@@ -15,7 +15,8 @@ What stays in the model's float dtype, and why:
     vectors, a fraction of a percent of the bytes, each read once per token;
   - an untied embedding: decoding reads one row of it per token, so quantising it would save
     disk, not time;
-  - Mamba-3 and attention layers (their fused steps do not exist yet; their linears stay float).
+  - Mamba-3's B / C norms and biases, its MIMO projections (mimo_x, mimo_z, mimo_o: vectors);
+  - attention layers (no fused step reads them yet; their linears stay float).
 The recurrent states and every sum of the fused step stay float32 (see ssm.ops.quant for the
 format and its block size).
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..layers import GatedMLP, Mamba, Mamba2
+from ..layers import GatedMLP, Mamba, Mamba2, Mamba3
 from ..layers.quant import QuantEmbedding, QuantLinear
 from ..ops.quant import BLOCK, check_scheme
 
@@ -42,7 +43,7 @@ def quantizable(model) -> list[str]:
         prefix = f"backbone.layers.{i}."
         if isinstance(block.mixer, Mamba):
             names += [prefix + "mixer." + n for n in ("in_proj", "x_proj", "out_proj")]
-        elif isinstance(block.mixer, Mamba2):
+        elif isinstance(block.mixer, (Mamba2, Mamba3)):
             names += [prefix + "mixer." + n for n in ("in_proj", "out_proj")]
         if isinstance(block.mlp, GatedMLP):
             names += [prefix + "mlp.fc1", prefix + "mlp.fc2"]
