@@ -21,8 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from ..ops.quant import BLOCK, check_scheme, quantize_matrix
 from .config import MambaConfig
-from .quantize import build_quantized, read_quantization, save_quantization
+from .quantize import build_quantized, quantizable, read_quantization, save_quantization
 
 CONFIG, BIN, SAFETENSORS = "config.json", "pytorch_model.bin", "model.safetensors"
 INDEX_SUFFIX = ".index.json"  # model.safetensors.index.json, pytorch_model.bin.index.json
@@ -42,7 +43,10 @@ def save_pretrained(model, directory, safe_serialization: bool = False) -> None:
         torch.save(state, directory / BIN)
 
 
-def from_pretrained(cls, name_or_path, *, device=None, dtype=None, backend="auto", revision=None):
+def from_pretrained(cls, name_or_path, *, device=None, dtype=None, backend="auto", revision=None, quantize=None):
+    """See MambaLM.from_pretrained. With ``dtype`` or ``quantize`` each tensor is converted (or
+    quantised) as it is read, so that a float32 checkpoint never stands in memory whole beside
+    its converted copy: the peak is the converted model plus one tensor of the file."""
     from .hub import resolve_model_dir
 
     dtype = parse_dtype(dtype)
@@ -61,16 +65,58 @@ def from_pretrained(cls, name_or_path, *, device=None, dtype=None, backend="auto
             "(a 'model_type' and a 'hidden_size' field)"
         )
 
-    state = read_weights(directory)
-    for old, new in rename.items():
-        state = {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
-
     model = cls(config, backend=backend, device="meta")
     quantization = read_quantization(directory)
     if quantization is not None:  # the quantised layers, to take the saved integers as they are
+        if quantize is not None:
+            raise ValueError(
+                f"quantize={quantize!r}: {directory} holds a model already quantised ({quantization['scheme']}); "
+                "load it without quantize (quantising again would round the rounded weights)"
+            )
         build_quantized(model, quantization)
+    elif quantize is not None:  # quantised layers, filled from the float matrices as they are read
+        build_quantized(model, {"scheme": check_scheme(quantize), "block_size": BLOCK, "modules": quantizable(model)})
+    transform = _reading_transform(model, rename, dtype, None if quantization is not None else quantize)
+    state = read_weights(directory, transform)
+    if transform is None:  # (the transform renames as it reads)
+        for old, new in rename.items():
+            state = {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
     load_state_dict_strict(model, state)
     return model.to(device=device, dtype=dtype)
+
+
+def _reading_transform(model, rename: dict, dtype, scheme):
+    """What each tensor becomes as it is read: its name in this library's layout (``rename``'s
+    prefixes), then in ``dtype`` (floats), and with ``scheme`` the weight of a layer that
+    ``model`` (built quantised) holds as a QuantLinear is quantised into its qweight and scales
+    (with tied embeddings the head's integers come from the embedding's matrix). None when
+    nothing is to be done but renaming: the tensors are then taken as stored (a safetensors
+    file's are views of its memory map, read when first used) and renamed after."""
+    if dtype is None and scheme is None:
+        return None
+    tied = model.config.tie_embeddings
+    sources = {}  # the checkpoint's name (after renaming) of each quantised matrix -> its layer
+    if scheme is not None:
+        for name in model.quantization["modules"]:
+            sources[name + ".weight"] = name
+        if tied and "lm_head" in model.quantization["modules"]:
+            sources.pop("lm_head.weight")
+            sources["backbone.embedding.weight"] = "lm_head"
+
+    def transform(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        for old, new in rename.items():
+            if key.startswith(old):
+                key = new + key[len(old) :]
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        if key in sources:
+            q = quantize_matrix(t, scheme)
+            return {sources[key] + ".qweight": q.data, sources[key] + ".scales": q.scales}
+        if tied and scheme is not None and key == "lm_head.weight":
+            return {}  # the embedding's matrix, quantised above
+        return {key: t}
+
+    return transform
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -115,30 +161,47 @@ def read_config(path: Path) -> dict:
     return raw
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+def read_weights(directory: Path, transform=None) -> dict[str, torch.Tensor]:
     """The state dict of model.safetensors, else of the shards model.safetensors.index.json
     lists, else of pytorch_model.bin, else of pytorch_model.bin.index.json's shards (tensors
-    only: a pickle that would build any other object, code included, is refused before it runs)."""
+    only: a pickle that would build any other object, code included, is refused before it runs).
+    ``transform`` (name, tensor) -> {name: tensor}, applied to each tensor as it is read."""
     for name in (SAFETENSORS, SAFETENSORS + INDEX_SUFFIX, BIN, BIN + INDEX_SUFFIX):
         path = directory / name
         if path.is_file():
-            return read_sharded(path) if name.endswith(INDEX_SUFFIX) else read_weight_file(path)
+            if name.endswith(INDEX_SUFFIX):
+                return read_sharded(path, transform)
+            return read_weight_file(path, transform=transform)
     raise FileNotFoundError(
         f"no weights in {directory}: expected {SAFETENSORS}, {BIN} or a sharded checkpoint's index "
         f"({SAFETENSORS + INDEX_SUFFIX}, {BIN + INDEX_SUFFIX})"
     )
 
 
-def read_weight_file(path: Path, keys=None) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file (by its suffix) or torch pickle, all or only ``keys``."""
+def read_weight_file(path: Path, keys=None, transform=None) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file (by its suffix) or torch pickle, all or only ``keys``,
+    each through ``transform`` (see read_weights) when given. A safetensors file is then opened
+    once a tensor, so that the file's pages a tensor was read from leave memory with it (its
+    memory map goes when no tensor refers to it)."""
     if path.suffix == ".safetensors":
         try:
-            if keys is None:
-                state = load_file(path)
-            else:
+            if keys is None and transform is None:
+                return load_file(path)
+            with safe_open(path, "pt") as f:
+                stored = list(f.keys())
+            wanted = stored if keys is None else [k for k in keys if k in set(stored)]
+            if transform is None:
                 with safe_open(path, "pt") as f:
-                    stored = set(f.keys())
-                    state = {k: f.get_tensor(k) for k in keys if k in stored}
+                    return {k: f.get_tensor(k) for k in wanted}
+            state = {}
+            for k in wanted:
+                with safe_open(path, "pt") as f:
+                    t = f.get_tensor(k)
+                    out = transform(k, t)
+                    # a tensor kept as read is a view of the map: a copy of its own lets the map go
+                    state.update({name: v.clone() if v.data_ptr() == t.data_ptr() else v for name, v in out.items()})
+                    del t, out
+            return state
         except SafetensorError as err:
             raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
     else:
@@ -153,7 +216,14 @@ def read_weight_file(path: Path, keys=None) -> dict[str, torch.Tensor]:
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):
         raise ValueError(f"{path} must hold a dict of named tensors (a state dict), got {type(state).__name__}")
-    return state
+    return state if transform is None else _transformed(state, transform)
+
+
+def _transformed(state: dict, transform) -> dict[str, torch.Tensor]:
+    out = {}
+    for k in list(state):
+        out.update(transform(k, state.pop(k)))  # each tensor dropped once transformed
+    return out
 
 
 def _pairs_refusing_duplicates(path: Path):
@@ -168,7 +238,7 @@ def _pairs_refusing_duplicates(path: Path):
     return hook
 
 
-def read_sharded(index_path: Path) -> dict[str, torch.Tensor]:
+def read_sharded(index_path: Path, transform=None) -> dict[str, torch.Tensor]:
     """The state dict of a sharded checkpoint: ``index_path`` holds {"weight_map": {tensor name:
     shard file name}}, as transformers writes it; each shard is a file beside the index. Every
     listed tensor must be in its shard, and a shard must hold no tensor the index does not give it."""
@@ -197,7 +267,7 @@ def read_sharded(index_path: Path) -> dict[str, torch.Tensor]:
                 stored = set(f.keys())
         else:
             stored = None  # a pickle is read whole
-        part = read_weight_file(path, keys if stored is not None else None)
+        part = read_weight_file(path, keys, transform) if stored is not None else read_weight_file(path)
         stored = set(part) if stored is None else stored
         absent = [k for k in keys if k not in stored]
         if absent:
@@ -205,7 +275,12 @@ def read_sharded(index_path: Path) -> dict[str, torch.Tensor]:
         extra = sorted(stored - set(keys))
         if extra:
             raise ValueError(f"{shard} holds {extra}, which {index_path} does not list in it")
-        state.update({k: part[k] for k in keys})
+        if shard.endswith(".safetensors"):
+            state.update(part)  # its listed tensors, transformed as read
+        else:
+            state.update(
+                _transformed({k: part[k] for k in keys}, transform) if transform else {k: part[k] for k in keys}
+            )
     return state
 
 

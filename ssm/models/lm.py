@@ -437,11 +437,13 @@ class MambaLM(nn.Module):
         is read. ``dtype``: None or "auto" keeps the checkpoint's, else a torch dtype or its name
         (a quantised model's scales stay float32). A checkpoint saved quantised (with its
         quantization_config.json) loads quantised; ``quantize`` ("int8", "int4") quantises a
-        float checkpoint after loading (``quantize``)."""
+        float checkpoint as ``quantize`` does (after ``dtype``), each matrix as it is read, so
+        that the float model never stands in memory whole."""
         from .checkpoint import from_pretrained
 
-        model = from_pretrained(cls, name_or_path, device=device, dtype=dtype, backend=backend, revision=revision)
-        return model if quantize is None else model.quantize(quantize)
+        return from_pretrained(
+            cls, name_or_path, device=device, dtype=dtype, backend=backend, revision=revision, quantize=quantize
+        )
 
 
 def _check_left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:

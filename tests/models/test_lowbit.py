@@ -229,3 +229,47 @@ def test_a_quantised_model_never_widens_a_whole_large_matrix(kind, scheme):
     with Largest() as seen:  # the check itself: a whole matrix widened is seen
         dequantize_rows(model.lm_head.matrix())
     assert seen.largest >= limit
+
+
+# transformers' layouts are written here with the tied head only (as transformers writes it)
+READ_CASES = [("mamba1", f) for f in ("bin", "safetensors", "sharded safetensors", "sharded bin", "transformers")]
+READ_CASES += [("mamba1-untied", f) for f in ("bin", "safetensors")]
+
+
+@pytest.mark.parametrize("dtype,scheme", [(torch.bfloat16, None), (None, "int8"), (torch.float16, "int4")])
+@pytest.mark.parametrize("kind,fmt", READ_CASES)
+def test_converting_and_quantising_while_reading_equals_doing_it_after(kind, fmt, dtype, scheme, tmp_path):
+    """from_pretrained(dtype=, quantize=) converts (and quantises) each tensor as it is read;
+    the model equals the one loaded whole, then moved to dtype, then quantised: every tensor of
+    its state dict, tied head included, in every checkpoint layout."""
+    from tests.models.test_checkpoint import hf_state_dict
+    from tests.models.test_hub import write_sharded
+
+    source = tiny(kind)
+    if fmt in ("transformers", "sharded safetensors", "sharded bin"):  # transformers' names, tied head left out
+        if fmt == "transformers":
+            from safetensors.torch import save_file
+
+            save_file(hf_state_dict(source), tmp_path / "model.safetensors", metadata={"format": "pt"})
+        else:
+            write_sharded(source, tmp_path, fmt.split()[1])
+        config = {
+            "model_type": "mamba", "hidden_size": 48, "state_size": 8, "num_hidden_layers": 2, "vocab_size": 48,
+            "expand": 2, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True, "time_step_rank": "auto",
+            "intermediate_size": 96, "layer_norm_epsilon": 1e-5, "residual_in_fp32": True,
+            "tie_word_embeddings": True, "pad_token_id": 0,
+        }  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    else:
+        source.save_pretrained(tmp_path, safe_serialization=fmt == "safetensors")
+    streamed = MambaLM.from_pretrained(tmp_path, dtype=dtype, quantize=scheme)
+    after = MambaLM.from_pretrained(tmp_path).to(dtype or torch.float32)
+    after = after if scheme is None else after.quantize(scheme)
+    a, b = streamed.state_dict(), after.state_dict()
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert streamed.quantization == after.quantization
+    ids = torch.randint(0, 45, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(streamed(ids), after(ids))
