@@ -189,7 +189,8 @@ def read_weight_file(path: Path, keys=None, transform=None) -> dict[str, torch.T
                 return load_file(path)
             with safe_open(path, "pt") as f:
                 stored = list(f.keys())
-            wanted = stored if keys is None else [k for k in keys if k in set(stored)]
+            present = frozenset(stored)
+            wanted = stored if keys is None else [k for k in keys if k in present]
             if transform is None:
                 with safe_open(path, "pt") as f:
                     return {k: f.get_tensor(k) for k in wanted}
