@@ -14,8 +14,8 @@ is decoded; several are generated together as one batch (left padding, an attent
 printed when done. A sequence ends at the tokenizer's eos token. The last line, on stderr, gives
 tokens per second and the weights' precision.
 
-Precision: --dtype casts the weights after loading (default: the checkpoint's dtype); --quantize
-int8 / int4 quantises them after loading (MambaLM.quantize: blocks of 32 inputs, one float32
+Precision: --dtype casts the weights as they are read (default: the checkpoint's dtype); --quantize
+int8 / int4 quantises them as they are read (MambaLM.quantize: blocks of 32 inputs, one float32
 scale each), or names the scheme of a checkpoint saved quantised (loaded as saved; another scheme
 is an error). On the CPU, bfloat16 / float16 and int8 / int4 models decode through the fused C
 step, which reads each matrix as stored (README, "Low-precision decoding").
@@ -63,16 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     from ssm.models.tokenizer import TextStream
 
     started = time.perf_counter()
-    model, tokenizer, directory = load_model_and_tokenizer(
-        args.name_or_dir, args.tokenizer, device=args.device, dtype=args.dtype
-    )
-    saved = model.quantization["scheme"] if model.quantization else None
-    if args.quantize and saved is None:
-        model.quantize(args.quantize)
-    elif args.quantize and saved != args.quantize:
-        parser.error(
-            f"--quantize {args.quantize}: {directory} is saved quantised as {saved}; load it without --quantize"
+    try:
+        model, tokenizer, directory = load_model_and_tokenizer(
+            args.name_or_dir, args.tokenizer, device=args.device, dtype=args.dtype, quantize=args.quantize
         )
+    except ValueError as err:
+        if args.quantize and "is saved quantised as" in str(err):
+            parser.error(f"--{err}")  # "--quantize int4: DIR is saved quantised as int8; ..."
+        raise
     precision = model.quantization["scheme"] if model.quantization else str(model.lm_head.weight.dtype).split(".")[-1]
     encoded = [tokenizer.encode(p) for p in prompts]
     if any(not ids for ids in encoded):

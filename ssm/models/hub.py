@@ -84,18 +84,30 @@ def _snapshot(hub, repo_id: str, revision, local_files_only, weights: bool) -> P
     return folder
 
 
-def load_model_and_tokenizer(name_or_path, tokenizer=None, *, device=None, dtype=None, backend: str = "auto"):
+def load_model_and_tokenizer(
+    name_or_path, tokenizer=None, *, device=None, dtype=None, backend: str = "auto", quantize: str | None = None
+):
     """(model in eval mode, tokenizer, model directory) for text in and text out. ``name_or_path``:
     a model directory, a hub repo id, or a run directory of scripts/train.py (its model/). The
-    tokenizer: ``tokenizer`` when given (see ``load_tokenizer``), else the one beside the weights."""
+    tokenizer: ``tokenizer`` when given (see ``load_tokenizer``), else the one beside the weights.
+    ``quantize``: a float checkpoint is quantised as it is read (from_pretrained); one saved
+    quantised in that scheme loads as saved, in another is a ValueError."""
     from .lm import MambaLM
+    from .quantize import read_quantization
     from .tokenizer import load_tokenizer
 
     path = Path(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
     if path is not None and (path / "config.yaml").is_file() and (path / "model").is_dir():
         path = path / "model"  # a training run: its model/ holds the weights and, if any, the tokenizer
     directory = resolve_model_dir(path if path is not None and path.is_dir() else name_or_path)
-    model = MambaLM.from_pretrained(directory, device=device, dtype=dtype, backend=backend).eval()
+    saved = read_quantization(directory)
+    if quantize is not None and saved is not None:
+        if saved["scheme"] != quantize:
+            raise ValueError(
+                f"quantize {quantize}: {directory} is saved quantised as {saved['scheme']}; load it without quantize"
+            )
+        quantize = None  # as saved
+    model = MambaLM.from_pretrained(directory, device=device, dtype=dtype, backend=backend, quantize=quantize).eval()
     return model, load_tokenizer(directory, tokenizer, vocab_size=model.config.vocab_size), directory
 
 
