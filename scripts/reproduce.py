@@ -55,7 +55,8 @@ class Stage:
 # steps (seed 2 of the recipe before: loss at 2^18 from 0.001 to 6); at 0.95 that first step is
 # at most about 0.45 times the rate. docs/paper-results.md has the runs.
 # Selective copying learns at 64 from the start, where at 256 it sat on its plateau for over
-# 1,000 steps; the longer stages then teach it to ignore up to 4096 noise tokens.
+# 1,000 steps; the longer stages then teach it to ignore up to 4096 noise tokens, settling at the
+# paper's 1e-4 from 1024 on, and the last stage anneals the rate to 0.
 # docs/paper-results.md gives the runs that showed each of these.
 SHORT_MEMORY_ADAM = ("optim.betas=[0.9, 0.95]",)
 STAGES = {
@@ -75,6 +76,9 @@ STAGES = {
         Stage(4096, 4, 400, 128, lr=1e-4),  # (a stage at 4096 and 1e-3 lowered val/acc 0.935 -> 0.828)
         Stage(4096, 4, 400, 128, lr=1e-4),
         Stage(4096, 4, 400, 128, lr=1e-4),
+        # the rate annealed to 0: at a constant 1e-4 val/acc swung between 0.976 and 0.985 from one
+        # validation to the next (test 98.05%); these 400 steps took the test to 99.44%
+        Stage(4096, 4, 400, 128, lr=1e-4, overrides=("optim.decay_steps=400",)),
     ],
 }
 # --tiny: the same path in seconds (a 1-layer d_model-16 model, a few steps per stage).
