@@ -59,6 +59,7 @@ class Stage:
 # paper's 1e-4 from 1024 on, and the last stage anneals the rate to 0.
 # docs/paper-results.md gives the runs that showed each of these.
 SHORT_MEMORY_ADAM = ("optim.betas=[0.9, 0.95]",)
+ADJACENT_KEYS = ("data.short_gap_prob=0.5", "data.short_gap_window=2")
 STAGES = {
     "induction_heads": [
         Stage(64, 16, 1000),
@@ -67,6 +68,9 @@ STAGES = {
         Stage(16384, 2, 60, 32, overrides=SHORT_MEMORY_ADAM),
         Stage(65536, 1, 30, 8, overrides=SHORT_MEMORY_ADAM),
         Stage(262144, 1, 60, 4, overrides=SHORT_MEMORY_ADAM),
+        # the adjacent case (key right before the final trigger) weighted up for 100 steps at 1024:
+        # every miss of the six stages above was that case (seed 1 read "T 14 T" as 2 at every length)
+        Stage(1024, 8, 100, 128, overrides=ADJACENT_KEYS),
     ],
     "selective_copying": [
         Stage(64, 64, 4000),
