@@ -70,7 +70,7 @@ STAGES = {
         Stage(262144, 1, 60, 4, overrides=SHORT_MEMORY_ADAM),
         # the adjacent case (key right before the final trigger) weighted up for 100 steps at 1024:
         # every miss of the six stages above was that case (seed 1 read "T 14 T" as 2 at every length)
-        Stage(1024, 8, 100, 128, overrides=ADJACENT_KEYS),
+        Stage(1024, 8, 100, 128, overrides=SHORT_MEMORY_ADAM + ADJACENT_KEYS),
     ],
     "selective_copying": [
         Stage(64, 64, 4000),
