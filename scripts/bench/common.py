@@ -8,6 +8,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shlex
@@ -90,6 +91,14 @@ def fill_defaults(args: argparse.Namespace) -> None:
         args.batch = 8 if args.op in ("train-step", "hybrid") else 1
     if args.length is None:
         args.length = 512 if args.op in ("train-step", "hybrid") else 1024
+
+
+def decode_mixer_config(mixer: str, d_model: int) -> dict:
+    """The ssm_cfg of --mixer mamba1 | mamba2 | mamba3 at the published checkpoints' shapes: Mamba-1
+    N 16 (mamba-130m); Mamba-2 and Mamba-3 N 128, head dim 64 (mamba2-130m)."""
+    if mixer == "mamba1":
+        return {"d_state": 16}
+    return {"layer": "Mamba2" if mixer == "mamba2" else "Mamba3", "d_state": 128, "headdim": math.gcd(2 * d_model, 64)}
 
 
 def config_of(args: argparse.Namespace) -> dict:

@@ -15,14 +15,13 @@ agree: the two engines round differently."""
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 import time
 
 import torch
 
 from . import peers, report
-from .common import DTYPES, comma_ints, config_of, describe_device, synchronize
+from .common import DTYPES, comma_ints, config_of, decode_mixer_config, describe_device, synchronize
 
 # Greedy tokens of two float32 runs may part where the two best logits are closer than float32's
 # rounding leaves them apart (random weights over 50280 tokens: such ties come every few hundred
@@ -64,10 +63,7 @@ def run(args) -> tuple[int, dict]:
         hf_model.eval()
         hf_model.generation_config.eos_token_id = None  # every row decodes --new-tokens tokens
         hf_model.generation_config.pad_token_id = 0
-    ssm_cfg = None
-    if args.mixer in ("mamba2", "mamba3"):
-        layer = "Mamba2" if args.mixer == "mamba2" else "Mamba3"
-        ssm_cfg = {"layer": layer, "d_state": 128, "headdim": math.gcd(2 * args.d_model, 64)}
+    ssm_cfg = decode_mixer_config(args.mixer, args.d_model)
     model = peers.ssm_lm(args, hf_model, device, vocab_size=args.vocab, ssm_cfg=ssm_cfg).eval()
     exact_precision = dtype == torch.float32 and args.quantize is None  # else tokens are not required to agree
     if exact_precision is False:

@@ -10,13 +10,12 @@ weights' bytes as held and the process's memory after importing torch and ssm. L
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import tempfile
 
 from . import report
-from .common import ROOT, comma_list, config_of
+from .common import ROOT, comma_list, config_of, decode_mixer_config
 
 # what each precision asks from_pretrained for
 PRECISIONS = {
@@ -26,6 +25,10 @@ PRECISIONS = {
     "int8": {"quantize": "int8"},
     "int4": {"quantize": "int4"},
 }
+
+# the readings of each run, and their headings in the table
+READINGS = ("weight_bytes", "import_rss", "load_peak", "before_decoding", "decoding_peak", "whole_peak")
+HEADINGS = ("weights MiB", "after import", "load peak", "before decoding", "decoding peak", "whole peak")
 
 # The child: load, decode, report. Its memory readings come from /proc/self/status (kB).
 CHILD = r"""
@@ -91,10 +94,7 @@ def save_checkpoint(args, directory: str) -> None:
 
     from ssm import MambaConfig, MambaLM
 
-    ssm_cfg = {"d_state": 16}
-    if args.mixer in ("mamba2", "mamba3"):
-        layer = "Mamba2" if args.mixer == "mamba2" else "Mamba3"
-        ssm_cfg = {"layer": layer, "d_state": 128, "headdim": math.gcd(2 * args.d_model, 64)}
+    ssm_cfg = decode_mixer_config(args.mixer, args.d_model)
     torch.manual_seed(args.seed)
     config = MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=args.vocab, ssm_cfg=ssm_cfg)
     MambaLM(config).save_pretrained(directory, safe_serialization=True)
@@ -107,8 +107,7 @@ def run(args) -> tuple[int, dict | None]:
         f"({args.mixer}) d_model={args.d_model} n_layer={args.layers} vocab={args.vocab}, from a float32 "
         "safetensors checkpoint, one process per precision (MiB)"
     )
-    head = ["precision", "weights", "after import", "load peak", "before decoding", "decoding peak", "whole peak"]
-    print(" ".join(f"{h:>15s}" for h in head))
+    print(" ".join(f"{h:>15s}" for h in ("precision", *HEADINGS)))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(args, tmp)
@@ -121,18 +120,15 @@ def run(args) -> tuple[int, dict | None]:
                 print(f"error: the {name} run failed (exit {done.returncode})")
                 return 1, None
             r = results[name] = json.loads(done.stdout.strip().splitlines()[-1])
-            keys = ("weight_bytes", "import_rss", "load_peak", "before_decoding", "decoding_peak", "whole_peak")
-            print(f"{name:>15s} " + " ".join(f"{r[k] / MiB:15.0f}" for k in keys))
+            print(f"{name:>15s} " + " ".join(f"{r[k] / MiB:15.0f}" for k in READINGS))
     return 0, {"config": config_of(args), "results": results}
 
 
 def markdown(result: dict, args) -> tuple[str, str, str]:
     MiB = 2**20
     c = result["config"]
-    keys = ("weight_bytes", "import_rss", "load_peak", "before_decoding", "decoding_peak", "whole_peak")
-    rows = [[name] + [f"{r[k] / MiB:.0f}" for k in keys] for name, r in result["results"].items()]
-    head = ["precision", "weights MiB", "after import", "load peak", "before decoding", "decoding peak", "whole peak"]
-    body = report.table(head, rows)
+    rows = [[name] + [f"{r[k] / MiB:.0f}" for k in READINGS] for name, r in result["results"].items()]
+    body = report.table(["precision", *HEADINGS], rows)
     body += (
         f"\n\nMambaLM ({c['mixer']}) d_model {c['d_model']}, {c['layers']} layers, vocabulary {c['vocab']}, "
         f"loaded with `MambaLM.from_pretrained(dir, dtype= | quantize=)` from float32 safetensors; greedy "
