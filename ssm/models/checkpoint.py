@@ -189,10 +189,9 @@ def read_weight_file(path: Path, keys=None, transform=None) -> dict[str, torch.T
                 return load_file(path)
             with safe_open(path, "pt") as f:
                 stored = list(f.keys())
-            present = frozenset(stored)
-            wanted = stored if keys is None else [k for k in keys if k in present]
-            if transform is None:
-                with safe_open(path, "pt") as f:
+                present = frozenset(stored)
+                wanted = stored if keys is None else [k for k in keys if k in present]
+                if transform is None:
                     return {k: f.get_tensor(k) for k in wanted}
             state = {}
             for k in wanted:
@@ -263,25 +262,24 @@ def read_sharded(index_path: Path, transform=None) -> dict[str, torch.Tensor]:
             raise FileNotFoundError(
                 f"shard {shard} listed in {index_path} is missing (it holds {len(keys)} tensor(s), e.g. {keys[0]!r})"
             )
-        if shard.endswith(".safetensors"):
+        safetensors = shard.endswith(".safetensors")
+        if safetensors:
             with safe_open_checked(path) as f:
                 stored = set(f.keys())
-        else:
-            stored = None  # a pickle is read whole
-        part = read_weight_file(path, keys, transform) if stored is not None else read_weight_file(path)
-        stored = set(part) if stored is None else stored
+            part = read_weight_file(path, keys, transform)  # its listed tensors, transformed as read
+        else:  # a pickle is read whole, then checked, then transformed
+            part = read_weight_file(path)
+            stored = set(part)
         absent = [k for k in keys if k not in stored]
         if absent:
             raise ValueError(f"{index_path} puts {absent} in {shard}, which does not hold them")
         extra = sorted(stored - set(keys))
         if extra:
             raise ValueError(f"{shard} holds {extra}, which {index_path} does not list in it")
-        if shard.endswith(".safetensors"):
-            state.update(part)  # its listed tensors, transformed as read
-        else:
-            state.update(
-                _transformed({k: part[k] for k in keys}, transform) if transform else {k: part[k] for k in keys}
-            )
+        if not safetensors:
+            part = {k: part[k] for k in keys}
+            part = _transformed(part, transform) if transform else part
+        state.update(part)
     return state
 
 
