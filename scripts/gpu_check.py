@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import platform
@@ -156,6 +157,8 @@ def step_tests(args, out: Path, env: dict) -> dict:
     log = out / "pytest.log"
     tests = DRY_TESTS if args.dry_run else GPU_TESTS
     cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-rfE", "-p", "no:cacheprovider"]
+    if not args.dry_run and args.test_workers > 1 and importlib.util.find_spec("xdist"):
+        cmd += ["-n", str(args.test_workers)]  # Triton's and Inductor's compiles are CPU-bound: spread them
     result = run(cmd, log, args.test_minutes * 60, env)
     return result | pytest_outcome(log)
 
@@ -293,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-minutes", type=float, default=5)
     parser.add_argument("--train-minutes", type=float, default=4)
     parser.add_argument("--build-minutes", type=float, default=8)
+    parser.add_argument(
+        "--test-workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="pytest-xdist workers for the tests on a GPU, where xdist is installed",
+    )
     args = parser.parse_args(argv)
 
     import torch

@@ -413,7 +413,7 @@ def test_without_triton_the_backend_is_refused_saying_what_to_install(monkeypatc
         timeout=120,
     )
     assert done.stdout.strip() == "False", done.stderr[-2000:]
-    monkeypatch.setitem(sys.modules, "triton", None)  # as if it were not installed
+    monkeypatch.setattr(ssm.scan.triton, "_INSTALLED", False)  # as if it were not installed
     assert not ssm.scan.triton.available() and ssm.scan.triton.devices() == ()
     with pytest.raises(ValueError, match="pip install triton"):
         selective_call(small(5), "triton")

@@ -23,10 +23,14 @@ import os
 
 import torch
 
+# Looked up once, here (finding the package does not import it): torch.compile in torch 2.11
+# refuses to trace importlib's find_spec, and backend resolution runs inside compiled code.
+_INSTALLED = importlib.util.find_spec("triton") is not None
+
 
 def available() -> bool:
     """Whether the triton package is installed."""
-    return importlib.util.find_spec("triton") is not None
+    return _INSTALLED
 
 
 def interpreting() -> bool:
