@@ -58,7 +58,7 @@ class Config:
     block_n: int  # N rounded up to a power of two
     chunk: int  # time steps per iteration (power of two)
     num_warps: int  # forward
-    num_warps_bwd: int  # backward: about twice the live tiles of the forward
+    num_warps_bwd: int  # backward
 
     def n_chunks(self, length) -> int:
         # (also on torch.compile's symbolic lengths: the fake op computes it)
@@ -85,9 +85,12 @@ def config(u: Tensor, B: Tensor, C: Tensor) -> Config:
     block_n = next_power_of_2(N)
     block_d = max(1, min(next_power_of_2(segment), TILE // (block_n * CHUNK)))
     tile = block_d * block_n * CHUNK
-    # At a (4, 16, 32) tile, compiled for sm_90: forward 128 registers a thread with 4 warps,
-    # backward 177 with 8, none spilled (tests/scan/compile_kernels.py prints them).
-    return Config(segment, block_d, block_n, CHUNK, 4 if tile <= 2048 else 8, 8 if tile <= 2048 else 16)
+    # Warps from a sweep on an H200 (BENCHMARKS.md, "CUDA"): at batch 8, D 1536, N 16, L 2048,
+    # the backward with 4 warps took half the time it took with 8 (forward+backward fp32 7.96
+    # against 17.39 ms, bf16 8.86 against 18.02), and 8/16 warps were slower still at every tile;
+    # chunks of 16 or 64 steps were no faster than 32. tests/scan/compile_kernels.py prints the
+    # registers and spills of each variant.
+    return Config(segment, block_d, block_n, CHUNK, 4, 4 if tile <= 2048 else 8)
 
 
 # ----------------------------------------------------------------------------- launchers
