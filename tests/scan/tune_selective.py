@@ -14,6 +14,7 @@ run behind selective_scan.config's warps is in BENCHMARKS.md ("CUDA").
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -69,12 +70,17 @@ def median_ms(fn, reps: int) -> float:
 
 
 def with_config(chunk: int, tile: int, warps: int, warps_bwd: int):
+    """selective_scan.config at another CHUNK and TILE (the module constants it reads), with
+    these warps."""
     default = S.config
 
     def config(u, B, C):
-        c = default(u, B, C)
-        block_d = max(1, min(S.next_power_of_2(c.segment), tile // (c.block_n * chunk)))
-        return S.Config(c.segment, block_d, c.block_n, chunk, warps, warps_bwd)
+        saved = S.CHUNK, S.TILE
+        S.CHUNK, S.TILE = chunk, tile
+        try:
+            return dataclasses.replace(default(u, B, C), num_warps=warps, num_warps_bwd=warps_bwd)
+        finally:
+            S.CHUNK, S.TILE = saved
 
     return config
 
