@@ -85,7 +85,7 @@ def variants():
         yield (
             trapezoidal_scan._trapezoidal_scan_bwd_kernel.fn,
             {**blocks, "HAS_DLAST": True, "INT": tl.int32, "LOG2_CHUNK": cfg.chunk.bit_length() - 1},
-            cfg.num_warps,
+            cfg.num_warps_bwd,
         )
     lin = linear_scan.config(65536, 4)
     for backward, packed in ((False, False), (True, False), (False, True), (True, True)):

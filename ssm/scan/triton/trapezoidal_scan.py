@@ -43,7 +43,8 @@ class Config:
     block_p: int
     block_n: int
     chunk: int
-    num_warps: int
+    num_warps: int  # forward
+    num_warps_bwd: int  # backward
 
     def p_blocks(self, P: int) -> int:
         return -(-P // self.block_p)
@@ -61,7 +62,8 @@ def config(P: int, N: int, R: int) -> Config:
     tile = block_r * block_p * block_n * CHUNK
     # At P 64, N 128, compiled for sm_90 (tests/scan/compile_kernels.py prints it): 8 warps, no
     # spills, at or near the 255-register cap; rank 4 gets a (4, 1, 128, 16) tile.
-    return Config(block_r, block_p, block_n, CHUNK, 4 if tile <= TILE // 4 else 8)
+    warps = 4 if tile <= TILE // 4 else 8
+    return Config(block_r, block_p, block_n, CHUNK, warps, warps)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -85,7 +87,7 @@ _INPUTS = ("x", "B", "C", "B_bias", "C_bias", "mimo_x", "z", "mimo_z", "mimo_o",
 def _kernel_args(inputs: list, cu_seqlens: Tensor | None, halved: bool) -> tuple[Config, int, dict]:
     """What both kernels are launched with, from the forward's inputs (contiguous, in _INPUTS
     order): the launch config, the number of program rows (sequences), and the arguments both
-    take: the inputs, each row's bounds and first chunk, sizes, HALVED, block sizes, warps."""
+    take: the inputs, each row's bounds and first chunk, sizes, HALVED, block sizes."""
     x, B, cos = inputs[0], inputs[1], inputs[-2]
     batch, length, heads, P = x.shape
     ranks, groups, N = B.shape[2:]
@@ -95,7 +97,7 @@ def _kernel_args(inputs: list, cu_seqlens: Tensor | None, halved: bool) -> tuple
     args = {f"{name}_ptr": t for name, t in zip(_INPUTS, inputs)}
     args.update(bounds_ptr=bounds, chunk_first_ptr=chunk_first, H=heads, P=P, N=N, M=cos.shape[-1], R=ranks, G=groups)
     args.update(HALVED=halved, BLOCK_R=cfg.block_r, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk)
-    return cfg, rows, {**args, "num_warps": cfg.num_warps}
+    return cfg, rows, args
 
 
 def _trapezoidal_scan_fwd(
@@ -134,7 +136,12 @@ def _trapezoidal_scan_fwd(
     (H_init,) = contiguous(H_init)
     check_launchable(x)
     _trapezoidal_scan_fwd_kernel[(rows, heads, cfg.p_blocks(P))](
-        **args, H_init_ptr=H_init, out_ptr=out, H_last_ptr=H_last, chunk_states_ptr=chunk_states
+        **args,
+        H_init_ptr=H_init,
+        out_ptr=out,
+        H_last_ptr=H_last,
+        chunk_states_ptr=chunk_states,
+        num_warps=cfg.num_warps,
     )
     return out, H_last, chunk_states
 
@@ -185,6 +192,7 @@ def _trapezoidal_scan_bwd(
     check_launchable(x)
     _trapezoidal_scan_bwd_kernel[(rows, heads, blocks)](
         **args,
+        num_warps=cfg.num_warps_bwd,
         chunk_states_ptr=chunk_states,
         dout_ptr=dout,
         dH_last_ptr=dH_last,
