@@ -46,7 +46,7 @@ CASES = {
     "siso, one group, every pair turns": dict(groups=1, M=4),
     "mimo rank 3": dict(ranks=3),
     "mimo, no MIMO weights, no z": dict(ranks=2, mimo=False, z=False),
-    "P = 5 over two channel blocks": dict(head_dim=5, N=32, M=3, ranks=2),
+    "P = 5 over two channel blocks": dict(head_dim=5, N=64, M=3, ranks=4),
 }
 
 
@@ -58,7 +58,7 @@ def test_options(options, rotary):
 
 def test_channel_blocks():
     """The case above with P = 5 does split P across programs (their partial sums are added)."""
-    assert triton_trapezoidal.config(5, 32, 2).p_blocks(5) > 1
+    assert triton_trapezoidal.config(5, 64, 4).p_blocks(5) > 1
 
 
 def test_per_rank_outputs():
