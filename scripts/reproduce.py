@@ -72,6 +72,12 @@ STAGES = {
         # the adjacent case (key right before the final trigger) weighted up for 100 steps at 1024:
         # every miss of the six stages above was that case (seed 1 read "T 14 T" as 2 at every length)
         Stage(1024, 8, 100, 128, overrides=SHORT_MEMORY_ADAM + ADJACENT_KEYS),
+        # Then 42 steps at 2^19, as two stages (how seed 2's run was continued): with the seven
+        # above, seed 2 missed 3 of 64 keys at 2^20, its three longest gaps (615k-1.03M tokens),
+        # with the key's probability fading with the gap. 30 more steps at 2^18 did not mend it
+        # (95.3% at 2^20); 12 at 2^19 gave 62/64 and 30 more 64/64, and 100% at every length.
+        Stage(524288, 1, 12, 2, overrides=SHORT_MEMORY_ADAM),
+        Stage(524288, 1, 30, 2, overrides=SHORT_MEMORY_ADAM),
     ],
     "selective_copying": [
         Stage(64, 64, 4000),
