@@ -10,17 +10,24 @@ otherwise).
 ``--dtype bfloat16`` / ``float16`` runs both models in that dtype (ssm through its fused step,
 which widens the matrices in registers); ``--quantize int8`` / ``int4`` quantises ssm's weights
 (MambaLM.quantize; transformers keeps ``--dtype``). Tokens then are reported, not required to
-agree: the two engines round differently."""
+agree: the two engines round differently.
+
+``--peer llama.cpp`` (Mamba-1 and Mamba-2) also times llama.cpp on the same weights at the same
+precision (scripts/bench/llama_cpp.py), generation only at batch 1, alternating the two engines
+``--repeats`` times; ssm's generation-only rate is (n - 1) tokens over the time of generating n
+tokens less the time of generating 1 (which holds the prompt's prefill)."""
 
 from __future__ import annotations
 
 import copy
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from . import peers, report
+from . import llama_cpp, peers, report
 from .common import DTYPES, comma_ints, config_of, decode_mixer_config, describe_device, synchronize
 
 # Greedy tokens of two float32 runs may part where the two best logits are closer than float32's
@@ -44,6 +51,12 @@ def add_arguments(parser) -> None:
     group.add_argument(
         "--quantize", choices=("int8", "int4"), default=None, help="quantise ssm's weights (MambaLM.quantize)"
     )
+    group.add_argument(
+        "--peer",
+        choices=("llama.cpp",),
+        default=None,
+        help=f"also time llama.cpp on the same weights at batch 1 (built by `{llama_cpp.BUILD_COMMAND}`)",
+    )
 
 
 def check(args, parser) -> None:
@@ -52,6 +65,15 @@ def check(args, parser) -> None:
         parser.error(
             "--d-model, --layers, --vocab, --new-tokens, --prompt-length and --decode-batches must be positive"
         )
+    if args.peer == "llama.cpp":
+        if args.mixer == "mamba3" or args.no_peer:
+            parser.error("--peer llama.cpp: needs --mixer mamba1 or mamba2 (llama.cpp has no Mamba-3) and no --no-peer")
+        if args.new_tokens < 2:
+            parser.error("--peer llama.cpp: needs --new-tokens of 2 or more (the rate is of generated tokens)")
+        if args.device != "cpu":
+            parser.error(f"--peer llama.cpp: runs on the CPU, got --device {args.device}")
+        if (why := llama_cpp.missing()) is not None:
+            parser.error(f"--peer llama.cpp: {why}")
 
 
 def run(args) -> tuple[int, dict]:
@@ -65,6 +87,12 @@ def run(args) -> tuple[int, dict]:
         hf_model.generation_config.pad_token_id = 0
     ssm_cfg = decode_mixer_config(args.mixer, args.d_model)
     model = peers.ssm_lm(args, hf_model, device, vocab_size=args.vocab, ssm_cfg=ssm_cfg).eval()
+    workdir = None
+    if args.peer == "llama.cpp":
+        if hf_model is None:
+            raise SystemExit("--peer llama.cpp: needs transformers (pip install transformers) to write the weights")
+        workdir = tempfile.TemporaryDirectory(prefix="ssm-llama-cpp-")
+        gguf = llama_cpp.convert(hf_model, Path(workdir.name), llama_cpp.gguf_type(args.dtype, args.quantize))
     exact_precision = dtype == torch.float32 and args.quantize is None  # else tokens are not required to agree
     if exact_precision is False:
         exact = copy.deepcopy(model).double()  # for the tie gaps, before the weights are rounded
@@ -129,7 +157,41 @@ def run(args) -> tuple[int, dict]:
         print(f"batch 1: ssm decodes at {at_one / ceiling:.0%} of that rate")
     result = {"config": config_of(args), "parameters": params, "weight_read_s": read_s, "results": results}
     result["weight_bytes"] = read_bytes
+    if workdir is not None:
+        with workdir:
+            result["llama_cpp"] = against_llama_cpp(args, model, gguf, device, ceiling)
     return (0 if ok else 1), result
+
+
+def against_llama_cpp(args, model, gguf: Path, device: torch.device, ceiling: float) -> dict:
+    """Generation-only tokens/s at batch 1 of ssm and of llama.cpp on ``gguf`` (the same
+    weights), alternating, ``args.repeats`` times each after a warm-up of ssm; medians."""
+    threads = torch.get_num_threads()
+    prompt = torch.randint(0, args.vocab, (1, args.prompt_length), generator=torch.Generator().manual_seed(args.seed))
+
+    def seconds(n: int) -> float:
+        start = time.perf_counter()
+        model.generate(prompt.to(device), n, temperature=0)
+        synchronize(device)
+        return time.perf_counter() - start
+
+    rates = {"ssm": [], "llama.cpp": []}
+    with torch.no_grad():
+        seconds(args.new_tokens)  # warm-up
+        for _ in range(max(1, args.repeats)):
+            full, one = seconds(args.new_tokens), seconds(1)
+            rates["ssm"].append((args.new_tokens - 1) / (full - one))
+            rates["llama.cpp"].append(
+                llama_cpp.generation_tokens_per_s(gguf, args.new_tokens, args.prompt_length, threads)
+            )
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    print(
+        f"batch 1, generation only, {threads} threads, median of {len(rates['ssm'])} alternating runs "
+        f"({gguf.stem.removeprefix('model-')} in llama.cpp): ssm {median['ssm']:.1f} tokens/s, "
+        f"llama.cpp {median['llama.cpp']:.1f}: {median['ssm'] / median['llama.cpp']:.2f}x; "
+        f"ssm at {median['ssm'] / ceiling:.0%} of the weight-read rate"
+    )
+    return {"gguf_type": gguf.stem.removeprefix("model-"), "threads": threads, "runs": rates, "median": median}
 
 
 def weight_read_seconds(model: torch.nn.Module, device: torch.device, repeats: int = 9) -> tuple[float, int]:
@@ -193,6 +255,14 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         f"{result['weight_read_s'] * 1e3:.1f} ms here (torch's `sum` over them): "
         f"{1 / result['weight_read_s']:.1f} tokens/s at batch 1 if a token cost only its weight reads."
     )
+    if "llama_cpp" in result:
+        peer = result["llama_cpp"]
+        ours, theirs = peer["median"]["ssm"], peer["median"]["llama.cpp"]
+        body += (
+            f"\n\nGeneration only, batch 1, {peer['threads']} threads, median of {len(peer['runs']['ssm'])} "
+            f"alternating runs: ssm {ours:.1f} tokens/s, llama.cpp ({peer['gguf_type']}, the same weights) "
+            f"{theirs:.1f}, ratio {ours / theirs:.2f}."
+        )
     title = (
         f"decoding: MambaLM ({c.get('mixer', 'mamba1')}) d_model {c['d_model']}, {c['layers']} layers, "
         f"vocabulary {c['vocab']} ({result['parameters'] / 1e6:.0f} M parameters), {c['device']}"

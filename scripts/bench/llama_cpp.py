@@ -1,0 +1,79 @@
+"""llama.cpp as the CPU decoding peer of --op decode (``--peer llama.cpp``): the same weights,
+saved by transformers, converted to GGUF with llama.cpp's own convert_hf_to_gguf.py at the
+precision ssm runs in (float32 -> f32, bfloat16 -> bf16, float16 -> f16, int8 -> q8_0, int4 ->
+q4_0 through llama-quantize), and timed with llama-bench: generation only, batch 1, after a
+``--prompt-length`` context (llama-bench's -d), on torch's thread count.
+
+Built by ``bash scripts/peers/build_llama_cpp.sh`` into third_party/llama.cpp (or
+$LLAMA_CPP_DIR). Optional: without it the benchmark says how to build it and stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+BUILD_COMMAND = "bash scripts/peers/build_llama_cpp.sh"
+
+# ssm's precision (--dtype, --quantize) -> llama.cpp's type of the same width and layout
+# (q8_0 / q4_0: blocks of 32 inputs with one scale each, as ssm.ops.quant's int8 / int4).
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0", "int4": "q4_0"}
+
+
+def home() -> Path:
+    return Path(os.environ.get("LLAMA_CPP_DIR", ROOT / "third_party" / "llama.cpp"))
+
+
+def tool(name: str) -> Path:
+    return home() / "build" / "bin" / name
+
+
+def missing() -> str | None:
+    """Why llama.cpp cannot run here, or None."""
+    needed = [tool("llama-bench"), tool("llama-quantize"), home() / "src" / "convert_hf_to_gguf.py"]
+    absent = [str(p) for p in needed if not p.is_file()]
+    return f"llama.cpp is not built ({', '.join(absent)} missing): run `{BUILD_COMMAND}`" if absent else None
+
+
+def gguf_type(dtype: str, quantize: str | None) -> str:
+    return GGUF_TYPES[quantize or dtype]
+
+
+def convert(hf_model, workdir: Path, kind: str) -> Path:
+    """``hf_model`` (transformers, float32) as a GGUF file of type ``kind`` in ``workdir``."""
+    source = workdir / "hf"
+    if not (source / "config.json").is_file():
+        hf_model.save_pretrained(source, safe_serialization=True)
+    direct = kind if kind != "q4_0" else "f32"  # convert_hf_to_gguf writes no q4_0
+    out = workdir / f"model-{direct}.gguf"
+    if not out.is_file():
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(home() / "src" / "gguf-py"), str(home() / "src")])}
+        script = home() / "src" / "convert_hf_to_gguf.py"
+        command = [sys.executable, str(script), str(source), "--outtype", direct, "--outfile", str(out)]
+        run(command, env=env)
+    if kind != "q4_0":
+        return out
+    quantised = workdir / "model-q4_0.gguf"
+    if not quantised.is_file():
+        run([str(tool("llama-quantize")), str(out), str(quantised), "q4_0"])
+    return quantised
+
+
+def generation_tokens_per_s(gguf: Path, new_tokens: int, context: int, threads: int) -> float:
+    """llama-bench's tokens/s generating ``new_tokens`` after ``context`` tokens, batch 1, one
+    timed run after its own warm-up."""
+    command = [str(tool("llama-bench")), "-m", str(gguf), "-p", "0", "-n", str(new_tokens)]
+    command += ["-d", str(context), "-t", str(threads), "-r", "1", "-o", "json"]
+    rows = json.loads(run(command))
+    (row,) = [r for r in rows if r["n_gen"] == new_tokens]
+    return float(row["avg_ts"])
+
+
+def run(command: list[str], env: dict | None = None) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout
