@@ -312,3 +312,50 @@ def test_decode_mode_at_low_precision(tmp_path, extra):
     assert report["results"][0]["tokens_per_s"]["ssm"] > 0
     params = report["parameters"]
     assert report["weight_bytes"] < 2.5 * params  # float32 would be 4 bytes a weight
+
+
+def test_decode_peer_llama_cpp_refuses_what_it_cannot_run(tmp_path, monkeypatch, capsys):
+    """--peer llama.cpp: Mamba-3 (llama.cpp has none) and a missing build are errors that say
+    what to do, before anything is timed."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    args = ["--op", "decode", "--d-model", "16", "--layers", "1", "--vocab", "50", "--device", "cpu"]
+    with pytest.raises(SystemExit):
+        main([*args, "--mixer", "mamba3", "--peer", "llama.cpp"])
+    assert "llama.cpp has no Mamba-3" in capsys.readouterr().err
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(SystemExit):
+        main([*args, "--peer", "llama.cpp"])
+    assert "bash scripts/peers/build_llama_cpp.sh" in capsys.readouterr().err
+
+
+def test_decode_peer_llama_cpp_maps_each_precision_to_its_gguf_type():
+    """ssm's precision and llama.cpp's of the same width and block layout."""
+    llama_cpp = bench("llama_cpp")
+    assert llama_cpp.gguf_type("float32", None) == "f32"
+    assert llama_cpp.gguf_type("bfloat16", None) == "bf16"
+    assert llama_cpp.gguf_type("float16", None) == "f16"
+    assert llama_cpp.gguf_type("float32", "int8") == "q8_0"
+    assert llama_cpp.gguf_type("float32", "int4") == "q4_0"
+
+
+def test_precision_mode_scores_each_precision_of_a_trained_text_run(tmp_path):
+    """--op precision on a text run: every precision scores the run's held-out files and decodes;
+    float32 agrees with itself; the quantised ones really run quantised (their bits per byte
+    differ from float32's)."""
+    from ssm.training import load_config, train
+    from tests.training.test_text_tokenizer import TINY, corpus
+
+    args = TINY + [f"data.paths=[{corpus(tmp_path)}]", "data.batch_size=2", "trainer.max_steps=3"]
+    run_dir = train(load_config(None, args + [f"run_dir={tmp_path / 'run'}"])).run_dir
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "p.json"
+    cli = ["--op", "precision", "--run", str(run_dir), "--new-tokens", "8", "--prompts", "2", "--device", "cpu"]
+    assert main([*cli, "--json", str(path)]) == 0
+    rows = {r["precision"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["float32", "bfloat16", "float16", "int8", "int4"]
+    assert rows["float32"]["greedy_agree"] == 1.0 and rows["float32"]["first_difference"] == [8, 8]
+    for name, r in rows.items():
+        assert math.isfinite(r["bits_per_byte"]) and 0 < r["bits_per_byte"] < 9, name
+        assert 0 <= r["greedy_agree"] <= 1 and all(0 <= f <= 8 for f in r["first_difference"])
+    assert rows["int4"]["bits_per_byte"] != rows["float32"]["bits_per_byte"]
+    assert rows["int8"]["bits_per_byte"] != rows["float32"]["bits_per_byte"]

@@ -19,4 +19,5 @@ OPS = {
     "text": "text",
     "cold-start": "cold_start",
     "memory": "memory",
+    "precision": "precision",
 }

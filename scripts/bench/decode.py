@@ -70,6 +70,11 @@ def check(args, parser) -> None:
             parser.error("--peer llama.cpp: needs --mixer mamba1 or mamba2 (llama.cpp has no Mamba-3) and no --no-peer")
         if args.new_tokens < 2:
             parser.error("--peer llama.cpp: needs --new-tokens of 2 or more (the rate is of generated tokens)")
+        if args.mixer == "mamba2" and args.vocab % 16:
+            parser.error(
+                f"--peer llama.cpp --mixer mamba2: llama.cpp expects the embedding padded to a multiple of 16 rows; "
+                f"--vocab {args.vocab} is not (mamba2-130m's is 50288)"
+            )
         if args.device != "cpu":
             parser.error(f"--peer llama.cpp: runs on the CPU, got --device {args.device}")
         if (why := llama_cpp.missing()) is not None:

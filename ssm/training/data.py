@@ -171,6 +171,19 @@ def default_text_files() -> list[str]:
     return sorted(str(p) for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
 
 
+def text_split(config) -> tuple[list[str], list[str]]:
+    """(training files, validation files) of a text task's data config: data.paths' globs (the
+    standard library's sources when empty), split by ``split_files``."""
+    paths = (
+        sorted({p for pattern in config.paths for p in glob.glob(pattern, recursive=True)})
+        if config.paths
+        else default_text_files()
+    )
+    if not paths:
+        raise ValueError(f"data.paths {config.paths} match no files")
+    return split_files(paths, config.val_fraction)
+
+
 def split_files(paths: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
     """Train/validation split by file: files ordered by a hash of their path relative to the
     common folder (the same on every machine), the first ``val_fraction`` of them (at least
@@ -275,14 +288,7 @@ class TaskDataModule(pl.LightningDataModule):
         self.text = None
         self.tokenizer = None  # None: bytes
         if config.task == "text":
-            paths = (
-                sorted({p for pattern in config.paths for p in glob.glob(pattern, recursive=True)})
-                if config.paths
-                else default_text_files()
-            )
-            if not paths:
-                raise ValueError(f"data.paths {config.paths} match no files")
-            self.train_files, self.val_files = split_files(paths, config.val_fraction)
+            self.train_files, self.val_files = text_split(config)
             self.tokenizer = make_tokenizer(config.tokenizer, self.train_files)
         self.vocab_size = self.dataset("val", 1).vocab_size
 
