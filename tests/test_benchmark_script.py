@@ -359,3 +359,33 @@ def test_precision_mode_scores_each_precision_of_a_trained_text_run(tmp_path):
         assert 0 <= r["greedy_agree"] <= 1 and all(0 <= f <= 8 for f in r["first_difference"])
     assert rows["int4"]["bits_per_byte"] != rows["float32"]["bits_per_byte"]
     assert rows["int8"]["bits_per_byte"] != rows["float32"]["bits_per_byte"]
+
+
+def test_decode_table_gathers_each_mixer_and_precision(tmp_path):
+    """--op decode-table: one --op decode run per (mixer, precision) at batch 1, gathered into
+    one table with a weight-read limit per cell that grows as the weights narrow."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path, md = tmp_path / "t.json", tmp_path / "B.md"
+    args = [
+        "--op",
+        "decode-table",
+        "--decode-mixers",
+        "mamba1,mamba3",
+        "--precisions",
+        "float32,int4",
+        "--d-model",
+        "32",
+    ]
+    args += ["--layers", "1", "--vocab", "50", "--new-tokens", "3", "--prompt-length", "2", "--device", "cpu"]
+    assert main([*args, "--no-peer", "--json", str(path), "--markdown", str(md)]) == 0
+    cells = json.loads(path.read_text())["cells"]
+    assert [(c["mixer"], c["precision"]) for c in cells] == [
+        ("mamba1", "float32"),
+        ("mamba1", "int4"),
+        ("mamba3", "float32"),
+        ("mamba3", "int4"),
+    ]
+    for c in cells:
+        assert c["ssm_whole"] > 0 and c["weight_read_limit"] > 0 and "llama.cpp" not in c
+    assert cells[1]["weight_bytes"] < cells[0]["weight_bytes"] / 2
+    assert "Mamba-1, ssm** (whole run)" in md.read_text() and "int4 (q4_0)" in md.read_text()

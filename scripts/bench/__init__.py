@@ -12,6 +12,7 @@ OPS = {
     "ssd": "ssd",
     "generate": "generate",
     "decode": "decode",
+    "decode-table": "decode_table",
     "packed": "packed",
     "layer": "layer",
     "train-step": "train_step",

@@ -22,16 +22,16 @@ PROMPT_TOKENS = 32
 
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("--op precision (also --new-tokens)")
-    group.add_argument("--run", type=Path, help="a trained text run (or model directory with a tokenizer)")
-    group.add_argument("--text", type=Path, default=None, help="held-out text (default: the run's validation files)")
+    group.add_argument("--run", type=str, help="a trained text run (or model directory with a tokenizer)")
+    group.add_argument("--text", type=str, default=None, help="held-out text (default: the run's validation files)")
     group.add_argument("--text-bytes", type=int, default=200_000, help="at most this much of it")
     group.add_argument("--prompts", type=int, default=4, help="greedy decodes compared with float32's")
 
 
 def check(args, parser) -> None:
-    if args.run is None or not args.run.is_dir():
+    if args.run is None or not Path(args.run).is_dir():
         parser.error(f"--op precision: --run must be a run or model directory, got {args.run}")
-    if args.text is not None and not args.text.is_file():
+    if args.text is not None and not Path(args.text).is_file():
         parser.error(f"--text {args.text}: no such file")
     if min(args.text_bytes, args.prompts, args.new_tokens) < 1:
         parser.error("--text-bytes, --prompts and --new-tokens must be positive")
@@ -42,11 +42,11 @@ def check(args, parser) -> None:
 def held_out_text(args) -> tuple[str, str]:
     """(text, where it came from): --text, else the run's validation files in split order."""
     if args.text is not None:
-        return args.text.read_text(encoding="utf-8", errors="replace")[: args.text_bytes], str(args.text)
+        return Path(args.text).read_text(encoding="utf-8", errors="replace")[: args.text_bytes], args.text
     from ssm.training import load_config
     from ssm.training.data import read_text, text_split
 
-    _, val = text_split(load_config(args.run / "config.yaml").data)
+    _, val = text_split(load_config(Path(args.run) / "config.yaml").data)
     text, used = "", 0
     for path in val:
         if len(text) >= args.text_bytes:
@@ -63,9 +63,7 @@ def run(args) -> tuple[int, dict]:
     text, source = held_out_text(args)
     rows, reference = [], None
     for dtype, quantize in PRECISIONS:
-        model, tokenizer, directory = load_model_and_tokenizer(
-            str(args.run), dtype=getattr(torch, dtype), quantize=quantize
-        )
+        model, tokenizer, directory = load_model_and_tokenizer(args.run, dtype=getattr(torch, dtype), quantize=quantize)
         ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
         nats, count = score_ids(model, ids, 1024, carry=True)
         lengths = tokenizer.token_byte_lengths()
@@ -116,4 +114,4 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         f"state carried; greedy decoding of {args.new_tokens} tokens from {args.prompts} prompts of "
         f"{PROMPT_TOKENS} tokens cut from it."
     )
-    return "precision", f"weight precision against quality: {args.run.name}, cpu", body
+    return "precision", f"weight precision against quality: {Path(args.run).name}, cpu", body
