@@ -57,6 +57,9 @@ def add_arguments(parser) -> None:
         default=None,
         help=f"also time llama.cpp on the same weights at batch 1 (built by `{llama_cpp.BUILD_COMMAND}`)",
     )
+    group.add_argument(
+        "--prefill-length", type=int, default=512, help="--peer: also time both reading a prompt this long (0: not)"
+    )
 
 
 def check(args, parser) -> None:
@@ -169,34 +172,48 @@ def run(args) -> tuple[int, dict]:
 
 
 def against_llama_cpp(args, model, gguf: Path, device: torch.device, ceiling: float) -> dict:
-    """Generation-only tokens/s at batch 1 of ssm and of llama.cpp on ``gguf`` (the same
-    weights), alternating, ``args.repeats`` times each after a warm-up of ssm; medians."""
+    """Tokens/s at batch 1 of ssm and of llama.cpp on ``gguf`` (the same weights), alternating,
+    ``args.repeats`` times each after a warm-up of ssm; medians: generation only, and with
+    ``--prefill-length`` the prefill of a prompt that long (ssm: ``generate`` of one token,
+    which reads the prompt in one parallel pass; llama.cpp: llama-bench -p)."""
     threads = torch.get_num_threads()
-    prompt = torch.randint(0, args.vocab, (1, args.prompt_length), generator=torch.Generator().manual_seed(args.seed))
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, args.vocab, (1, args.prompt_length), generator=g).to(device)
+    long_prompt = torch.randint(0, args.vocab, (1, max(1, args.prefill_length)), generator=g).to(device)
 
-    def seconds(n: int) -> float:
+    def seconds(tokens: torch.Tensor, n: int) -> float:
         start = time.perf_counter()
-        model.generate(prompt.to(device), n, temperature=0)
+        model.generate(tokens, n, temperature=0)
         synchronize(device)
         return time.perf_counter() - start
 
-    rates = {"ssm": [], "llama.cpp": []}
+    kinds = ["generation"] + (["prefill"] if args.prefill_length else [])
+    rates = {(kind, engine): [] for kind in kinds for engine in ("ssm", "llama.cpp")}
     with torch.no_grad():
-        seconds(args.new_tokens)  # warm-up
+        seconds(prompt, args.new_tokens)  # warm-up
+        if args.prefill_length:
+            seconds(long_prompt, 1)
         for _ in range(max(1, args.repeats)):
-            full, one = seconds(args.new_tokens), seconds(1)
-            rates["ssm"].append((args.new_tokens - 1) / (full - one))
-            rates["llama.cpp"].append(
-                llama_cpp.generation_tokens_per_s(gguf, args.new_tokens, args.prompt_length, threads)
+            full, one = seconds(prompt, args.new_tokens), seconds(prompt, 1)
+            rates["generation", "ssm"].append((args.new_tokens - 1) / (full - one))
+            rates["generation", "llama.cpp"].append(
+                llama_cpp.tokens_per_s(gguf, threads, new_tokens=args.new_tokens, context=args.prompt_length)
             )
-    median = {name: statistics.median(r) for name, r in rates.items()}
-    print(
-        f"batch 1, generation only, {threads} threads, median of {len(rates['ssm'])} alternating runs "
-        f"({gguf.stem.removeprefix('model-')} in llama.cpp): ssm {median['ssm']:.1f} tokens/s, "
-        f"llama.cpp {median['llama.cpp']:.1f}: {median['ssm'] / median['llama.cpp']:.2f}x; "
-        f"ssm at {median['ssm'] / ceiling:.0%} of the weight-read rate"
-    )
-    return {"gguf_type": gguf.stem.removeprefix("model-"), "threads": threads, "runs": rates, "median": median}
+            if args.prefill_length:
+                rates["prefill", "ssm"].append(args.prefill_length / seconds(long_prompt, 1))
+                rates["prefill", "llama.cpp"].append(llama_cpp.tokens_per_s(gguf, threads, prompt=args.prefill_length))
+    median = {f"{kind} {engine}": statistics.median(r) for (kind, engine), r in rates.items()}
+    kind = gguf.stem.removeprefix("model-")
+    for what in kinds:
+        ours, theirs = median[f"{what} ssm"], median[f"{what} llama.cpp"]
+        print(
+            f"batch 1, {what}{f' of {args.prefill_length} tokens' if what == 'prefill' else ' only'}, {threads} "
+            f"threads, median of {args.repeats} alternating runs ({kind} in llama.cpp): ssm {ours:.1f} tokens/s, "
+            f"llama.cpp {theirs:.1f}: {ours / theirs:.2f}x"
+            + (f"; ssm at {ours / ceiling:.0%} of the weight-read rate" if what == "generation" else "")
+        )
+    runs = {f"{kind} {engine}": r for (kind, engine), r in rates.items()}
+    return {"gguf_type": kind, "threads": threads, "runs": runs, "median": median}
 
 
 def weight_read_seconds(model: torch.nn.Module, device: torch.device, repeats: int = 9) -> tuple[float, int]:
@@ -262,12 +279,14 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
     )
     if "llama_cpp" in result:
         peer = result["llama_cpp"]
-        ours, theirs = peer["median"]["ssm"], peer["median"]["llama.cpp"]
-        body += (
-            f"\n\nGeneration only, batch 1, {peer['threads']} threads, median of {len(peer['runs']['ssm'])} "
-            f"alternating runs: ssm {ours:.1f} tokens/s, llama.cpp ({peer['gguf_type']}, the same weights) "
-            f"{theirs:.1f}, ratio {ours / theirs:.2f}."
-        )
+        for what in ("generation", "prefill"):
+            if f"{what} ssm" in peer["median"]:
+                ours, theirs = peer["median"][f"{what} ssm"], peer["median"][f"{what} llama.cpp"]
+                body += (
+                    f"\n\n{what.capitalize()}, batch 1, {peer['threads']} threads, median of "
+                    f"{len(peer['runs'][f'{what} ssm'])} alternating runs: ssm {ours:.1f} tokens/s, llama.cpp "
+                    f"({peer['gguf_type']}, the same weights) {theirs:.1f}, ratio {ours / theirs:.2f}."
+                )
     title = (
         f"decoding: MambaLM ({c.get('mixer', 'mamba1')}) d_model {c['d_model']}, {c['layers']} layers, "
         f"vocabulary {c['vocab']} ({result['parameters'] / 1e6:.0f} M parameters), {c['device']}"

@@ -69,10 +69,9 @@ def run(args) -> tuple[int, dict]:
         cell |= {"weight_read_limit": 1 / result["weight_read_s"], "ssm_whole": row["tokens_per_s"]["ssm"]}
         cell["transformers_whole"] = row["tokens_per_s"].get("transformers")
         if "llama_cpp" in result:
-            cell |= {
-                "ssm": result["llama_cpp"]["median"]["ssm"],
-                "llama.cpp": result["llama_cpp"]["median"]["llama.cpp"],
-            }
+            median = result["llama_cpp"]["median"]
+            cell |= {"ssm": median["generation ssm"], "llama.cpp": median["generation llama.cpp"]}
+            cell |= {"prefill ssm": median.get("prefill ssm"), "prefill llama.cpp": median.get("prefill llama.cpp")}
             cell["runs"] = result["llama_cpp"]["runs"]
         cells.append(cell)
     return status, {"config": config_of(args), "cells": cells}
@@ -92,6 +91,10 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         if any("llama.cpp" in c for c in cells if c["mixer"] == mixer):
             rows.append(row(f"{name}, llama.cpp", mixer, "llama.cpp"))
             rows.append(row(f"**{name}, ssm**", mixer, "ssm"))
+            if any(c.get("prefill ssm") for c in cells if c["mixer"] == mixer):
+                n = result["config"]["prefill_length"]
+                rows.append(row(f"{name}, llama.cpp, prefill pp{n}", mixer, "prefill llama.cpp"))
+                rows.append(row(f"**{name}, ssm, prefill {n}**", mixer, "prefill ssm"))
         else:
             rows.append(row(f"**{name}, ssm** (whole run)", mixer, "ssm_whole"))
         rows.append(row(f"{name}, weight-read limit", mixer, "weight_read_limit", "{:.0f}"))
@@ -100,7 +103,9 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
     body += (
         f"\n\nBatch 1, {c['prompt_length']}-token prompt then {c['new_tokens']} greedy tokens, generation only "
         f"(ssm: (n - 1) tokens over the time of n less that of 1; llama.cpp: llama-bench -n {c['new_tokens']} "
-        f"-d {c['prompt_length']}), median of {c['repeats']} runs alternating the engines, the same weights "
+        f"-d {c['prompt_length']}); prefill: a {c['prefill_length']}-token prompt read (ssm: generate of one "
+        f"token; llama.cpp: llama-bench -p {c['prefill_length']}); "
+        f"median of {c['repeats']} runs alternating the engines, the same weights "
         "(random, transformers' layout, converted by llama.cpp's convert_hf_to_gguf.py; q4_0 by llama-quantize). "
         "Mamba-3 has no llama.cpp or transformers implementation: its row is ssm's whole run, prompt included. "
         "The weight-read limit: tokens/s if a token cost only reading its weights' bytes once at the rate "

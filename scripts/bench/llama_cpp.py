@@ -1,8 +1,9 @@
 """llama.cpp as the CPU decoding peer of --op decode (``--peer llama.cpp``): the same weights,
 saved by transformers, converted to GGUF with llama.cpp's own convert_hf_to_gguf.py at the
 precision ssm runs in (float32 -> f32, bfloat16 -> bf16, float16 -> f16, int8 -> q8_0, int4 ->
-q4_0 through llama-quantize), and timed with llama-bench: generation only, batch 1, after a
-``--prompt-length`` context (llama-bench's -d), on torch's thread count.
+q4_0 through llama-quantize), and timed with llama-bench on torch's thread count: generation
+only, batch 1, after a ``--prompt-length`` context (llama-bench's -d), and the prefill of a
+``--prefill-length`` prompt (-p).
 
 Built by ``bash scripts/peers/build_llama_cpp.sh`` into third_party/llama.cpp (or
 $LLAMA_CPP_DIR). Optional: without it the benchmark says how to build it and stops."""
@@ -62,13 +63,13 @@ def convert(hf_model, workdir: Path, kind: str) -> Path:
     return quantised
 
 
-def generation_tokens_per_s(gguf: Path, new_tokens: int, context: int, threads: int) -> float:
-    """llama-bench's tokens/s generating ``new_tokens`` after ``context`` tokens, batch 1, one
-    timed run after its own warm-up."""
-    command = [str(tool("llama-bench")), "-m", str(gguf), "-p", "0", "-n", str(new_tokens)]
+def tokens_per_s(gguf: Path, threads: int, *, new_tokens: int = 0, context: int = 0, prompt: int = 0) -> float:
+    """llama-bench's tokens/s, batch 1, one timed run after its own warm-up: generating
+    ``new_tokens`` after ``context`` tokens (-n, -d), or reading a ``prompt`` (-p: prefill)."""
+    command = [str(tool("llama-bench")), "-m", str(gguf), "-p", str(prompt), "-n", str(new_tokens)]
     command += ["-d", str(context), "-t", str(threads), "-r", "1", "-o", "json"]
     rows = json.loads(run(command))
-    (row,) = [r for r in rows if r["n_gen"] == new_tokens]
+    (row,) = [r for r in rows if (r["n_gen"], r["n_prompt"]) == (new_tokens, prompt)]
     return float(row["avg_ts"])
 
 
