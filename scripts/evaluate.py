@@ -76,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         help="text runs: bits per byte with the state carried across segments against without",
     )
     parser.add_argument("--segments", type=int, default=16, help="consecutive segments per stream (--carried-state)")
+    parser.add_argument(
+        "--per-sequence",
+        action="store_true",
+        help="also record every test sequence (its targets, predictions, the target's smallest probability; for "
+        "induction heads the key's position and gap), print the misses, and write OUT/per_sequence.json",
+    )
     args = parser.parse_args(argv)
     if args.text is not None:
         return evaluate_text(parser, args)
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.run_dir
     out.mkdir(parents=True, exist_ok=True)
 
-    rows = []
+    rows, sequences = [], {}
     chunk = args.chunk or None
     print(
         f"{config.data.task} run {args.run_dir} (trained at L = {trained}); test split, batch {args.batch_size}, "
@@ -125,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'L':>8}  {'samples':>7}  {'acc':>8}  {'loss':>9}  {'seconds':>8}  {'peak MiB':>8}")
     for length in lengths:
         samples = args.samples or default_samples(length)
-        m = evaluate_length(model, data, length, samples, args.batch_size, chunk)
+        m = evaluate_length(model, data, length, samples, args.batch_size, chunk, per_sequence=args.per_sequence)
+        if args.per_sequence:
+            sequences[length] = m.pop("sequences")
         rows.append({"length": length, **m})
         mark = "  (trained)" if length == trained else ""
         peak = f"{m['peak_rss_bytes'] / 2**20:8.0f}" if m["peak_rss_bytes"] else f"{'?':>8}"
@@ -135,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     total = sum(r["seconds"] for r in rows)
     print(f"total {total:.1f} s")
+    if args.per_sequence:
+        print_misses(sequences)
+        (out / "per_sequence.json").write_text(json.dumps(sequences, indent=1) + "\n")
+        print(f"per sequence: {out / 'per_sequence.json'}")
     (out / "extrapolation.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot(rows, trained, config.data.task, out / "extrapolation.png")
     print(f"plot: {out / 'extrapolation.png'}")
@@ -178,6 +190,21 @@ def evaluate_text(parser, args) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "text_eval.json").write_text(json.dumps({**m, "text": str(args.text)}, indent=2) + "\n")
     return 0
+
+
+def print_misses(sequences: dict[int, list[dict]], most: int = 10) -> None:
+    """The test sequences each length got wrong (the first ``most``), with what the model said."""
+    for length, records in sequences.items():
+        misses = [r for r in records if not r["correct"]]
+        if not misses:
+            continue
+        print(f"L {length}: {len(misses)} of {len(records)} sequences missed")
+        for r in misses[:most]:
+            where = f"  gap {r['gap']:>8d}" if "gap" in r else ""
+            print(
+                f"  #{r['index']:<5d}{where}  target {r['targets']}  predicted {r['predicted']}  "
+                f"p(target) {r['p_target_min']:.3f}"
+            )
 
 
 def threads() -> int:

@@ -78,10 +78,20 @@ def scored_suffix_metrics(model: MambaLM, inputs: torch.Tensor, targets: torch.T
     and conv window) carried from one piece to the next, so that memory is O(B·chunk·d_model)
     whatever L is; None reads it in one pass, memory O(B·L·d_model). Both give the same logits
     up to float rounding. Nothing of size (L, d_inner, d_state) is made either way."""
+    logits, targets = scored_suffix_logits(model, inputs, targets, chunk)
+    if logits is None:
+        return torch.zeros(()), torch.zeros((), dtype=torch.long), 0
+    return scored_token_metrics(logits, targets)
+
+
+@torch.no_grad()
+def scored_suffix_logits(model: MambaLM, inputs: torch.Tensor, targets: torch.Tensor, chunk: int | None = None):
+    """(logits (B, S, V), targets (B, S)) of the suffix of ``inputs`` from its first scored
+    position on, read as ``scored_suffix_metrics`` describes; (None, None) when nothing is scored."""
     batch, length = inputs.shape
     scored = (targets != IGNORE).any(0).nonzero()
     if scored.numel() == 0:
-        return torch.zeros(()), torch.zeros((), dtype=torch.long), 0
+        return None, None
     first = int(scored[0])
     step = length if chunk is None else int(chunk)
     if step < 1:
@@ -92,7 +102,29 @@ def scored_suffix_metrics(model: MambaLM, inputs: torch.Tensor, targets: torch.T
     logits = [
         model(inputs[:, start : start + step], cache=cache) for start in range(first, length, step)
     ]  # the scored suffix
-    return scored_token_metrics(torch.cat(logits, 1), targets[:, first:])
+    return torch.cat(logits, 1), targets[:, first:]
+
+
+def per_sequence_records(logits: torch.Tensor, targets: torch.Tensor, inputs: torch.Tensor, first_index: int, trigger):
+    """One record per row of a batch: its index in the split, whether every scored position
+    was predicted right, the targets, the argmax predictions, and the smallest probability the
+    model gave a target; for induction heads (``trigger`` not None) also where the key is and
+    its gap (tokens between the key and the final trigger)."""
+    scored = targets != IGNORE
+    probs = logits.float().softmax(-1)
+    predicted = logits.argmax(-1)
+    records = []
+    for r in range(targets.shape[0]):
+        mask = scored[r]
+        want, got = targets[r][mask], predicted[r][mask]
+        p = probs[r][mask].gather(-1, want[:, None])[:, 0]
+        record = {"index": first_index + r, "correct": bool((want == got).all()), "targets": want.tolist()}
+        record |= {"predicted": got.tolist(), "p_target_min": round(float(p.min()), 6)}
+        if trigger is not None:
+            key = int((inputs[r] == trigger).nonzero()[0]) + 1
+            record |= {"key_position": key, "gap": inputs.shape[1] - 1 - key}
+        records.append(record)
+    return records
 
 
 @torch.no_grad()
@@ -104,26 +136,34 @@ def evaluate_length(
     batch_size: int = 16,
     chunk: int | None = None,
     split: str = "test",
+    per_sequence: bool = False,
 ) -> dict:
     """Accuracy (per scored token) and loss of ``model`` on ``samples`` examples of the task at
     ``seq_len``, drawn from ``split`` ("test": examples neither training nor validation used),
     ``batch_size`` sequences at a time, each read in pieces of ``chunk`` tokens (None: one
     pass). Also the seconds it took and the process's peak resident memory meanwhile (Linux;
-    None elsewhere). Synthetic tasks only (their scored positions are a suffix)."""
+    None elsewhere); with ``per_sequence``, "sequences": one record per example
+    (``per_sequence_records``). Synthetic tasks only (their scored positions are a suffix)."""
     if data.config.task == "text":
         raise ValueError("evaluate_length scores the synthetic tasks; for text use evaluate or evaluate_carried_state")
     device = next(model.parameters()).device
     dataset = data.dataset(split, samples, seq_len)
     peak_rss_reset()
     started = time.perf_counter()
-    total_loss, correct, count = 0.0, 0, 0
+    total_loss, correct, count, records = 0.0, 0, 0, []
+    trigger = getattr(dataset, "trigger", None)
     for lo in range(0, samples, batch_size):
         examples = [dataset[i] for i in range(lo, min(lo + batch_size, samples))]
         inputs, targets = (torch.stack(t).to(device) for t in zip(*examples))
-        loss_sum, n_correct, n = scored_suffix_metrics(model, inputs, targets, chunk)
+        logits, suffix = scored_suffix_logits(model, inputs, targets, chunk)
+        if logits is None:
+            continue
+        loss_sum, n_correct, n = scored_token_metrics(logits, suffix)
         total_loss, correct, count = total_loss + float(loss_sum), correct + int(n_correct), count + n
+        if per_sequence:
+            records += per_sequence_records(logits, suffix, inputs, lo, trigger)
     loss = total_loss / max(count, 1)
-    return {
+    result = {
         "val/loss": loss,
         "val/acc": correct / max(count, 1),
         "correct": correct,
@@ -132,6 +172,7 @@ def evaluate_length(
         "seconds": time.perf_counter() - started,
         "peak_rss_bytes": peak_rss_bytes(),
     }
+    return result | ({"sequences": records} if per_sequence else {})
 
 
 @torch.no_grad()

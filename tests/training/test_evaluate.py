@@ -125,3 +125,41 @@ def test_evaluate_script_lengths(tmp_path, capsys):
     assert [r["length"] for r in rows] == [16, 32, 64] and all(r["samples"] == 5 for r in rows)
     assert (tmp_path / "run" / "extrapolation.png").is_file()
     assert "peak MiB" in capsys.readouterr().out
+    assert main["main"]([*args[:2], "2^5", "--samples", "6", "--per-sequence"]) == 0
+    sequences = json.loads((tmp_path / "run" / "per_sequence.json").read_text())
+    (records,) = sequences.values()
+    assert list(sequences) == ["32"] and [r["index"] for r in records] == list(range(6))
+    missed = sum(not r["correct"] for r in records)
+    assert (f"L 32: {missed} of 6 sequences missed" in capsys.readouterr().out) == (missed > 0)
+
+
+@pytest.mark.parametrize("task, kw", [("induction_heads", {}), ("selective_copying", {"num_memorize": 4})])
+def test_per_sequence_records_agree_with_the_totals_and_the_data(task, kw):
+    """evaluate_length(per_sequence=True): one record per test sequence, in split order; the
+    records' right answers add up to the total; each record's targets are the example's own
+    (drawn again from the dataset); an induction-heads record's key is the token after the
+    first trigger and its gap the tokens between key and final trigger; the probability is the
+    softmax of a plain forward pass's logits at the target."""
+    data, _, _ = examples(task, 48, 1, **kw)
+    model = tiny_model(data.vocab_size)
+    m = evaluate_length(model, data, 48, samples=7, batch_size=3, chunk=16, per_sequence=True)
+    records = m["sequences"]
+    assert [r["index"] for r in records] == list(range(7))
+    per_position = sum(sum(int(a == b) for a, b in zip(r["targets"], r["predicted"])) for r in records)
+    assert per_position == m["correct"]
+    dataset = data.dataset("test", 7, 48)
+    for r in records:
+        inputs, targets = dataset[r["index"]]
+        assert r["targets"] == targets[targets != -100].tolist()
+        assert r["correct"] == (r["targets"] == r["predicted"])
+        with torch.no_grad():
+            probs = model(inputs[None])[0].softmax(-1)  # every position, no cache
+        scored = (targets != -100).nonzero()[:, 0]
+        want = probs[scored, targets[scored]].min().item()
+        assert r["p_target_min"] == pytest.approx(want, abs=1e-5)
+        if task == "induction_heads":
+            key = r["key_position"]
+            assert inputs[key - 1] == data.vocab_size - 1 and r["targets"] == [int(inputs[key])]
+            assert r["gap"] == 48 - 1 - key
+        else:
+            assert "gap" not in r
