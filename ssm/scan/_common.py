@@ -95,3 +95,20 @@ def linear_per_sequence(fn, gates, inputs, dim, initial_state, reverse, cu_seqle
                 fn(gates.narrow(dim, start, end - start), inputs.narrow(dim, start, end - start), dim, h0, reverse)
             )
     return torch.cat(parts, dim=dim)
+
+
+def entering_states(
+    decay: torch.Tensor, inputs: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Across the chunks of the chunked algorithms, S_k = decay_k·S_{k−1} + inputs_k from S_{−1} =
+    ``state``: (the state entering each chunk, stacked along dim 1, and the state after the last).
+    decay (B, c, ...) broadcasts against inputs (B, c, ...); state: inputs without dim 1.
+
+    The chunks are taken apart once (``unbind``), not indexed one by one: autograd answers each
+    ``t[:, k]`` with a zero gradient the size of all of ``t``, so a per-chunk index costs the
+    backward O(chunks²) (Mamba-3 training at L 16384 ran 4.5x slower per token than at 2048)."""
+    entering = []
+    for decay_k, inputs_k in zip(decay.unbind(1), inputs.unbind(1)):
+        entering.append(state)
+        state = decay_k * state + inputs_k
+    return torch.stack(entering, dim=1), state

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ._checks import compute_dtype
-from ._common import ssd_delta, ssd_skip_and_gate
+from ._common import entering_states, ssd_delta, ssd_skip_and_gate
 
 
 def ssd_chunked(
@@ -114,11 +114,7 @@ def ssd_chunked(
         state = x.new_zeros(batch, groups, Hg, head_dim, N)
     else:
         state = initial_state.to(dtype).reshape(batch, groups, Hg, head_dim, N)
-    entering = []
-    for k in range(c):
-        entering.append(state)
-        state = chunk_decay[:, k] * state + chunk_inputs[:, k]
-    entering = torch.stack(entering, dim=1)  # (B, c, G, Hg, P, N)
+    entering, state = entering_states(chunk_decay, chunk_inputs, state)  # entering: (B, c, G, Hg, P, N)
 
     # Inter-chunk: the entering state, decayed to step t and read out with C_t.
     y = y + torch.einsum("bctgn,bcgrpn,bcgrt->bctgrp", C, entering, read_entering)

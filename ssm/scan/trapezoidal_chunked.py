@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from . import _common_trapezoidal as common
 from ._checks import compute_dtype
+from ._common import entering_states
 
 
 def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
@@ -55,11 +56,7 @@ def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
     chunk_inputs = torch.einsum("bchu,bcurhp,bcurhn->bchpn", to_end, v, k)  # (B, c, H, P, N)
     chunk_decay = torch.exp(s[..., -1])[..., None, None]  # (B, c, H, 1, 1)
     state = k.new_zeros(batch, heads, P, N) if H0 is None else H0
-    entering = []
-    for i in range(nc):
-        entering.append(state)
-        state = chunk_decay[:, i] * state + chunk_inputs[:, i]
-    entering = torch.stack(entering, dim=1)  # (B, c, H, P, N)
+    entering, state = entering_states(chunk_decay, chunk_inputs, state)  # entering: (B, c, H, P, N)
     y = y + torch.einsum("bctrhn,bchpn,bcht->bctrhp", q, entering, torch.exp(s))
     return y.reshape(batch, nc * T, ranks, heads, P)[:, :length], state
 

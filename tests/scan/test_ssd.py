@@ -195,3 +195,39 @@ def test_auto_on_the_cpu_takes_the_sweeps_for_small_head_states(monkeypatch, hea
     B = torch.randn(1, 5, 1, N)
     ssd(x, torch.rand(1, 5, 2), -torch.rand(2), B, B.clone())
     assert called == [expected]
+
+
+def test_entering_states_matches_a_loop_and_keeps_the_backward_linear():
+    """The inter-chunk recurrence of the chunked backends (ssm.scan._common.entering_states)
+    against a float64 loop written here, values and gradients (decay, inputs, initial state);
+    and its backward holds no per-chunk index (whose gradients are each the size of the whole
+    input: O(chunks²) work, what made Mamba-3's backward at L 16384 25x that at 2048)."""
+    from ssm.scan._common import entering_states
+
+    g = torch.Generator().manual_seed(0)
+    decay = torch.rand(2, 7, 3, 1, 1, generator=g, dtype=torch.float64).requires_grad_()
+    inputs = torch.randn(2, 7, 3, 4, 5, generator=g, dtype=torch.float64).requires_grad_()
+    state0 = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64).requires_grad_()
+    entering, last = entering_states(decay, inputs, state0)
+
+    want, s = [], state0
+    for k in range(7):
+        want.append(s)
+        s = decay[:, k] * s + inputs[:, k]
+    want = torch.stack(want, 1)
+    torch.testing.assert_close(entering, want)
+    torch.testing.assert_close(last, s)
+    w1, w2 = torch.randn_like(entering), torch.randn_like(last)
+    got = torch.autograd.grad((entering * w1).sum() + (last * w2).sum(), (decay, inputs, state0))
+    ref = torch.autograd.grad((want * w1).sum() + (s * w2).sum(), (decay, inputs, state0))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+
+    seen, todo = set(), [entering.grad_fn, last.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        assert type(node).__name__ != "SelectBackward0", "a per-chunk index in the backward"
+        todo += [n for n, _ in node.next_functions]
