@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ssm.models.hub import continuation, left_pad, load_model_and_tokenizer
+    from ssm.models.hub import QuantizationMismatch, continuation, left_pad, load_model_and_tokenizer
     from ssm.models.tokenizer import TextStream
 
     started = time.perf_counter()
@@ -67,10 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer, directory = load_model_and_tokenizer(
             args.name_or_dir, args.tokenizer, device=args.device, dtype=args.dtype, quantize=args.quantize
         )
-    except ValueError as err:
-        if args.quantize and "is saved quantised as" in str(err):
-            parser.error(f"--{err}")  # "--quantize int4: DIR is saved quantised as int8; ..."
-        raise
+    except QuantizationMismatch as err:
+        parser.error(f"--{err}")  # "--quantize int4: DIR is saved quantised as int8; ..."
     precision = model.quantization["scheme"] if model.quantization else str(model.lm_head.weight.dtype).split(".")[-1]
     encoded = [tokenizer.encode(p) for p in prompts]
     if any(not ids for ids in encoded):

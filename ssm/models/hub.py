@@ -84,6 +84,10 @@ def _snapshot(hub, repo_id: str, revision, local_files_only, weights: bool) -> P
     return folder
 
 
+class QuantizationMismatch(ValueError):
+    """A checkpoint saved quantised in one scheme, asked to load in another."""
+
+
 def load_model_and_tokenizer(
     name_or_path, tokenizer=None, *, device=None, dtype=None, backend: str = "auto", quantize: str | None = None
 ):
@@ -91,7 +95,7 @@ def load_model_and_tokenizer(
     a model directory, a hub repo id, or a run directory of scripts/train.py (its model/). The
     tokenizer: ``tokenizer`` when given (see ``load_tokenizer``), else the one beside the weights.
     ``quantize``: a float checkpoint is quantised as it is read (from_pretrained); one saved
-    quantised in that scheme loads as saved, in another is a ValueError."""
+    quantised in that scheme loads as saved, in another is a QuantizationMismatch (a ValueError)."""
     from .lm import MambaLM
     from .quantize import read_quantization
     from .tokenizer import load_tokenizer
@@ -103,7 +107,7 @@ def load_model_and_tokenizer(
     saved = read_quantization(directory)
     if quantize is not None and saved is not None:
         if saved["scheme"] != quantize:
-            raise ValueError(
+            raise QuantizationMismatch(
                 f"quantize {quantize}: {directory} is saved quantised as {saved['scheme']}; load it without quantize"
             )
         quantize = None  # as saved
