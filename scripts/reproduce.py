@@ -326,6 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=256, help="evaluation piece length (state carried)")
     parser.add_argument("--test-sizes", choices=("full", "quick"), default="full", help="see test_samples")
     parser.add_argument("--train-only", action="store_true", help="train (or finish training) and stop")
+    parser.add_argument(
+        "--with",
+        dest="others",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="RESULTS_JSON",
+        help="also draw and tabulate the runs of another results.json of the task (e.g. other mixers' runs)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every stage")
     args = parser.parse_args(argv)
     unknown = [m for m in args.mixers if m not in MIXERS]
@@ -335,6 +344,15 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds]
     except ValueError:
         parser.error(f"--seeds must be comma-separated ints, got {args.seeds}")
+    extra_runs = []
+    for path in args.others:  # read first: a bad one fails before any training
+        try:
+            other = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            parser.error(f"--with {path}: {err}")
+        if other.get("task") != args.task:
+            parser.error(f"--with {path}: its runs are of {other.get('task')!r}, not {args.task}")
+        extra_runs += other["runs"]
     out = args.out or ROOT / "runs" / f"paper_{args.task}"
     out.mkdir(parents=True, exist_ok=True)
 
@@ -386,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_only:
         return 0
     results = {"task": args.task, "commit": commit(), "paper": PAPER[args.task], "runs": runs}
+    runs = runs + extra_runs  # drawn and tabulated, not written into this results.json
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(table(args.task, runs))
     print(table(args.task, runs))

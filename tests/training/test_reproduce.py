@@ -38,7 +38,7 @@ def test_paper_configs_parse_with_the_papers_settings():
     # the long induction-heads stages train with a short second-moment memory (see STAGES)
     ih_path = ROOT / "configs" / "paper" / "induction_heads.yaml"
     betas = [tuple(load_config(ih_path, s.overrides).optim.betas) for s in reproduce()["STAGES"]["induction_heads"]]
-    assert betas == [(0.9, 0.999)] * 3 + [(0.9, 0.95)] * 4
+    assert betas == [(0.9, 0.999)] * 3 + [(0.9, 0.95)] * 7
 
 
 @pytest.mark.parametrize("task", ["induction_heads", "selective_copying"])
@@ -59,6 +59,13 @@ def test_tiny_reproduction_runs_end_to_end(task, tmp_path, capsys):
     assert main([task, "--tiny", "--seeds", "0", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "trained already" in out and "evaluated already" in out and "stage 1/" not in out
+    # --with: another results.json's runs join the table and the figure, not this results.json
+    other = tmp_path / "other"
+    assert main([task, "--tiny", "--seeds", "1", "--out", str(other), "--with", str(tmp_path / "results.json")]) == 0
+    assert (other / "results.md").read_text().count("(ours)") == 2
+    assert [r["seed"] for r in json.loads((other / "results.json").read_text())["runs"]] == [1]
+    with pytest.raises(SystemExit):
+        main([task, "--tiny", "--seeds", "1", "--out", str(other), "--with", str(tmp_path / "none.json")])
 
 
 def test_a_run_stopped_between_stages_continues_with_the_next(tmp_path, capsys):
