@@ -37,6 +37,8 @@ def test_every_op_has_a_module_that_runs():
         "ssd",
         "generate",
         "decode",
+        "decode-table",
+        "precision",
         "packed",
         "layer",
         "train-step",
