@@ -110,18 +110,27 @@ def main(argv: list[str]) -> None:
                 selective_scan(**x, delta_softplus=True, backend="triton").sum().backward()
 
             row = dict(dtype=str(dtype).removeprefix("torch."), chunk=cfg[0], tile=cfg[1])
-            row |= dict(warps_f=cfg[2], warps_b=cfg[3])
             try:
-                row |= dict(fwd_ms=round(median_ms(forward, reps), 3))
-                row |= dict(fwd_bwd_ms=round(median_ms(forward_backward, reps), 3))
-            except Exception as e:  # a config the compiler refuses is a row, not the end of the sweep
-                row |= dict(error=repr(e)[:300])
+                record(row | dict(warps_f=cfg[2], warps_b=cfg[3]), forward, forward_backward, reps, results, path)
             finally:
                 S.config = default
-            print(row, flush=True)
-            results.append(row)
-            with open(path, "w") as f:
-                json.dump(results, f, indent=1)
+
+
+def record(row: dict, forward, forward_backward, reps: int, results: list, path: str, check=None) -> None:
+    """``row`` with the median ms of ``forward`` and ``forward_backward`` (and what ``check()``
+    returns, a dict), or the error a configuration met, printed and added to ``results``, which
+    are written to ``path`` at once (a sweep stopped at its deadline keeps every row)."""
+    try:
+        row |= dict(fwd_ms=round(median_ms(forward, reps), 3))
+        row |= dict(fwd_bwd_ms=round(median_ms(forward_backward, reps), 3))
+        if check is not None:
+            row |= check()
+    except Exception as e:  # a config the compiler refuses is a row, not the end of the sweep
+        row |= dict(error=repr(e)[:300])
+    print(row, flush=True)
+    results.append(row)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

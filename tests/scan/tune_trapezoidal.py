@@ -17,7 +17,6 @@ REPS timed calls per figure (median; default 10). Without CUDA it runs in Triton
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ if not torch.cuda.is_available():  # before the kernels are defined (see tests/c
 
 import ssm.scan.triton.trapezoidal_scan as T  # noqa: E402
 from ssm.scan import trapezoidal_scan  # noqa: E402
-from tests.scan.tune_selective import DEVICE, median_ms  # noqa: E402
+from tests.scan.tune_selective import DEVICE, record  # noqa: E402
 
 WARPS = ((2, 4), (4, 4), (4, 8), (8, 8))  # (forward, backward)
 MAX_TILE = 16384  # elements of one (BLOCK_P, BLOCK_N, CHUNK) tile
@@ -111,20 +110,15 @@ def main(argv: list[str]) -> None:
             def forward_backward():
                 trapezoidal_scan(**x, backend="triton").sum().backward()
 
+            def check():
+                return dict(max_rel_err=float(f"{max_error(outputs_and_grads(x, 'triton'), want):.2e}"))
+
             row = dict(shape=shape, dtype=str(dtype).removeprefix("torch."), chunk=cfg[0], block_p=cfg[1])
-            row |= dict(warps_f=cfg[2], warps_b=cfg[3])
             try:
-                row |= dict(fwd_ms=round(median_ms(forward, reps), 3))
-                row |= dict(fwd_bwd_ms=round(median_ms(forward_backward, reps), 3))
-                row |= dict(max_rel_err=float(f"{max_error(outputs_and_grads(x, 'triton'), want):.2e}"))
-            except Exception as e:  # a config the compiler refuses is a row, not the end of the sweep
-                row |= dict(error=repr(e)[:300])
+                row |= dict(warps_f=cfg[2], warps_b=cfg[3])
+                record(row, forward, forward_backward, reps, results, path, check)
             finally:
                 T.config = default
-            print(row, flush=True)
-            results.append(row)
-            with open(path, "w") as f:
-                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
