@@ -322,6 +322,9 @@ def test_decode_peer_llama_cpp_refuses_what_it_cannot_run(tmp_path, monkeypatch,
     with pytest.raises(SystemExit):
         main([*args, "--mixer", "mamba3", "--peer", "llama.cpp"])
     assert "llama.cpp has no Mamba-3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--peer", "llama.cpp", "--prefill-length", "-1"])
+    assert "--prefill-length must be >= 0" in capsys.readouterr().err
     monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(SystemExit):
         main([*args, "--peer", "llama.cpp"])

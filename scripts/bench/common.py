@@ -24,6 +24,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 SCRIPT = ROOT / "scripts" / "benchmark.py"  # the one command (child processes run it again)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The weight precisions the CPU decoding ops compare: name -> (--dtype, --quantize).
+PRECISIONS = {
+    "float32": ("float32", None),
+    "bfloat16": ("bfloat16", None),
+    "float16": ("float16", None),
+    "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
+}
 # Largest accepted max|difference| / max|reference| between two implementations.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 MiB = 2**20

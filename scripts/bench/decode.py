@@ -73,6 +73,8 @@ def check(args, parser) -> None:
             parser.error("--peer llama.cpp: needs --mixer mamba1 or mamba2 (llama.cpp has no Mamba-3) and no --no-peer")
         if args.new_tokens < 2:
             parser.error("--peer llama.cpp: needs --new-tokens of 2 or more (the rate is of generated tokens)")
+        if args.prefill_length < 0:
+            parser.error(f"--prefill-length must be >= 0 (0: no prefill timing), got {args.prefill_length}")
         if args.mixer == "mamba2" and args.vocab % 16:
             parser.error(
                 f"--peer llama.cpp --mixer mamba2: llama.cpp expects the embedding padded to a multiple of 16 rows; "

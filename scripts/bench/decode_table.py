@@ -12,16 +12,9 @@ import argparse
 import copy
 
 from . import decode, report
-from .common import comma_list, config_of
+from .common import PRECISIONS, comma_list, config_of
+from .llama_cpp import GGUF_TYPES as GGUF
 
-PRECISIONS = {  # name -> (--dtype, --quantize)
-    "float32": ("float32", None),
-    "float16": ("float16", None),
-    "bfloat16": ("bfloat16", None),
-    "int8": ("float32", "int8"),
-    "int4": ("float32", "int4"),
-}
-GGUF = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 NAMES = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "mamba3": "Mamba-3"}
 
 

@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from . import report
-from .common import config_of
+from .common import PRECISIONS, config_of
 
-PRECISIONS = (("float32", None), ("bfloat16", None), ("float16", None), ("float32", "int8"), ("float32", "int4"))
 PROMPT_TOKENS = 32
 
 
@@ -61,18 +60,19 @@ def run(args) -> tuple[int, dict]:
     from ssm.models.scoring import score_ids, text_metrics
 
     text, source = held_out_text(args)
-    rows, reference = [], None
-    for dtype, quantize in PRECISIONS:
+    rows, reference, ids = [], None, None
+    for name, (dtype, quantize) in PRECISIONS.items():
         model, tokenizer, directory = load_model_and_tokenizer(args.run, dtype=getattr(torch, dtype), quantize=quantize)
-        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+        if ids is None:  # one tokenizer for every precision: the text, its prompts and bytes once
+            ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+            lengths = tokenizer.token_byte_lengths()
+            n_bytes = sum(lengths[i] for i in ids[1:].tolist())
+            starts = torch.linspace(0, ids.numel() - PROMPT_TOKENS - 1, args.prompts).long().tolist()
+            prompts = torch.stack([ids[s : s + PROMPT_TOKENS] for s in starts])
         nats, count = score_ids(model, ids, 1024, carry=True)
-        lengths = tokenizer.token_byte_lengths()
-        m = text_metrics(nats, count, sum(lengths[i] for i in ids[1:].tolist()))
-        starts = torch.linspace(0, ids.numel() - PROMPT_TOKENS - 1, args.prompts).long().tolist()
-        prompts = torch.stack([ids[s : s + PROMPT_TOKENS] for s in starts])
+        m = text_metrics(nats, count, n_bytes)
         with torch.no_grad():
             tokens = model.generate(prompts, args.new_tokens, temperature=0)[:, PROMPT_TOKENS:]
-        name = quantize or dtype
         reference = tokens if reference is None else reference
         agree = (tokens == reference).float().mean().item()
         differs = (tokens != reference).int()

@@ -28,6 +28,7 @@ if not torch.cuda.is_available():  # before the kernels are defined (see tests/c
 
 import ssm.scan.triton.trapezoidal_scan as T  # noqa: E402
 from ssm.scan import trapezoidal_scan  # noqa: E402
+from ssm.scan.triton._jit import next_power_of_2  # noqa: E402
 from tests.scan.tune_selective import DEVICE, record  # noqa: E402
 
 WARPS = ((2, 4), (4, 4), (4, 8), (8, 8))  # (forward, backward)
@@ -39,13 +40,9 @@ def grid(N: int) -> list[tuple[int, int, int, int]]:
     d = T.config(64, N, 1)
     rows = [(d.chunk, d.block_p, d.num_warps, d.num_warps_bwd)]
     for chunk, block_p, (wf, wb) in itertools.product((8, 16, 32), (2, 4, 8, 16, 32, 64), WARPS):
-        if block_p * next_pow2(N) * chunk <= MAX_TILE and (chunk, block_p, wf, wb) not in rows:
+        if block_p * next_power_of_2(N) * chunk <= MAX_TILE and (chunk, block_p, wf, wb) not in rows:
             rows.append((chunk, block_p, wf, wb))
     return rows
-
-
-def next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def inputs(shape: tuple[int, ...], dtype: torch.dtype) -> dict:
@@ -68,7 +65,8 @@ def inputs(shape: tuple[int, ...], dtype: torch.dtype) -> dict:
 
 def with_config(chunk: int, block_p: int, warps: int, warps_bwd: int):
     def config(P, N, R):
-        return T.Config(next_pow2(R), min(block_p, next_pow2(P)), next_pow2(N), chunk, warps, warps_bwd)
+        block_r, block_n = next_power_of_2(R), next_power_of_2(N)
+        return T.Config(block_r, min(block_p, next_power_of_2(P)), block_n, chunk, warps, warps_bwd)
 
     return config
 
