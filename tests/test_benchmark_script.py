@@ -331,6 +331,39 @@ def test_decode_peer_llama_cpp_refuses_what_it_cannot_run(tmp_path, monkeypatch,
     assert "bash scripts/peers/build_llama_cpp.sh" in capsys.readouterr().err
 
 
+def test_decode_peer_batches_need_llama_batched_bench(tmp_path, monkeypatch, capsys):
+    """--peer-batches above 1 time llama-batched-bench: a build without it, or a batch below 1,
+    is an error naming what is missing, before anything is timed."""
+    home = tmp_path / "llama.cpp"
+    for name in ("build/bin/llama-bench", "build/bin/llama-quantize", "src/convert_hf_to_gguf.py"):
+        (home / name).parent.mkdir(parents=True, exist_ok=True)
+        (home / name).write_text("")
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(home))
+    main = runpy.run_path(str(SCRIPT))["main"]
+    args = ["--op", "decode", "--d-model", "16", "--layers", "1", "--vocab", "50", "--device", "cpu"]
+    with pytest.raises(SystemExit):
+        main([*args, "--peer", "llama.cpp", "--peer-batches", "1,4"])
+    assert "llama-batched-bench missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--peer", "llama.cpp", "--peer-batches", "0"])
+    assert "--peer-batches must be positive" in capsys.readouterr().err
+
+
+def test_llama_batched_bench_rate_is_its_generation_speed_for_the_asked_row():
+    """The rate read from llama-batched-bench's JSONL is S_TG (all generated tokens over the
+    generation's time) of the row with the asked prompt, tokens and batch; no such row is an
+    error."""
+    llama_cpp = bench("llama_cpp")
+    row = '{{"pp": {pp}, "tg": 128, "pl": {pl}, "t_pp": 0.5, "t_tg": {t}, "speed_tg": {s}, "speed": 9.0}}'
+    output = "\n".join(
+        ["main: n_kv_max = 4096", row.format(pp=16, pl=4, t=2.0, s=256.0), row.format(pp=16, pl=16, t=4.0, s=512.0)]
+    )
+    assert llama_cpp.batched_rate(output, batch=16, new_tokens=128, context=16) == 512.0
+    assert llama_cpp.batched_rate(output, batch=4, new_tokens=128, context=16) == 4 * 128 / 2.0
+    with pytest.raises(RuntimeError, match="pl 8"):
+        llama_cpp.batched_rate(output, batch=8, new_tokens=128, context=16)
+
+
 def test_decode_peer_llama_cpp_maps_each_precision_to_its_gguf_type():
     """ssm's precision and llama.cpp's of the same width and block layout."""
     llama_cpp = bench("llama_cpp")

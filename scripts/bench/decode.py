@@ -58,6 +58,12 @@ def add_arguments(parser) -> None:
         help=f"also time llama.cpp on the same weights at batch 1 (built by `{llama_cpp.BUILD_COMMAND}`)",
     )
     group.add_argument(
+        "--peer-batches",
+        type=comma_ints,
+        default=[1],
+        help="--peer: the batches to time both engines at, generation only (above 1: llama-batched-bench)",
+    )
+    group.add_argument(
         "--prefill-length", type=int, default=512, help="--peer: also time both reading a prompt this long (0: not)"
     )
 
@@ -73,6 +79,8 @@ def check(args, parser) -> None:
             parser.error("--peer llama.cpp: needs --mixer mamba1 or mamba2 (llama.cpp has no Mamba-3) and no --no-peer")
         if args.new_tokens < 2:
             parser.error("--peer llama.cpp: needs --new-tokens of 2 or more (the rate is of generated tokens)")
+        if min(args.peer_batches) < 1:
+            parser.error(f"--peer-batches must be positive, got {args.peer_batches}")
         if args.prefill_length < 0:
             parser.error(f"--prefill-length must be >= 0 (0: no prefill timing), got {args.prefill_length}")
         if args.mixer == "mamba2" and args.vocab % 16:
@@ -82,7 +90,7 @@ def check(args, parser) -> None:
             )
         if args.device != "cpu":
             parser.error(f"--peer llama.cpp: runs on the CPU, got --device {args.device}")
-        if (why := llama_cpp.missing()) is not None:
+        if (why := llama_cpp.missing(batched=max(args.peer_batches) > 1)) is not None:
             parser.error(f"--peer llama.cpp: {why}")
 
 
@@ -173,14 +181,23 @@ def run(args) -> tuple[int, dict]:
     return (0 if ok else 1), result
 
 
+def generation_key(batch: int) -> str:
+    """The name of the generation rate at ``batch`` in --peer's results ("generation" at 1)."""
+    return "generation" if batch == 1 else f"generation batch {batch}"
+
+
 def against_llama_cpp(args, model, gguf: Path, device: torch.device, ceiling: float) -> dict:
-    """Tokens/s at batch 1 of ssm and of llama.cpp on ``gguf`` (the same weights), alternating,
-    ``args.repeats`` times each after a warm-up of ssm; medians: generation only, and with
-    ``--prefill-length`` the prefill of a prompt that long (ssm: ``generate`` of one token,
-    which reads the prompt in one parallel pass; llama.cpp: llama-bench -p)."""
+    """Tokens/s of ssm and of llama.cpp on ``gguf`` (the same weights), alternating,
+    ``args.repeats`` times each after a warm-up of ssm; medians: generation only at each of
+    ``--peer-batches`` (all the batch's generated tokens over the generation's time; llama.cpp:
+    llama-bench at 1, llama-batched-bench above), and with ``--prefill-length`` the prefill of a
+    prompt that long at batch 1 (ssm: ``generate`` of one token, which reads the prompt in one
+    parallel pass; llama.cpp: llama-bench -p)."""
     threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, args.vocab, (1, args.prompt_length), generator=g).to(device)
+    prompts = {
+        b: torch.randint(0, args.vocab, (b, args.prompt_length), generator=g).to(device) for b in args.peer_batches
+    }
     long_prompt = torch.randint(0, args.vocab, (1, max(1, args.prefill_length)), generator=g).to(device)
 
     def seconds(tokens: torch.Tensor, n: int) -> float:
@@ -189,18 +206,24 @@ def against_llama_cpp(args, model, gguf: Path, device: torch.device, ceiling: fl
         synchronize(device)
         return time.perf_counter() - start
 
-    kinds = ["generation"] + (["prefill"] if args.prefill_length else [])
+    def llama_rate(batch: int) -> float:
+        n, context = args.new_tokens, args.prompt_length
+        if batch == 1:
+            return llama_cpp.tokens_per_s(gguf, threads, new_tokens=n, context=context)
+        return llama_cpp.batched_tokens_per_s(gguf, threads, batch, new_tokens=n, context=context)
+
+    kinds = [generation_key(b) for b in args.peer_batches] + (["prefill"] if args.prefill_length else [])
     rates = {(kind, engine): [] for kind in kinds for engine in ("ssm", "llama.cpp")}
     with torch.no_grad():
-        seconds(prompt, args.new_tokens)  # warm-up
+        for prompt in prompts.values():
+            seconds(prompt, args.new_tokens)  # warm-up
         if args.prefill_length:
             seconds(long_prompt, 1)
         for _ in range(max(1, args.repeats)):
-            full, one = seconds(prompt, args.new_tokens), seconds(prompt, 1)
-            rates["generation", "ssm"].append((args.new_tokens - 1) / (full - one))
-            rates["generation", "llama.cpp"].append(
-                llama_cpp.tokens_per_s(gguf, threads, new_tokens=args.new_tokens, context=args.prompt_length)
-            )
+            for batch, prompt in prompts.items():
+                full, one = seconds(prompt, args.new_tokens), seconds(prompt, 1)
+                rates[generation_key(batch), "ssm"].append(batch * (args.new_tokens - 1) / (full - one))
+                rates[generation_key(batch), "llama.cpp"].append(llama_rate(batch))
             if args.prefill_length:
                 rates["prefill", "ssm"].append(args.prefill_length / seconds(long_prompt, 1))
                 rates["prefill", "llama.cpp"].append(llama_cpp.tokens_per_s(gguf, threads, prompt=args.prefill_length))
@@ -208,9 +231,10 @@ def against_llama_cpp(args, model, gguf: Path, device: torch.device, ceiling: fl
     kind = gguf.stem.removeprefix("model-")
     for what in kinds:
         ours, theirs = median[f"{what} ssm"], median[f"{what} llama.cpp"]
+        label = f"prefill of {args.prefill_length} tokens" if what == "prefill" else what + " only"
         print(
-            f"batch 1, {what}{f' of {args.prefill_length} tokens' if what == 'prefill' else ' only'}, {threads} "
-            f"threads, median of {args.repeats} alternating runs ({kind} in llama.cpp): ssm {ours:.1f} tokens/s, "
+            f"{label}{', batch 1' if what in ('generation', 'prefill') else ''}, {threads} threads, median of "
+            f"{args.repeats} alternating runs ({kind} in llama.cpp): ssm {ours:.1f} tokens/s, "
             f"llama.cpp {theirs:.1f}: {ours / theirs:.2f}x"
             + (f"; ssm at {ours / ceiling:.0%} of the weight-read rate" if what == "generation" else "")
         )
@@ -281,11 +305,12 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
     )
     if "llama_cpp" in result:
         peer = result["llama_cpp"]
-        for what in ("generation", "prefill"):
+        for what in [generation_key(b) for b in c.get("peer_batches", [1])] + ["prefill"]:
             if f"{what} ssm" in peer["median"]:
                 ours, theirs = peer["median"][f"{what} ssm"], peer["median"][f"{what} llama.cpp"]
                 body += (
-                    f"\n\n{what.capitalize()}, batch 1, {peer['threads']} threads, median of "
+                    f"\n\n{what.capitalize()}{', batch 1' if what in ('generation', 'prefill') else ''}, "
+                    f"{peer['threads']} threads, median of "
                     f"{len(peer['runs'][f'{what} ssm'])} alternating runs: ssm {ours:.1f} tokens/s, llama.cpp "
                     f"({peer['gguf_type']}, the same weights) {theirs:.1f}, ratio {ours / theirs:.2f}."
                 )

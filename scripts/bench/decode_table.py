@@ -63,8 +63,12 @@ def run(args) -> tuple[int, dict]:
         cell["transformers_whole"] = row["tokens_per_s"].get("transformers")
         if "llama_cpp" in result:
             median = result["llama_cpp"]["median"]
-            cell |= {"ssm": median["generation ssm"], "llama.cpp": median["generation llama.cpp"]}
+            cell |= {"ssm": median.get("generation ssm"), "llama.cpp": median.get("generation llama.cpp")}
             cell |= {"prefill ssm": median.get("prefill ssm"), "prefill llama.cpp": median.get("prefill llama.cpp")}
+            for b in one.peer_batches:
+                if b > 1:
+                    key = decode.generation_key(b)
+                    cell |= {f"{key} ssm": median[f"{key} ssm"], f"{key} llama.cpp": median[f"{key} llama.cpp"]}
             cell["runs"] = result["llama_cpp"]["runs"]
         cells.append(cell)
     return status, {"config": config_of(args), "cells": cells}
@@ -84,6 +88,11 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         if any("llama.cpp" in c for c in cells if c["mixer"] == mixer):
             rows.append(row(f"{name}, llama.cpp", mixer, "llama.cpp"))
             rows.append(row(f"**{name}, ssm**", mixer, "ssm"))
+            for b in result["config"].get("peer_batches", [1]):
+                if b > 1:
+                    key = decode.generation_key(b)
+                    rows.append(row(f"{name}, llama.cpp, batch {b}", mixer, f"{key} llama.cpp"))
+                    rows.append(row(f"**{name}, ssm, batch {b}**", mixer, f"{key} ssm"))
             if any(c.get("prefill ssm") for c in cells if c["mixer"] == mixer):
                 n = result["config"]["prefill_length"]
                 rows.append(row(f"{name}, llama.cpp, prefill pp{n}", mixer, "prefill llama.cpp"))
@@ -104,8 +113,15 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         "The weight-read limit: tokens/s if a token cost only reading its weights' bytes once at the rate "
         "torch's float32 sum streams memory here."
     )
+    batches = [b for b in c.get("peer_batches", [1]) if b > 1]
+    if batches:
+        body += (
+            f" Batches {', '.join(map(str, batches))}: that many prompts decoded together, all their generated "
+            f"tokens over the generation's time (llama.cpp: llama-batched-bench -npp {c['prompt_length']} "
+            f"-ntg {c['new_tokens']} -npl B, its S_TG)."
+        )
     return (
-        "decode-table",
+        "decode-table" + "".join(f"-b{b}" for b in batches),
         f"decoding per precision against llama.cpp, d_model {c['d_model']}, {c['layers']} layers, cpu",
         body,
     )

@@ -3,7 +3,8 @@ saved by transformers, converted to GGUF with llama.cpp's own convert_hf_to_gguf
 precision ssm runs in (float32 -> f32, bfloat16 -> bf16, float16 -> f16, int8 -> q8_0, int4 ->
 q4_0 through llama-quantize), and timed with llama-bench on torch's thread count: generation
 only, batch 1, after a ``--prompt-length`` context (llama-bench's -d), and the prefill of a
-``--prefill-length`` prompt (-p).
+``--prefill-length`` prompt (-p); at batches above 1 (``--peer-batches``), llama-batched-bench:
+that many sequences decoded together, one token each per step.
 
 Built by ``bash scripts/peers/build_llama_cpp.sh`` into third_party/llama.cpp (or
 $LLAMA_CPP_DIR). Optional: without it the benchmark says how to build it and stops."""
@@ -32,9 +33,10 @@ def tool(name: str) -> Path:
     return home() / "build" / "bin" / name
 
 
-def missing() -> str | None:
-    """Why llama.cpp cannot run here, or None."""
+def missing(batched: bool = False) -> str | None:
+    """Why llama.cpp cannot run here (``batched``: at batches above 1 too), or None."""
     needed = [tool("llama-bench"), tool("llama-quantize"), home() / "src" / "convert_hf_to_gguf.py"]
+    needed += [tool("llama-batched-bench")] if batched else []
     absent = [str(p) for p in needed if not p.is_file()]
     return f"llama.cpp is not built ({', '.join(absent)} missing): run `{BUILD_COMMAND}`" if absent else None
 
@@ -71,6 +73,30 @@ def tokens_per_s(gguf: Path, threads: int, *, new_tokens: int = 0, context: int 
     rows = json.loads(run(command))
     (row,) = [r for r in rows if (r["n_gen"], r["n_prompt"]) == (new_tokens, prompt)]
     return float(row["avg_ts"])
+
+
+def batched_tokens_per_s(gguf: Path, threads: int, batch: int, *, new_tokens: int, context: int) -> float:
+    """llama-batched-bench's generation rate: ``batch`` sequences, each after its own
+    ``context``-token prompt, decoding ``new_tokens`` tokens together (one token of every
+    sequence per step), all generated tokens over the generation's time (its S_TG)."""
+    need = batch * (context + new_tokens)
+    command = [str(tool("llama-batched-bench")), "-m", str(gguf), "-c", str(-(-need // 256) * 256)]
+    command += ["-npp", str(context), "-ntg", str(new_tokens), "-npl", str(batch), "-t", str(threads)]
+    command += ["--output-format", "jsonl"]
+    return batched_rate(run(command), batch=batch, new_tokens=new_tokens, context=context)
+
+
+def batched_rate(output: str, *, batch: int, new_tokens: int, context: int) -> float:
+    """The S_TG (``speed_tg``) of llama-batched-bench's JSONL row for (context, new_tokens,
+    batch) in ``output``; an error naming what was looked for if there is not exactly one."""
+    rows = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    mine = [r for r in rows if (r["pp"], r["tg"], r["pl"]) == (context, new_tokens, batch)]
+    if len(mine) != 1:
+        raise RuntimeError(
+            f"llama-batched-bench: expected one row for pp {context}, tg {new_tokens}, pl {batch}; "
+            f"got {len(mine)} in:\n{output[-2000:]}"
+        )
+    return float(mine[0]["speed_tg"])
 
 
 def run(command: list[str], env: dict | None = None) -> str:

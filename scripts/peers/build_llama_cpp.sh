@@ -7,7 +7,8 @@
 # llama.cpp's source comes from the llama-cpp-python source package on the package registry
 # (its vendor/llama.cpp), so that no git host is needed; LLAMA_CPP_PYTHON pins its version.
 # Built for this CPU (GGML_NATIVE), without CURL, server or tests: llama-bench (speed),
-# llama-quantize (q8_0 / q4_0) and llama-simple (greedy tokens, to check both engines agree).
+# llama-batched-bench (batches of sequences decoded together), llama-quantize (q8_0 / q4_0) and
+# llama-simple (greedy tokens, to check both engines agree).
 # About 10-15 minutes on 2 cores. convert_hf_to_gguf.py stays in the source tree; the benchmark
 # runs it with the source's gguf-py on the path (it needs torch and numpy, which the venv has).
 set -euo pipefail
@@ -28,6 +29,6 @@ if [ ! -f "$DEST/src/CMakeLists.txt" ]; then
 fi
 cmake -S "$DEST/src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON >"$DEST/cmake.log"
-cmake --build "$DEST/build" -j "$JOBS" --target llama-bench llama-quantize llama-simple >"$DEST/build.log"
+cmake --build "$DEST/build" -j "$JOBS" --target llama-bench llama-batched-bench llama-quantize llama-simple >"$DEST/build.log"
 ls "$DEST/build/bin"
 echo "llama.cpp $VERSION (from llama-cpp-python) built in $DEST/build/bin"
