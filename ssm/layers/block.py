@@ -82,17 +82,27 @@ class Block(nn.Module):
         cache: LayerCache | None = None,
         step: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        last: int = 0,
     ):
         """``cu_seqlens``: packed sequences (batch 1), passed to the mixer (the norms and the MLP
-        act on each position alone)."""
+        act on each position alone). ``last`` > 0 (a sequence (batch, L, d), no cu_seqlens):
+        return only the last ``last`` positions of (hidden, residual), for a caller that reads
+        no others (the last block under ``MambaLM.forward(num_last_tokens=)``); the cache is
+        advanced over all L. A mixer whose forward takes ``last`` computes only those positions
+        after its scan; any other's output is cut."""
         residual = self._add(hidden, residual)
         normed = self.norm(residual.to(self.norm.weight.dtype))
         if step:
             hidden = self.mixer.step(normed, cache)
-        elif cu_seqlens is None:
-            hidden = self.mixer(normed, cache=cache)
-        else:
+        elif cu_seqlens is not None:
             hidden = self.mixer(normed, cache=cache, cu_seqlens=cu_seqlens)
+        elif last > 0 and getattr(self.mixer, "computes_last", False):
+            hidden = self.mixer(normed, cache=cache, last=last)
+            residual = residual[:, -last:]
+        else:
+            hidden = self.mixer(normed, cache=cache)
+            if last > 0:
+                hidden, residual = hidden[:, -last:], residual[:, -last:]
         if self.mlp is not None:
             residual = self._add(hidden, residual)
             hidden = self.mlp(self.norm2(residual.to(self.norm2.weight.dtype)))

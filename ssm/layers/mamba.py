@@ -92,8 +92,14 @@ class Mamba(nn.Module):
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
         return LayerCache.zeros(batch, self.conv1d, (self.d_inner, self.d_state), dtype, device)
 
+    computes_last = True  # forward(last=k): see Block.forward
+
     def forward(
-        self, hidden_states: torch.Tensor, cache: LayerCache | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        cache: LayerCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        last: int = 0,
     ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
         leave the state after the last token in it (prefill).
@@ -101,7 +107,11 @@ class Mamba(nn.Module):
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
         ``ssm.scan.selective_scan``); neither the convolution nor the scan crosses a boundary,
         so each sequence's outputs are those it would get alone. With a cache, the cache holds
-        one state per sequence (batch S): each continues from its own and keeps its own."""
+        one state per sequence (batch S): each continues from its own and keeps its own.
+
+        ``last`` > 0 (without ``cu_seqlens``): only the outputs of the last ``last`` positions,
+        (batch, last, d_model); the scan still runs over all L for the state, but the gate and
+        out_proj (and their transposed copies) only over those positions."""
         check_sequence("hidden_states", hidden_states, self.d_model)
         cu_seqlens = check_packing(cu_seqlens, hidden_states)
         if cache is not None:
@@ -117,6 +127,9 @@ class Mamba(nn.Module):
         # Δ = W·dt as (b, d, l), its steps adjacent as the scan reads them: no transposed copy of
         # it, nor of its gradient for dt_proj's backward
         dt = torch.bmm(self.dt_proj.weight.expand(dt.shape[0], -1, -1), dt.transpose(1, 2))
+        if last > 0 and cu_seqlens is not None:
+            raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
+        gate, z = (z[:, :, -last:], None) if last > 0 else (None, z)
         y, last_state = selective_scan(
             u,
             dt,
@@ -134,6 +147,9 @@ class Mamba(nn.Module):
         )
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
+        if gate is not None:  # the gate the scan would have applied, on the last positions only
+            gated = upcast(y[:, :, -last:]) * F.silu(upcast(gate))
+            return self.out_proj(gated.to(y.dtype).transpose(1, 2))
         return self.out_proj(y.transpose(1, 2))
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:

@@ -107,12 +107,15 @@ class MambaBackbone(nn.Module):
         )
         self.norm_f = norm()
 
-    def forward(self, input_ids, cache: InferenceCache | None = None, step: bool = False, cu_seqlens=None):
+    def forward(self, input_ids, cache: InferenceCache | None = None, step: bool = False, cu_seqlens=None, last=0):
+        """``last`` > 0 (not with ``step`` or ``cu_seqlens``): only the last ``last`` positions'
+        hidden states, (batch, last, d_model); the last block computes no others."""
         hidden, residual = self.embedding(input_ids), None
+        final = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(
-                hidden, residual, cache=None if cache is None else cache.layers[i], step=step, cu_seqlens=cu_seqlens
-            )
+            kw = {"last": last} if i == final and last > 0 else {}
+            layer_cache = None if cache is None else cache.layers[i]
+            hidden, residual = layer(hidden, residual, cache=layer_cache, step=step, cu_seqlens=cu_seqlens, **kw)
         residual = hidden + residual if residual is not None else hidden
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
 
@@ -295,7 +298,10 @@ class MambaLM(nn.Module):
                 input_ids.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1,
                 "input_ids" if cu_seqlens is None else "cu_seqlens (sequences)",
             )
-        hidden = self.backbone(input_ids, cache, cu_seqlens=cu_seqlens)
+        # only the positions read: the last block computes no others (no packing: there the
+        # last positions of the batch are not every sequence's)
+        last = min(num_last_tokens, input_ids.shape[1]) if cu_seqlens is None else 0
+        hidden = self.backbone(input_ids, cache, cu_seqlens=cu_seqlens, last=last)
         if cache is not None:
             cache.seqlen_offset += input_ids.shape[1]
         if num_last_tokens > 0:

@@ -46,10 +46,39 @@ def test_prefill_then_steps_equals_forward(kind):
     torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-9, atol=1e-9)
 
 
-def test_num_last_tokens():
+@pytest.mark.parametrize("kind", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_num_last_tokens(kind, dtype):
+    """num_last_tokens = k gives the last k rows of the full logits, and leaves the same states
+    in a cache, whether the last block computes only those positions (Mamba-1) or cuts them; k
+    above L gives all L."""
+    model = tiny(kind).to(dtype)
+    ids = torch.randint(0, 45, (2, 9), generator=torch.Generator().manual_seed(3))
+    full_cache, cache = (model.allocate_inference_cache(2, dtype=dtype) for _ in range(2))
+    full = model(ids, cache=full_cache)
+    for k in (1, 2, 9, 20):
+        torch.testing.assert_close(model(ids, num_last_tokens=k), full[:, -k:])
+    torch.testing.assert_close(model(ids, cache=cache, num_last_tokens=1), full[:, -1:])
+    for mine, want in zip(cache.layers, full_cache.layers):
+        torch.testing.assert_close(mine.ssm_state, want.ssm_state)
+        torch.testing.assert_close(mine.conv_state, want.conv_state)
+
+
+def test_num_last_tokens_spares_the_last_blocks_work_on_other_positions():
+    """With num_last_tokens = 1 the last Mamba-1 block runs its gate and out_proj on one
+    position, not L: the forward's matmul FLOPs drop by at least out_proj's on L - 1 rows."""
     model = tiny()
-    ids = torch.randint(0, 45, (2, 9))
-    torch.testing.assert_close(model(ids, num_last_tokens=2), model(ids)[:, -2:])
+    ids = torch.randint(0, 45, (2, 64))
+
+    def flops(**kw):
+        with FlopCounterMode(display=False) as counter:
+            model(ids, **kw)
+        return counter.get_total_flops()
+
+    out_proj = model.backbone.layers[-1].mixer.out_proj.weight
+    spared = 2 * 2 * 63 * out_proj.numel()  # batch 2, 63 positions, 2 FLOPs a multiply-add
+    lm_head = 2 * 2 * 63 * model.lm_head.weight.numel()
+    assert flops() - flops(num_last_tokens=1) >= lm_head + spared
 
 
 def test_decoding_is_constant_cost():
