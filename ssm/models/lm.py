@@ -120,43 +120,78 @@ class MambaBackbone(nn.Module):
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
 
     def fused_step(self, input_ids, cache: InferenceCache, lm_head: nn.Linear):
-        """``lm_head(forward(input_ids, cache, step=True))`` in one C call — every block, the final
-        norm and ``lm_head`` — where it applies (Mamba-1 blocks without an MLP or Mamba-2 blocks,
-        RMSNorms, on the CPU, without gradients: ``ssm.ops.mamba_blocks_step``); else None, and the
-        caller steps the blocks one by one. Same numbers either way, but for a bfloat16 / float16
-        model, whose fused step keeps the stream in float32 (its logits float32) where the tensor
+        """``lm_head(forward(input_ids, cache, step=True))`` with the blocks stepped in C
+        (``ssm.ops.mamba_blocks_step``): every run of consecutive Mamba blocks of one kind in one
+        call, the final norm and ``lm_head`` in the last run's call where it ends the stack, and
+        any other block (attention, a block the C step does not run) by its own tensor step
+        between them. None where no block can be stepped in C (not on the CPU, gradients to
+        keep, ...): the caller steps the blocks one by one. Same numbers either way, but for a
+        bfloat16 / float16 model, whose fused step keeps the stream in float32 where the tensor
         path rounds each layer's output to 16 bits."""
         if input_ids.ndim != 1:
             return None
-        parts = self._fused_parts(cache, lm_head, input_ids.shape[0])
-        return None if parts is None else mamba_blocks_step(self.embedding(input_ids), *parts)
+        runs = self._fused_runs(cache, input_ids.shape[0])
+        head = self._fused_head(lm_head)
+        if runs is not None and len(runs) == 1 and head is not None:  # every block and the head: one C call
+            return mamba_blocks_step(self.embedding(input_ids), runs[0][1], head)
+        run = self.prepare_fused_step(cache, lm_head, input_ids.shape[0])
+        return None if run is None else run(input_ids)
 
-    def prepare_fused_step(self, cache: InferenceCache, lm_head: nn.Linear):
+    def _fused_head(self, lm_head: nn.Linear) -> LMHeadWeights | None:
+        """The final norm and ``lm_head`` for the C step, or None where it does not run them."""
+        if not isinstance(self.norm_f, RMSNorm) or lm_head.bias is not None:
+            return None
+        return LMHeadWeights(norm_weight=self.norm_f.weight, norm_eps=self.norm_f.eps, weight=decoding_matrix(lm_head))
+
+    def prepare_fused_step(self, cache: InferenceCache, lm_head: nn.Linear, batch: int | None = None):
         """``fused_step`` with its C arguments built once: a function input_ids (batch,) →
         logits, or None where the fused step does not apply. For a caller that changes neither
         the model's parameters nor the cache's tensors between tokens (``MambaLM.generate``):
-        it does not look them up again. Its logits are overwritten by the next call."""
-        parts = self._fused_parts(cache, lm_head, cache.batch_size)
-        if parts is None:
+        it does not look them up again. Its logits may be overwritten by the next call."""
+        batch = cache.batch_size if batch is None else batch
+        runs = self._fused_runs(cache, batch)
+        if runs is None:
             return None
         norm = self.norm_f.weight  # the stream's width and dtype (the step widens a 16-bit one)
-        step = MambaBlocksStep.prepare(norm.new_empty(cache.batch_size, norm.shape[0]), *parts)
-        if step is None:
-            return None
+        head = self._fused_head(lm_head)
+        plan = []  # (first layer, MambaBlocksStep or None: that layer's own step)
+        for first, blocks in runs:
+            if blocks is None:
+                plan.append((first, None))
+                continue
+            ends = first + len(blocks) == len(self.layers)
+            step = MambaBlocksStep.prepare(
+                norm.new_empty(batch, norm.shape[0]), blocks, head if ends else None, residual=first > 0
+            )
+            if step is None:
+                return None
+            plan.append((first, step))
+        fused_head = plan[-1][1] is not None and head is not None
 
         def run(input_ids):
-            step.hidden.copy_(self.embedding(input_ids))
-            return step()
+            hidden, residual = self.embedding(input_ids), None
+            for first, step in plan:
+                if step is None:
+                    hidden, residual = self.layers[first](hidden, residual, cache=cache.layers[first], step=True)
+                    continue
+                step.hidden.copy_(hidden)
+                if step.residual is not None:
+                    step.residual.copy_(residual)
+                out = step()
+                if step is plan[-1][1] and fused_head:
+                    return out
+                hidden, residual = out
+            residual = hidden + residual if residual is not None else hidden
+            return lm_head(self.norm_f(residual.to(norm.dtype)))
 
         return run
 
-    def _fused_parts(self, cache: InferenceCache, lm_head: nn.Linear, batch: int):
-        """The blocks' and the head's weights for ``ssm.ops.mamba_blocks_step``, or None where a
-        block or the head does not fit it."""
-        if not isinstance(self.norm_f, RMSNorm) or lm_head.bias is not None:
-            return None
-        blocks = []
-        for layer, layer_cache in zip(self.layers, cache.layers):
+    def _fused_runs(self, cache: InferenceCache, batch: int):
+        """The stack as runs for ``prepare_fused_step``: (first layer index, the step weights of
+        a run of consecutive blocks of one kind that the C step runs), or (index, None) for a
+        block it does not; None where no block fits it."""
+        runs = []
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             # a packed prefill leaves the conv state strided; the C step reads it contiguous
             # (one copy per cache: later calls find it so)
             if isinstance(layer_cache, LayerCache) and not layer_cache.conv_state.is_contiguous():
@@ -166,12 +201,14 @@ class MambaBackbone(nn.Module):
             if isinstance(layer_cache, LayerCache) and layer_cache.conv_state.dtype in (torch.bfloat16, torch.float16):
                 layer_cache.conv_state = layer_cache.conv_state.float()
             weights = layer.step_weights(layer_cache)
-            if weights is None:
-                return None
-            layer_cache.check_batch(batch)
-            blocks.append(weights)
-        head = LMHeadWeights(norm_weight=self.norm_f.weight, norm_eps=self.norm_f.eps, weight=decoding_matrix(lm_head))
-        return blocks, head
+            if weights is not None:
+                layer_cache.check_batch(batch)
+            previous = runs[-1][1] if runs else None
+            if weights is not None and previous is not None and type(previous[0]) is type(weights):
+                previous.append(weights)
+            else:
+                runs.append((i, None if weights is None else [weights]))
+        return runs if any(blocks is not None for _, blocks in runs) else None
 
 
 class MambaLM(nn.Module):

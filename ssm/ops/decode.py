@@ -497,8 +497,8 @@ class MambaBlocksStep:
     calls, such as ``MambaLM.generate``'s loop. It keeps them alive, so a stale one is never
     freed memory."""
 
-    def __init__(self, tensors: list, fn, args, head: _HeadArgs | None, result):
-        self.hidden = tensors[0]
+    def __init__(self, tensors: list, fn, args, head: _HeadArgs | None, result, residual: Tensor | None = None):
+        self.hidden, self.residual = tensors[0], residual
         self._tensors, self._fn, self._args, self._head, self._result = tensors, fn, args, head, result
         self._head_ref = None if head is None else ctypes.byref(head)
 
@@ -508,8 +508,12 @@ class MambaBlocksStep:
         hidden: Tensor,
         blocks: Sequence[MambaBlockWeights] | Sequence[Mamba2BlockWeights] | Sequence[Mamba3BlockWeights],
         head: LMHeadWeights | None = None,
+        residual: bool = False,
     ) -> MambaBlocksStep | None:
-        """See ``mamba_blocks_step`` for the arguments, and for when this is None."""
+        """See ``mamba_blocks_step`` for the arguments, and for when this is None. ``residual``:
+        the first block adds an incoming residual stream (blocks that follow others, e.g. an
+        attention block's step): the caller writes it into ``self.residual`` (B, M), in the
+        step's compute dtype, as it writes ``hidden``; else the first block starts it."""
         kind = _KINDS.get(type(blocks[0])) if blocks else None
         compute = _COMPUTE.get(hidden.dtype)
         if (
@@ -530,11 +534,13 @@ class MambaBlocksStep:
         # outputs alternate between two (hidden, residual) pairs: block l reads block l - 1's pair
         pairs = hidden.new_empty(2, 2, batch, d_model)
         pair_ptrs = [(pairs[p, 0].data_ptr(), pairs[p, 1].data_ptr()) for p in (0, 1)]
+        incoming = hidden.new_zeros(batch, d_model) if residual else None
         work_size = 0
         for i, (a, block) in enumerate(zip(args, blocks)):
             work_size = max(work_size, fill(a, block, batch, d_model, feed))
             a.nthreads = threads()
-            a.hidden, a.residual = (hidden.data_ptr(), None) if i == 0 else pair_ptrs[(i - 1) % 2]
+            first = (hidden.data_ptr(), None if incoming is None else incoming.data_ptr())
+            a.hidden, a.residual = first if i == 0 else pair_ptrs[(i - 1) % 2]
             a.new_hidden, a.new_residual = pair_ptrs[i % 2]
         h = None
         if head is not None:
@@ -547,15 +553,15 @@ class MambaBlocksStep:
         for a in args:
             a.work = work.data_ptr()
         # kept alive with the step: every tensor its pointers lead to
-        tensors = [hidden, list(blocks), head, feed.keep, pairs, work]
+        tensors = [hidden, list(blocks), head, feed.keep, pairs, work, incoming]
         fn = kernel(name, compute)
         last = (len(blocks) - 1) % 2
         if head is None:
-            return cls(tensors, fn, args, None, (pairs[last, 0], pairs[last, 1]))
+            return cls(tensors, fn, args, None, (pairs[last, 0], pairs[last, 1]), incoming)
         logits = hidden.new_empty(batch, h.vocab)
         h.logits = logits.data_ptr()
         tensors.append(logits)
-        return cls(tensors, fn, args, h, logits)
+        return cls(tensors, fn, args, h, logits, incoming)
 
     def __call__(self) -> Tensor | tuple[Tensor, Tensor]:
         self._fn(self._args, len(self._args), self._head_ref)

@@ -224,3 +224,47 @@ def test_bad_attention_arguments_name_the_field(attn_cfg, message):
     )
     with pytest.raises(ValueError, match=message):
         MambaLM(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", HYBRIDS)
+def test_decoding_steps_the_mamba_blocks_in_c_between_attention_blocks(kind, dtype, monkeypatch):
+    """On the CPU a hybrid's runs of Mamba blocks step in C (one call per run; the attention
+    blocks by their own tensor step between them; the head in C only where a run ends the
+    stack): it must be taken, and give the tensor path's logits and every layer's cache."""
+    from ssm.ops import MambaBlocksStep
+
+    model = tiny(kind).to(dtype)
+    prepare, prepared = MambaBlocksStep.prepare, []
+
+    def spy(*args, **kwargs):
+        step = prepare(*args, **kwargs)
+        prepared.append(step is not None)
+        return step
+
+    def decode(fused: bool):
+        if not fused:
+            monkeypatch.setattr(model.backbone, "fused_step", lambda *args: None)
+        cache = model.allocate_inference_cache(3, dtype=dtype)
+        with torch.no_grad():
+            model(ids((3, 5)), cache=cache)
+            logits = torch.stack([model.step(t, cache) for t in ids((3, 7), seed=2).T], 1)
+        return logits, cache
+
+    monkeypatch.setattr(MambaBlocksStep, "prepare", spy)
+    fused_logits, fused_cache = decode(True)
+    runs = {"mamba1": 2, "mamba2": 1, "mamba3": 1}[kind]  # runs of Mamba blocks between attention
+    assert prepared == [True] * (7 * runs), "the C step was not taken for every run of Mamba blocks"
+    logits, cache = decode(False)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(fused_logits, logits, rtol=tol, atol=tol)
+    for mine, theirs in zip(fused_cache.layers, cache.layers):
+        for a, b in zip(mine.tensors(), theirs.tensors()):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", HYBRIDS)
+def test_greedy_generation_gives_the_same_tokens_with_the_fused_runs(kind, monkeypatch):
+    from tests.helpers import assert_generate_takes_the_fused_step_and_keeps_its_tokens
+
+    assert_generate_takes_the_fused_step_and_keeps_its_tokens(tiny(kind).float(), monkeypatch)
