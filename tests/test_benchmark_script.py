@@ -346,7 +346,7 @@ def test_decode_peer_batches_need_llama_batched_bench(tmp_path, monkeypatch, cap
     assert "llama-batched-bench missing" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*args, "--peer", "llama.cpp", "--peer-batches", "0"])
-    assert "--peer-batches must be positive" in capsys.readouterr().err
+    assert "--peer-batches must be from 1 to 256" in capsys.readouterr().err
 
 
 def test_llama_batched_bench_rate_is_its_generation_speed_for_the_asked_row():

@@ -79,8 +79,9 @@ def check(args, parser) -> None:
             parser.error("--peer llama.cpp: needs --mixer mamba1 or mamba2 (llama.cpp has no Mamba-3) and no --no-peer")
         if args.new_tokens < 2:
             parser.error("--peer llama.cpp: needs --new-tokens of 2 or more (the rate is of generated tokens)")
-        if min(args.peer_batches) < 1:
-            parser.error(f"--peer-batches must be positive, got {args.peer_batches}")
+        if not args.peer_batches or min(args.peer_batches) < 1 or max(args.peer_batches) > 256:
+            parser.error(f"--peer-batches must be from 1 to 256 (llama.cpp's most sequences), got {args.peer_batches}")
+        args.peer_batches = list(dict.fromkeys(args.peer_batches))
         if args.prefill_length < 0:
             parser.error(f"--prefill-length must be >= 0 (0: no prefill timing), got {args.prefill_length}")
         if args.mixer == "mamba2" and args.vocab % 16:

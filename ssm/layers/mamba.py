@@ -129,7 +129,11 @@ class Mamba(nn.Module):
         dt = torch.bmm(self.dt_proj.weight.expand(dt.shape[0], -1, -1), dt.transpose(1, 2))
         if last > 0 and cu_seqlens is not None:
             raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
-        gate, z = (z[:, :, -last:], None) if last > 0 else (None, z)
+        # the gate outside the scan, on the last positions only, where the scan's output is in
+        # its compute dtype (a 16-bit one is rounded before the gate, which the scan's own gate
+        # avoids: there the scan gates every position and only out_proj is cut)
+        wide = u.dtype in (torch.float32, torch.float64)
+        gate, z = (z[:, :, -last:], None) if last > 0 and wide else (None, z)
         y, last_state = selective_scan(
             u,
             dt,
@@ -147,9 +151,10 @@ class Mamba(nn.Module):
         )
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
-        if gate is not None:  # the gate the scan would have applied, on the last positions only
-            gated = upcast(y[:, :, -last:]) * F.silu(upcast(gate))
-            return self.out_proj(gated.to(y.dtype).transpose(1, 2))
+        if gate is not None:  # the gate the scan would have applied
+            y = y[:, :, -last:] * F.silu(gate)
+        elif last > 0:
+            y = y[:, :, -last:]
         return self.out_proj(y.transpose(1, 2))
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:

@@ -127,14 +127,15 @@ class MambaBackbone(nn.Module):
         between them. None where no block can be stepped in C (not on the CPU, gradients to
         keep, ...): the caller steps the blocks one by one. Same numbers either way, but for a
         bfloat16 / float16 model, whose fused step keeps the stream in float32 where the tensor
-        path rounds each layer's output to 16 bits."""
+        path rounds each layer's output to 16 bits (the logits are float32 where the head runs
+        in C, in the model's dtype where the last block is stepped by its tensor code)."""
         if input_ids.ndim != 1:
             return None
         runs = self._fused_runs(cache, input_ids.shape[0])
         head = self._fused_head(lm_head)
         if runs is not None and len(runs) == 1 and head is not None:  # every block and the head: one C call
             return mamba_blocks_step(self.embedding(input_ids), runs[0][1], head)
-        run = self.prepare_fused_step(cache, lm_head, input_ids.shape[0])
+        run = None if runs is None else self._prepare_runs(runs, cache, lm_head, input_ids.shape[0])
         return None if run is None else run(input_ids)
 
     def _fused_head(self, lm_head: nn.Linear) -> LMHeadWeights | None:
@@ -150,8 +151,10 @@ class MambaBackbone(nn.Module):
         it does not look them up again. Its logits may be overwritten by the next call."""
         batch = cache.batch_size if batch is None else batch
         runs = self._fused_runs(cache, batch)
-        if runs is None:
-            return None
+        return None if runs is None else self._prepare_runs(runs, cache, lm_head, batch)
+
+    def _prepare_runs(self, runs: list, cache: InferenceCache, lm_head: nn.Linear, batch: int):
+        """``prepare_fused_step`` for the runs ``_fused_runs`` found."""
         norm = self.norm_f.weight  # the stream's width and dtype (the step widens a 16-bit one)
         head = self._fused_head(lm_head)
         plan = []  # (first layer, MambaBlocksStep or None: that layer's own step)
