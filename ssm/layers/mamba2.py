@@ -112,8 +112,14 @@ class Mamba2(nn.Module):
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
         return LayerCache.zeros(batch, self.conv1d, (self.nheads, self.headdim, self.d_state), dtype, device)
 
+    computes_last = True  # forward(last=k): see Block.forward
+
     def forward(
-        self, hidden_states: torch.Tensor, cache: LayerCache | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        cache: LayerCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        last: int = 0,
     ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
         leave the state after the last token in it (prefill).
@@ -121,7 +127,12 @@ class Mamba2(nn.Module):
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
         ``ssm.scan.ssd``); neither the convolution nor the scan crosses a boundary, so each
         sequence's outputs are those it would get alone. With a cache, the cache holds one
-        state per sequence (batch S): each continues from its own and keeps its own."""
+        state per sequence (batch S): each continues from its own and keeps its own.
+
+        ``last`` > 0 (without ``cu_seqlens``): only the outputs of the last ``last`` positions,
+        (batch, last, d_model); the gated norm, the MLP branch and out_proj run on those only."""
+        if last > 0 and cu_seqlens is not None:
+            raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         check_sequence("hidden_states", hidden_states, self.d_model)
         batch, length, _ = hidden_states.shape
         cu_seqlens = check_packing(cu_seqlens, hidden_states)
@@ -153,6 +164,8 @@ class Mamba2(nn.Module):
         )
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
+        if last > 0:  # every op after the scan acts on each position alone
+            y, z, z0, x0 = (t[:, -last:] for t in (y, z, z0, x0))
         return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:

@@ -67,10 +67,11 @@ def test_num_last_tokens(kind, dtype):
         torch.testing.assert_close(mine.conv_state, want.conv_state)
 
 
-def test_num_last_tokens_spares_the_last_blocks_work_on_other_positions():
-    """With num_last_tokens = 1 the last Mamba-1 block runs its gate and out_proj on one
-    position, not L: the forward's matmul FLOPs drop by at least out_proj's on L - 1 rows."""
-    model = tiny()
+@pytest.mark.parametrize("kind", ["mamba1", "mamba2+mlp"])
+def test_num_last_tokens_spares_the_last_blocks_work_on_other_positions(kind):
+    """With num_last_tokens = 1 the last Mamba-1 or Mamba-2 block runs its gate and out_proj on
+    one position, not L: the forward's matmul FLOPs drop by at least out_proj's on L - 1 rows."""
+    model = tiny(kind)
     ids = torch.randint(0, 45, (2, 64))
 
     def flops(**kw):
@@ -78,10 +79,11 @@ def test_num_last_tokens_spares_the_last_blocks_work_on_other_positions():
             model(ids, **kw)
         return counter.get_total_flops()
 
-    out_proj = model.backbone.layers[-1].mixer.out_proj.weight
-    spared = 2 * 2 * 63 * out_proj.numel()  # batch 2, 63 positions, 2 FLOPs a multiply-add
-    lm_head = 2 * 2 * 63 * model.lm_head.weight.numel()
-    assert flops() - flops(num_last_tokens=1) >= lm_head + spared
+    block = model.backbone.layers[-1]
+    per_row = [model.lm_head.weight, block.mixer.out_proj.weight]  # the matmuls on each position
+    per_row += [] if block.mlp is None else [block.mlp.fc1.weight, block.mlp.fc2.weight]
+    spared = sum(2 * 2 * 63 * w.numel() for w in per_row)  # batch 2, 63 positions, 2 FLOPs a multiply-add
+    assert flops() - flops(num_last_tokens=1) >= spared
 
 
 def test_decoding_is_constant_cost():
