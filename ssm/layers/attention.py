@@ -217,6 +217,34 @@ class MHA(nn.Module):
         keys, values = key[:, :keys_needed].to(q.dtype), value[:, :keys_needed].to(q.dtype)
         return self._sdpa(q, keys, values, mask=mask[:, None])
 
+    def _attend_one(self, q, k, v, cache: AttentionCache) -> torch.Tensor:
+        """``_attend_cached`` for one new token per row, without gradients (decoding): q (B, 1,
+        H, P), k and v (B, 1, Hk, P); the cache is written in place. Two matmuls and a softmax
+        (in float32, or float64) over each row's keys instead of SDPA with a mask; rows of
+        different lengths are masked."""
+        batch, H, Hk, P = q.shape[0], self.num_heads, self.num_heads_kv, self.head_dim
+        start = cache.lengths.to(q.device)  # (B,): each row's position
+        q, k = self._rotate(q, start[:, None]), self._rotate(k, start[:, None])
+        n = int(start.max()) + 1 if batch else 0
+        key, value = cache.key, cache.value
+        if n > key.shape[1]:  # grow: at least double, so that decoding copies O(tokens) in all
+            extra = max(n, 2 * key.shape[1]) - key.shape[1]
+            key, value = (torch.cat([c, c.new_zeros(batch, extra, *c.shape[2:])], dim=1) for c in (key, value))
+        rows = torch.arange(batch, device=q.device)
+        key[rows, start] = k[:, 0].to(key.dtype)
+        value[rows, start] = v[:, 0].to(value.dtype)
+        cache.key, cache.value, cache.lengths = key, value, start + 1
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scale = self.softmax_scale if self.softmax_scale is not None else P**-0.5
+        keys, values = key[:, :n].to(q.dtype), value[:, :n].to(q.dtype)  # (B, n, Hk, P)
+        grouped = q[:, 0].unflatten(1, (Hk, H // Hk))  # (B, Hk, G, P): the query heads of each key head
+        scores = torch.einsum("bkgp,bnkp->bkgn", grouped, keys).to(work) * scale
+        if bool((start != start[0]).any()):  # rows of different lengths: each sees its own keys
+            seen = torch.arange(n, device=q.device) <= start[:, None]  # (B, n)
+            scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(q.dtype)
+        return torch.einsum("bkgn,bnkp->bkgp", probs, values).flatten(1, 2)[:, None]  # (B, 1, H, P)
+
     # ------------------------------------------------------------------ forward and step
 
     def forward(
@@ -298,6 +326,10 @@ class MHA(nn.Module):
         qkv, mlp = self._project(x)  # (B, (H + 2Hk)·P)
         if self.d_conv > 0:
             qkv, cache.conv_state = causal_conv1d_step(qkv, self.conv1d.weight, self.conv1d.bias, cache.conv_state)
-        context = self._attend_cached(*self._heads(qkv[:, None]), cache, inplace=not torch.is_grad_enabled())
+        heads = self._heads(qkv[:, None])
+        if torch.is_grad_enabled():
+            context = self._attend_cached(*heads, cache)
+        else:
+            context = self._attend_one(*heads, cache)
         out = self._finish(context[:, 0], mlp)
         return out if hidden_states.ndim == 2 else out[:, None]
