@@ -77,7 +77,8 @@ def test_prefill_then_steps_equals_forward(kind):
     full = model(x)
     cache = model.allocate_inference_cache(2)
     logits = [model(x[:, :6], cache=cache), model(x[:, 6:9], cache=cache)]
-    logits += [model.step(x[:, t], cache)[:, None] for t in range(9, 15)]
+    with torch.no_grad():  # decoding: the attention's one-token path, the blocks' C step
+        logits += [model.step(x[:, t], cache)[:, None] for t in range(9, 15)]
     torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-10, atol=1e-10)
 
 
@@ -113,17 +114,21 @@ def test_left_padded_prompts_generate_what_each_prompt_gets_alone(kind):
     assert len({tuple(row.tolist()) for row in out[:, L:]}) > 1  # the rows do differ
 
 
+@pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("kind", HYBRIDS)
-def test_packed_prefill_then_steps_give_each_prompt_its_solo_logits(kind):
+def test_packed_prefill_then_steps_give_each_prompt_its_solo_logits(kind, grad):
     """What generate(attention_mask=...) does, compared by logits: S prompts (one empty) packed
-    into one prefill of a cache of batch S, then one token per row."""
+    into one prefill of a cache of batch S, then one token per row; the steps with gradients
+    enabled, and without (decoding: the attention's one-token path over rows of different
+    lengths, and the C step of the Mamba blocks)."""
     model = tiny(kind)
     lengths = [4, 0, 9, 1]
     prompts, tokens = ids((1, sum(lengths))), ids((4, 3), seed=2)
     cu = cu_seqlens_of(lengths)
     cache = model.allocate_inference_cache(4)
     prefill = model(prompts, cache=cache, cu_seqlens=cu)
-    steps = torch.stack([model.step(tokens[:, t], cache) for t in range(3)], 1)
+    with torch.set_grad_enabled(grad):
+        steps = torch.stack([model.step(tokens[:, t], cache) for t in range(3)], 1)
     bounds = cu.tolist()
     for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         alone = model(torch.cat([prompts[:, a:b], tokens[s : s + 1]], 1))
