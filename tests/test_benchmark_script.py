@@ -314,39 +314,40 @@ def test_decode_mode_at_low_precision(tmp_path, extra):
     assert report["weight_bytes"] < 2.5 * params  # float32 would be 4 bytes a weight
 
 
+def assert_refused(main, argv: list[str], message: str, capsys) -> None:
+    """``main(argv)`` stops with a usage error whose text holds ``message``."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+DECODE_ARGS = ["--op", "decode", "--d-model", "16", "--layers", "1", "--vocab", "50", "--device", "cpu"]
+
+
 def test_decode_peer_llama_cpp_refuses_what_it_cannot_run(tmp_path, monkeypatch, capsys):
     """--peer llama.cpp: Mamba-3 (llama.cpp has none) and a missing build are errors that say
     what to do, before anything is timed."""
     main = runpy.run_path(str(SCRIPT))["main"]
-    args = ["--op", "decode", "--d-model", "16", "--layers", "1", "--vocab", "50", "--device", "cpu"]
-    with pytest.raises(SystemExit):
-        main([*args, "--mixer", "mamba3", "--peer", "llama.cpp"])
-    assert "llama.cpp has no Mamba-3" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main([*args, "--peer", "llama.cpp", "--prefill-length", "-1"])
-    assert "--prefill-length must be >= 0" in capsys.readouterr().err
+    assert_refused(main, [*DECODE_ARGS, "--mixer", "mamba3", "--peer", "llama.cpp"], "llama.cpp has no Mamba-3", capsys)
+    refused = "--prefill-length must be >= 0"
+    assert_refused(main, [*DECODE_ARGS, "--peer", "llama.cpp", "--prefill-length", "-1"], refused, capsys)
     monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path / "nowhere"))
-    with pytest.raises(SystemExit):
-        main([*args, "--peer", "llama.cpp"])
-    assert "bash scripts/peers/build_llama_cpp.sh" in capsys.readouterr().err
+    assert_refused(main, [*DECODE_ARGS, "--peer", "llama.cpp"], "bash scripts/peers/build_llama_cpp.sh", capsys)
 
 
 def test_decode_peer_batches_need_llama_batched_bench(tmp_path, monkeypatch, capsys):
-    """--peer-batches above 1 time llama-batched-bench: a build without it, or a batch below 1,
-    is an error naming what is missing, before anything is timed."""
+    """--peer-batches above 1 time llama-batched-bench: a build without it, or a batch out of
+    1..256, is an error naming what is missing, before anything is timed."""
     home = tmp_path / "llama.cpp"
     for name in ("build/bin/llama-bench", "build/bin/llama-quantize", "src/convert_hf_to_gguf.py"):
         (home / name).parent.mkdir(parents=True, exist_ok=True)
         (home / name).write_text("")
     monkeypatch.setenv("LLAMA_CPP_DIR", str(home))
     main = runpy.run_path(str(SCRIPT))["main"]
-    args = ["--op", "decode", "--d-model", "16", "--layers", "1", "--vocab", "50", "--device", "cpu"]
-    with pytest.raises(SystemExit):
-        main([*args, "--peer", "llama.cpp", "--peer-batches", "1,4"])
-    assert "llama-batched-bench missing" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main([*args, "--peer", "llama.cpp", "--peer-batches", "0"])
-    assert "--peer-batches must be from 1 to 256" in capsys.readouterr().err
+    peer = [*DECODE_ARGS, "--peer", "llama.cpp", "--peer-batches"]
+    assert_refused(main, [*peer, "1,4"], "llama-batched-bench missing", capsys)
+    for bad in ("0", "300"):
+        assert_refused(main, [*peer, bad], "--peer-batches must be from 1 to 256", capsys)
 
 
 def test_llama_batched_bench_rate_is_its_generation_speed_for_the_asked_row():

@@ -33,6 +33,17 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, dim: int, base: float, inte
     return torch.cat([rot.to(x.dtype), x[..., dim:]], dim=-1)
 
 
+def _room(cache: AttentionCache, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's key and value with room for ``needed`` tokens per row: themselves, or new
+    tensors holding them, grown to at least twice the old capacity (so that decoding copies
+    O(tokens) in all)."""
+    key, value = cache.key, cache.value
+    if needed <= key.shape[1]:
+        return key, value
+    extra = max(needed, 2 * key.shape[1]) - key.shape[1]
+    return tuple(torch.cat([c, c.new_zeros(c.shape[0], extra, *c.shape[2:])], dim=1) for c in (key, value))
+
+
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"MHA: {name} must be an int >= {minimum}, got {value!r}")
@@ -192,11 +203,8 @@ class MHA(nn.Module):
         q, k = self._rotate(q, positions), self._rotate(k, positions)
         new_lengths = start + counts
         keys_needed = int(new_lengths.max()) if batch else 0
-        key, value = cache.key, cache.value
-        if keys_needed > key.shape[1]:  # grow: at least double, so that decoding copies O(tokens) in all
-            extra = max(keys_needed, 2 * key.shape[1]) - key.shape[1]
-            key, value = (torch.cat([c, c.new_zeros(batch, extra, *c.shape[2:])], dim=1) for c in (key, value))
-            inplace = True  # new tensors of our own
+        key, value = _room(cache, keys_needed)
+        inplace = inplace or key is not cache.key  # new tensors of our own
         rows, steps = (t < counts[:, None]).nonzero(as_tuple=True)  # the real tokens
         where = (rows, positions[rows, steps])
         if inplace:
@@ -226,10 +234,7 @@ class MHA(nn.Module):
         start = cache.lengths.to(q.device)  # (B,): each row's position
         q, k = self._rotate(q, start[:, None]), self._rotate(k, start[:, None])
         n = int(start.max()) + 1 if batch else 0
-        key, value = cache.key, cache.value
-        if n > key.shape[1]:  # grow: at least double, so that decoding copies O(tokens) in all
-            extra = max(n, 2 * key.shape[1]) - key.shape[1]
-            key, value = (torch.cat([c, c.new_zeros(batch, extra, *c.shape[2:])], dim=1) for c in (key, value))
+        key, value = _room(cache, n)
         rows = torch.arange(batch, device=q.device)
         key[rows, start] = k[:, 0].to(key.dtype)
         value[rows, start] = v[:, 0].to(value.dtype)

@@ -184,9 +184,11 @@ def test_prefill_then_steps_equal_the_forward(name):
     assert cache.lengths.tolist() == [14, 14, 14] and cache.key.shape[1] >= 14
 
 
+@pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("name", ["conv-mlp", "bidirectional"])
-def test_packed_prefill_then_steps_equal_each_sequence_alone(name):
-    """A packed prefill of S prompts (one empty) into a cache of batch S, then one token per row;
+def test_packed_prefill_then_steps_equal_each_sequence_alone(name, grad):
+    """A packed prefill of S prompts (one empty) into a cache of batch S, then one token per row
+    (with gradients enabled, and without: decoding's one-token path, rows of different lengths);
     the prefill's gradients too (a padded row must not leak NaN into them)."""
     layer = build(name)
     lengths = [3, 0, 7, 1]
@@ -198,7 +200,8 @@ def test_packed_prefill_then_steps_equal_each_sequence_alone(name):
     check_forward_and_grads(layer, prompts, prefill, layer(prompts, cu_seqlens=cu), f"{name} packed prefill")
     if not layer.causal:
         return  # the steps of a bidirectional layer see only the past: not its forward
-    steps = torch.stack([layer.step(tokens[:, t], cache) for t in range(3)], dim=1)
+    with torch.set_grad_enabled(grad):
+        steps = torch.stack([layer.step(tokens[:, t], cache) for t in range(3)], dim=1)
     assert cache.lengths.tolist() == [n + 3 for n in lengths]
     bounds = cu.tolist()
     for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
