@@ -398,6 +398,18 @@ def test_precision_mode_scores_each_precision_of_a_trained_text_run(tmp_path):
     assert rows["int8"]["bits_per_byte"] != rows["float32"]["bits_per_byte"]
 
 
+@pytest.mark.parametrize("op", ["decode", "decode-table", "memory", "text"])
+def test_the_decoding_ops_default_to_mamba_130m_depth(op):
+    """The ops that compare decoding with peers (llama.cpp, transformers) run 24 layers unless
+    told otherwise, as their tables say (decode-table once ran 4: every rate 3x too high)."""
+    import argparse
+
+    common = bench("common")
+    args = argparse.Namespace(op=op, layers=None, batch=None, length=None, d_model=None)
+    common.fill_defaults(args)
+    assert args.layers == 24
+
+
 def test_decode_table_gathers_each_mixer_and_precision(tmp_path):
     """--op decode-table: one --op decode run per (mixer, precision) at batch 1, gathered into
     one table with a weight-read limit per cell that grows as the weights narrow."""
