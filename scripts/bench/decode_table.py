@@ -86,8 +86,9 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
     for mixer in dict.fromkeys(c["mixer"] for c in cells):
         name = NAMES[mixer]
         if any("llama.cpp" in c for c in cells if c["mixer"] == mixer):
-            rows.append(row(f"{name}, llama.cpp", mixer, "llama.cpp"))
-            rows.append(row(f"**{name}, ssm**", mixer, "ssm"))
+            if 1 in result["config"].get("peer_batches", [1]):
+                rows.append(row(f"{name}, llama.cpp", mixer, "llama.cpp"))
+                rows.append(row(f"**{name}, ssm**", mixer, "ssm"))
             for b in result["config"].get("peer_batches", [1]):
                 if b > 1:
                     key = decode.generation_key(b)
@@ -102,11 +103,16 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         rows.append(row(f"{name}, weight-read limit", mixer, "weight_read_limit", "{:.0f}"))
     c = result["config"]
     body = report.table(header, rows)
+    prefill = (
+        f"prefill: a {c['prefill_length']}-token prompt read (ssm: generate of one token; llama.cpp: llama-bench "
+        f"-p {c['prefill_length']}); "
+        if c.get("prefill_length") and c.get("peer")
+        else ""
+    )
     body += (
         f"\n\nBatch 1, {c['prompt_length']}-token prompt then {c['new_tokens']} greedy tokens, generation only "
         f"(ssm: (n - 1) tokens over the time of n less that of 1; llama.cpp: llama-bench -n {c['new_tokens']} "
-        f"-d {c['prompt_length']}); prefill: a {c['prefill_length']}-token prompt read (ssm: generate of one "
-        f"token; llama.cpp: llama-bench -p {c['prefill_length']}); "
+        f"-d {c['prompt_length']}); {prefill}"
         f"median of {c['repeats']} runs alternating the engines, the same weights "
         "(random, transformers' layout, converted by llama.cpp's convert_hf_to_gguf.py; q4_0 by llama-quantize). "
         "Mamba-3 has no llama.cpp or transformers implementation: its row is ssm's whole run, prompt included. "

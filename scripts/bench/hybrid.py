@@ -5,8 +5,8 @@ on random byte tokens: the training step (forward, cross-entropy over every posi
 at batch 1 with the cache prefilled to each of ``--decode-positions`` (128,4096), ``--new-tokens``
 steps timed from a copy of that cache per repeat. The attention layers: ``--attn-heads`` heads
 (4; as many key/value heads), causal, rotary on half of each head. The all-Mamba model decodes
-with its fused C step where that applies; the hybrid steps block by block (its attention
-blocks have no fused step), and its attention reads every cached key at each token."""
+with its fused C step where that applies; the hybrid its runs of Mamba blocks the same way and
+its attention blocks by their tensor step, which reads every cached key at each token."""
 
 from __future__ import annotations
 
@@ -153,7 +153,8 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         f"\n\nTraining step: forward, cross-entropy and backward at batch {c['batch']}, L {c['length']}. "
         f"Decoding: {c['new_tokens']} greedy steps at batch 1 after a prefill to that position. Medians of "
         f"{c['repeats']} after {c['warmup']} untimed. The all-Mamba model decodes through its fused C step; the "
-        "hybrid steps block by block (a stack with attention has no fused step yet), most of the gap."
+        "hybrid decodes each run of Mamba blocks in one fused C call and its attention block by its tensor "
+        "step between them (a C step for attention is still to write)."
     )
     title = f"hybrid model: d_model {c['d_model']}, {c['layers']} layers, {c['device']}"
     return "hybrid", title, body
