@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's ssm, whichever is installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench, also under runpy
 
 from bench import OPS, common, report  # noqa: E402

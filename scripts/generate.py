@@ -26,6 +26,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's ssm, whichever one is installed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's ssm, whichever one is installed
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 
 
