@@ -77,6 +77,8 @@ def run(args) -> tuple[int, dict]:
 def markdown(result: dict, args) -> tuple[str, str, str]:
     cells, precisions = result["cells"], list(dict.fromkeys(c["precision"] for c in result["cells"]))
     header = ["tokens/s"] + [f"{p} ({GGUF[p]})" for p in precisions]
+    peer_batches = result["config"].get("peer_batches", [1])
+    batches = [b for b in peer_batches if b > 1]
 
     def row(label, mixer, key, fmt="{:.1f}"):
         values = {c["precision"]: c.get(key) for c in cells if c["mixer"] == mixer}
@@ -86,14 +88,13 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
     for mixer in dict.fromkeys(c["mixer"] for c in cells):
         name = NAMES[mixer]
         if any("llama.cpp" in c for c in cells if c["mixer"] == mixer):
-            if 1 in result["config"].get("peer_batches", [1]):
+            if 1 in peer_batches:
                 rows.append(row(f"{name}, llama.cpp", mixer, "llama.cpp"))
                 rows.append(row(f"**{name}, ssm**", mixer, "ssm"))
-            for b in result["config"].get("peer_batches", [1]):
-                if b > 1:
-                    key = decode.generation_key(b)
-                    rows.append(row(f"{name}, llama.cpp, batch {b}", mixer, f"{key} llama.cpp"))
-                    rows.append(row(f"**{name}, ssm, batch {b}**", mixer, f"{key} ssm"))
+            for b in batches:
+                key = decode.generation_key(b)
+                rows.append(row(f"{name}, llama.cpp, batch {b}", mixer, f"{key} llama.cpp"))
+                rows.append(row(f"**{name}, ssm, batch {b}**", mixer, f"{key} ssm"))
             if any(c.get("prefill ssm") for c in cells if c["mixer"] == mixer):
                 n = result["config"]["prefill_length"]
                 rows.append(row(f"{name}, llama.cpp, prefill pp{n}", mixer, "prefill llama.cpp"))
@@ -119,7 +120,6 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         "The weight-read limit: tokens/s if a token cost only reading its weights' bytes once at the rate "
         "torch's float32 sum streams memory here."
     )
-    batches = [b for b in c.get("peer_batches", [1]) if b > 1]
     if batches:
         body += (
             f" Batches {', '.join(map(str, batches))}: that many prompts decoded together, all their generated "

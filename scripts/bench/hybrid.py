@@ -5,8 +5,8 @@ on random byte tokens: the training step (forward, cross-entropy over every posi
 at batch 1 with the cache prefilled to each of ``--decode-positions`` (128,4096), ``--new-tokens``
 steps timed from a copy of that cache per repeat. The attention layers: ``--attn-heads`` heads
 (4; as many key/value heads), causal, rotary on half of each head. The all-Mamba model decodes
-with its fused C step where that applies; the hybrid its runs of Mamba blocks the same way and
-its attention blocks by their tensor step, which reads every cached key at each token."""
+with its fused C step where that applies; the hybrid decodes its runs of Mamba blocks the same
+way and its attention blocks by their tensor step, which reads every cached key at each token."""
 
 from __future__ import annotations
 

@@ -15,15 +15,13 @@ import sys
 import tempfile
 
 from . import report
+from .common import PRECISIONS as DTYPE_AND_QUANTIZE
 from .common import ROOT, comma_list, config_of, decode_mixer_config
 
-# what each precision asks from_pretrained for
+# what each precision asks from_pretrained for (float32 weights: the checkpoint's, no argument)
 PRECISIONS = {
-    "float32": {},
-    "bfloat16": {"dtype": "bfloat16"},
-    "float16": {"dtype": "float16"},
-    "int8": {"quantize": "int8"},
-    "int4": {"quantize": "int4"},
+    name: ({"dtype": dtype} if dtype != "float32" else {}) | ({"quantize": quantize} if quantize else {})
+    for name, (dtype, quantize) in DTYPE_AND_QUANTIZE.items()
 }
 
 # the readings of each run, and their headings in the table

@@ -112,6 +112,8 @@ class Mamba(nn.Module):
         ``last`` > 0 (without ``cu_seqlens``): only the outputs of the last ``last`` positions,
         (batch, last, d_model); the scan still runs over all L for the state, but the gate and
         out_proj (and their transposed copies) only over those positions."""
+        if last > 0 and cu_seqlens is not None:
+            raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         check_sequence("hidden_states", hidden_states, self.d_model)
         cu_seqlens = check_packing(cu_seqlens, hidden_states)
         if cache is not None:
@@ -127,8 +129,6 @@ class Mamba(nn.Module):
         # Δ = W·dt as (b, d, l), its steps adjacent as the scan reads them: no transposed copy of
         # it, nor of its gradient for dt_proj's backward
         dt = torch.bmm(self.dt_proj.weight.expand(dt.shape[0], -1, -1), dt.transpose(1, 2))
-        if last > 0 and cu_seqlens is not None:
-            raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         # the gate outside the scan, on the last positions only, where the scan's output is in
         # its compute dtype (a 16-bit one is rounded before the gate, which the scan's own gate
         # avoids: there the scan gates every position and only out_proj is cut)

@@ -135,7 +135,7 @@ class MambaBackbone(nn.Module):
         head = self._fused_head(lm_head)
         if runs is not None and len(runs) == 1 and head is not None:  # every block and the head: one C call
             return mamba_blocks_step(self.embedding(input_ids), runs[0][1], head)
-        run = None if runs is None else self._prepare_runs(runs, cache, lm_head, input_ids.shape[0])
+        run = None if runs is None else self._prepare_runs(runs, head, cache, lm_head, input_ids.shape[0])
         return None if run is None else run(input_ids)
 
     def _fused_head(self, lm_head: nn.Linear) -> LMHeadWeights | None:
@@ -151,12 +151,12 @@ class MambaBackbone(nn.Module):
         it does not look them up again. Its logits may be overwritten by the next call."""
         batch = cache.batch_size if batch is None else batch
         runs = self._fused_runs(cache, batch)
-        return None if runs is None else self._prepare_runs(runs, cache, lm_head, batch)
+        return None if runs is None else self._prepare_runs(runs, self._fused_head(lm_head), cache, lm_head, batch)
 
-    def _prepare_runs(self, runs: list, cache: InferenceCache, lm_head: nn.Linear, batch: int):
-        """``prepare_fused_step`` for the runs ``_fused_runs`` found."""
+    def _prepare_runs(self, runs: list, head, cache: InferenceCache, lm_head: nn.Linear, batch: int):
+        """``prepare_fused_step`` for the runs ``_fused_runs`` found and the head ``_fused_head``
+        gave (None: ``lm_head`` runs after the C calls)."""
         norm = self.norm_f.weight  # the stream's width and dtype (the step widens a 16-bit one)
-        head = self._fused_head(lm_head)
         plan = []  # (first layer, MambaBlocksStep or None: that layer's own step)
         for first, blocks in runs:
             if blocks is None:
