@@ -22,6 +22,38 @@ static inline int omp_get_num_threads(void) { return 1; }
 
 typedef int64_t i64;
 
+/* Subnormal numbers flushed to zero, per thread, for the length of a sweep. A backward sweep
+   carries the adjoint of a loss scored at the last positions back through products of decays
+   exp(Δ·A) < 1, so over thousands of steps it shrinks through the subnormal range (1e-38 down to
+   1e-45 in float), where every x86 multiply takes a microcode assist about a hundred times as
+   slow: measured, a 2-layer d_model-64 Mamba-1 at L 4096, batch 16, loss on the last position,
+   one thread: the selective backward 3,975 ms with subnormals, 571 ms flushed. A value under
+   1.2e-38 (float) or 2.2e-308 (double) becomes 0, as on a GPU. Each parallel region sets the mode
+   on entry and puts the thread's own mode back on exit, so no OpenMP thread of torch's keeps it. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned int fp_mode;
+static inline fp_mode flush_subnormals(void) {
+    const fp_mode old = _mm_getcsr();
+    _mm_setcsr(old | 0x8040u); /* FTZ (bit 15): results; DAZ (bit 6): inputs */
+    return old;
+}
+static inline void restore_fp_mode(fp_mode old) { _mm_setcsr(old); }
+#elif defined(__aarch64__)
+typedef uint64_t fp_mode;
+static inline fp_mode flush_subnormals(void) {
+    fp_mode old;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(old));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(old | (1ull << 24))); /* FZ */
+    return old;
+}
+static inline void restore_fp_mode(fp_mode old) { __asm__ __volatile__("msr fpcr, %0" : : "r"(old)); }
+#else /* elsewhere: subnormals kept (correct, slower) */
+typedef int fp_mode;
+static inline fp_mode flush_subnormals(void) { return 0; }
+static inline void restore_fp_mode(fp_mode old) { (void)old; }
+#endif
+
 /* exp, log1p for float: branch-free (Cephes polynomials) so that loops over N or over a
    chunk's steps vectorise; a few ulp from libm's. */
 static inline float exp_f32(float x) {

@@ -32,6 +32,7 @@ void SUF(linear_fwd)(const LinearArgs *p) {
     const i64 grab = grab_size(E * nb, L * LINEAR_BLOCK, p->nthreads);
 #pragma omp parallel num_threads((int)p->nthreads)
     {
+        const fp_mode fp = flush_subnormals();
         REAL h[LINEAR_BLOCK];
         i64 own_cu[2] = {0, L};
         const i64 *cu = p->cu_seqlens ? p->cu_seqlens : own_cu;
@@ -58,6 +59,7 @@ void SUF(linear_fwd)(const LinearArgs *p) {
                 }
             }
         }
+        restore_fp_mode(fp);
     }
 }
 
@@ -72,6 +74,7 @@ void SUF(linear_bwd)(const LinearArgs *p) {
     const i64 grab = grab_size(E * nb, L * LINEAR_BLOCK, p->nthreads);
 #pragma omp parallel num_threads((int)p->nthreads)
     {
+        const fp_mode fp = flush_subnormals();
         REAL carry[LINEAR_BLOCK];
         i64 own_cu[2] = {0, L};
         const i64 *cu = p->cu_seqlens ? p->cu_seqlens : own_cu;
@@ -115,5 +118,6 @@ void SUF(linear_bwd)(const LinearArgs *p) {
                 if (dh0) for (i64 f = 0; f < w; f++) dh0[(row + s) * F + f0 + f] = carry[f];
             }
         }
+        restore_fp_mode(fp);
     }
 }

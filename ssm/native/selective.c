@@ -152,6 +152,7 @@ void SUF(selective_fwd)(const SelectiveArgs *a) {
 
 #pragma omp parallel num_threads((int)a->nthreads)
     {
+        const fp_mode fp = flush_subnormals();
         REAL *scratch = (REAL *)malloc(sizeof(REAL) * ((4 + LANES) * T + 2 * N));
         REAL *dt = scratch, *raw = dt + T, *u = raw + T, *zv = u + T;
         REAL *h = zv + T, *Ad = h + N, *y_lanes = Ad + N;
@@ -210,6 +211,7 @@ void SUF(selective_fwd)(const SelectiveArgs *a) {
             }
         }
         free(scratch);
+        restore_fp_mode(fp);
     }
 }
 
@@ -334,6 +336,7 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
 
 #pragma omp parallel num_threads((int)a->nthreads)
     {
+        const fp_mode fp = flush_subnormals();
         REAL *scratch = (REAL *)malloc(sizeof(REAL) * ((8 + 3 * LANES) * T + 2 * T * N + 6 * N));
         REAL *dt = scratch, *raw = dt + T, *u = raw + T, *zv = u + T, *y = zv + T, *gy = y + T;
         REAL *sA = gy + T, *sBk = sA + T, *y_lanes = sBk + T, *sA_lanes = y_lanes + LANES * T;
@@ -471,6 +474,7 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
             }
         }
         free(scratch);
+        restore_fp_mode(fp);
     }
 }
 
