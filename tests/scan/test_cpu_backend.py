@@ -417,3 +417,47 @@ def test_gradients_are_the_same_bits_on_every_run():
         again = run_with_grads(selective_call, inputs, "cpu")[1]
         for name, grad in first.items():
             assert torch.equal(again[name], grad), f"d{name} differs between two identical runs"
+
+
+def _decaying_pulse(length: int, channels: int = 3) -> dict:
+    """A unit pulse at step 0 into h_t = e^-1·h_{t-1} + u_t: h_t = e^-t, which leaves float's normal
+    range (1.18e-38) after step 87 and its subnormal one (1.4e-45) after step 103."""
+    u = torch.zeros(1, channels, length)
+    u[:, :, 0] = 1
+    ones = torch.ones(channels, 1)
+    return dict(u=u, delta=torch.ones(1, channels, length), A=-ones, B=ones, C=ones.clone())
+
+
+@needs_kernels
+def test_sweeps_flush_subnormals_to_zero():
+    """The sweeps run with subnormals flushed (a decayed state or adjoint under 1.2e-38 is 0, as on a
+    GPU): a backward that walks an adjoint down through the subnormal range otherwise runs several
+    times slower. Forward: the state e^-t reads 0 from step 88 where float could still hold it;
+    backward: the adjoint from the last step reaches step 0 as e^-99, flushed to 0."""
+    x = _decaying_pulse(100)
+    x["u"].requires_grad_()
+    y = selective_scan(**x, backend="cpu")
+    assert y[0, 0, 80].item() == pytest.approx(torch.tensor(-80.0, dtype=torch.float64).exp().item(), rel=1e-4)
+    assert torch.tensor(-95.0).exp().item() > 0  # float holds e^-95 as a subnormal ...
+    assert (y[:, :, 88:] == 0).all()  # ... the sweep has flushed it
+    grad = torch.zeros_like(y)
+    grad[:, :, -1] = 1
+    (du,) = torch.autograd.grad(y, x["u"], grad)
+    assert du[0, 0, 20].item() == pytest.approx(torch.tensor(-79.0, dtype=torch.float64).exp().item(), rel=1e-4)
+    assert (du[:, :, :11] == 0).all()  # e^-89 and below
+    h = linear_scan(torch.full((2, 100), torch.e**-1), torch.eye(1, 100).expand(2, 100).contiguous(), backend="cpu")
+    assert h[0, 80].item() > 0 and (h[:, 88:] == 0).all()
+
+
+@needs_kernels
+def test_sweeps_leave_the_callers_floating_point_mode_alone():
+    """Flushing is the sweeps' own: once they return, torch's threads (the caller's and its
+    intra-op pool's) still compute with subnormals."""
+    x = _decaying_pulse(130, channels=64)
+    x["u"].requires_grad_()
+    y = selective_scan(**x, backend="cpu")
+    y.sum().backward()
+    linear_scan(torch.full((64, 130), 0.5), torch.rand(64, 130), backend="cpu")
+    subnormal = torch.full((1 << 20,), 1e-39)  # big enough for torch to split over its threads
+    assert (subnormal * 1.0).ne(0).all()
+    assert (subnormal[:1] * 1.0).item() == pytest.approx(1e-39, rel=1e-3)
