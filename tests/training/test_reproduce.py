@@ -49,6 +49,7 @@ def test_tiny_reproduction_runs_end_to_end(task, tmp_path, capsys):
     (run,) = results["runs"]
     stages = reproduce()["TINY_STAGES"][task]
     assert run["steps"] == sum(s.steps for s in stages) and len(run["stage_wall_s"]) == len(stages)
+    assert run["stage_commits"] == [reproduce()["commit"]()] * len(stages)  # what each stage trained with
     lengths = [t["length"] for t in run["test"]]
     assert lengths == ([16, 32, 64, 128] if task == "induction_heads" else [stages[-1].seq_len])
     assert all(0 <= t["val/acc"] <= 1 and t["samples"] == 8 for t in run["test"])
