@@ -198,9 +198,11 @@ def test_ssd_mode_times_each_fast_backend(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
     path = tmp_path / "s.json"
     args = ["--op", "ssd", "--dim", "8", "--headdim", "4", "--state", "4", "--length", "21", "--repeats", "1"]
-    assert main([*args, "--warmup", "0", "--device", "cpu", "--json", str(path)]) == 0
+    assert main([*args, "--warmup", "0", "--device", "cpu", "--chunk-sizes", "8,16", "--json", str(path)]) == 0
     ms = json.loads(path.read_text())["ms"]
-    assert set(ms) == {"chunked", "cpu"} and all(v > 0 for v in ms.values())
+    assert set(ms) == {"auto", "chunked/8", "chunked/16", "cpu"} and all(v > 0 for v in ms.values())
+    with pytest.raises(SystemExit):
+        main([*args, "--chunk-sizes", "8,0"])
 
 
 def test_tie_gap_reads_the_first_difference_of_each_differing_row():

@@ -1,7 +1,8 @@
 """--op ssd: ``ssm.scan.ssd`` (Mamba-2's recurrence) on each backend of the device but ``ref``,
 forward+backward at one shape: x (batch, L, dim / headdim heads, headdim), one group of B and C
 (N = --state), D, z, dt_bias and softplus; every backend's gradients checked against the first's
-(a difference beyond float32's tolerance: exit status 1)."""
+(a difference beyond float32's tolerance: exit status 1). "chunked" runs once per block length
+of --chunk-sizes (its row "chunked/T"), and "auto" is what the public default picks."""
 
 from __future__ import annotations
 
@@ -13,9 +14,22 @@ from . import report
 from .common import TOLERANCE, config_of, describe_device, median_ms, relative_difference
 
 
+def add_arguments(parser) -> None:
+    group = parser.add_argument_group("--op ssd (also --batch, --length, --dim, --state, --headdim)")
+    group.add_argument(
+        "--chunk-sizes", default="64,256", help="block lengths of the chunked rows, comma-separated (default 64,256)"
+    )
+
+
 def check(args, parser) -> None:
     if min(args.batch, args.dim, args.state, args.length, args.headdim, args.repeats) < 1 or args.dim % args.headdim:
         parser.error("--batch, --dim, --state, --length, --headdim, --repeats must be positive, --headdim divide --dim")
+    try:
+        args.chunk_sizes = [int(c) for c in str(args.chunk_sizes).split(",")]
+    except ValueError:
+        parser.error(f"--chunk-sizes must be positive integers separated by commas, got {args.chunk_sizes!r}")
+    if min(args.chunk_sizes) < 1:
+        parser.error(f"--chunk-sizes must be positive integers separated by commas, got {args.chunk_sizes!r}")
 
 
 def run(args) -> tuple[int, dict | None]:
@@ -37,13 +51,20 @@ def run(args) -> tuple[int, dict | None]:
         rand(b, L, heads, args.headdim),
         rand(heads),
     )
-    names = [n for n in backends("ssd", device) if n != "ref"]
+    runs = {"auto": ("auto", max(args.chunk_sizes))}  # auto is given the largest chunk asked for
+    for backend in backends("ssd", device):
+        if backend == "chunked":
+            runs.update({f"chunked/{c}": ("chunked", c) for c in args.chunk_sizes})
+        elif backend != "ref":
+            runs[backend] = (backend, max(args.chunk_sizes))
+    names = list(runs)
     ms, grads = {}, {}
     for name in names:
 
         def step(name=name):
             x, dt, A, B, C, D, z, bias = inputs
-            out = ssd(x, dt, A, B, C, D, z, dt_bias=bias, dt_softplus=True, chunk_size=256, backend=name)
+            backend, chunk = runs[name]
+            out = ssd(x, dt, A, B, C, D, z, dt_bias=bias, dt_softplus=True, chunk_size=chunk, backend=backend)
             return torch.autograd.grad(out.sum(), inputs)
 
         grads[name] = step()

@@ -25,6 +25,12 @@ BACKENDS.add("cpu", ssd_cpu, devices=("cpu",))
 # and 2048, 2.1x at 4096, 1.3-1.8x above; but the whole Mamba2 layer at mamba2-130m's width
 # (P 64, N 128) takes as long with either (231 vs 239 ms). So auto takes "cpu" up to 4096.
 CPU_SWEEP_MAX_HEAD_STATE = 4096
+# ... and runs "chunked" in blocks of at most 64 positions on the CPU, whatever chunk_size says:
+# chunk_size is a GPU kernel's tile (mamba-ssm's 256), and on a CPU the chunked form's (T, T)
+# blocks of every head outgrow the caches as T grows. Measured on one thread, L 1024, at
+# mamba2-130m's width (H 24, P 64, N 128): forward 291 ms in blocks of 256, 125 of 128, 33 of 64,
+# 52 of 32; forward and backward 731, 322, 91, 152 (docs/benchmarks-history/2026-11.md).
+CPU_MAX_CHUNK = 64
 
 
 def ssd(
@@ -79,7 +85,8 @@ def ssd(
       the state after each row's last position, as without seq_idx.
     Give one or the other, not both.
 
-    ``chunk_size`` is the block length of the chunked algorithm (ignored by "ref").
+    ``chunk_size`` is the block length of the chunked algorithm (ignored by "ref"); "auto" on
+    CPU tensors takes at most 64, much the fastest there (see ``CPU_MAX_CHUNK``).
     ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("ssd")``: "ref" (a loop over
     time), "chunked" (the SSD chunked algorithm, see chunked.py) or "cpu" (the C sweeps of
     ``selective_scan``'s cpu backend, CPU tensors). "auto" takes "cpu" for CPU tensors when a
@@ -129,8 +136,10 @@ def ssd(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     check_same_device("x", x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_state=initial_state)
-    if backend == "auto" and x.device.type == "cpu" and head_dim * N > CPU_SWEEP_MAX_HEAD_STATE:
-        backend = "chunked"
+    if backend == "auto" and x.device.type == "cpu":
+        chunk_size = min(chunk_size, CPU_MAX_CHUNK)
+        if head_dim * N > CPU_SWEEP_MAX_HEAD_STATE:
+            backend = "chunked"
     impl = BACKENDS.resolve(backend, x.device)
 
     if length == 0:

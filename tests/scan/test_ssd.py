@@ -197,6 +197,26 @@ def test_auto_on_the_cpu_takes_the_sweeps_for_small_head_states(monkeypatch, hea
     assert called == [expected]
 
 
+@pytest.mark.parametrize(("backend", "chunk_size", "expected"), [("auto", 256, 64), ("auto", 16, 16), ("chunked", 256, 256)])
+def test_auto_on_the_cpu_runs_the_chunked_form_in_blocks_of_at_most_64(monkeypatch, backend, chunk_size, expected):
+    """chunk_size is a GPU tile (mamba2-130m's config says 256); on a CPU blocks of 64 were 8x
+    faster, so "auto" takes at most that, and the answer does not change. An explicit backend
+    keeps the caller's chunk_size."""
+    from ssm.scan.ssd import BACKENDS
+
+    chunked = BACKENDS._backends["chunked"]
+    seen = []
+    monkeypatch.setitem(
+        BACKENDS._backends,
+        "chunked",
+        dataclasses.replace(chunked, fn=lambda *a: seen.append(a[-2]) or chunked.fn(*a)),
+    )
+    x = ssd_inputs(300, heads=2, head_dim=64, groups=1, N=65)  # P·N over the sweeps' limit: "chunked"
+    got = ssd(**x, dt_softplus=True, chunk_size=chunk_size, backend=backend)
+    assert seen == [expected]
+    assert_close(got, ssd(**x, dt_softplus=True, backend="ref"), torch.float32, "out")
+
+
 def test_entering_states_matches_a_loop_and_keeps_the_backward_linear():
     """The inter-chunk recurrence of the chunked backends (ssm.scan._common.entering_states)
     against a float64 loop written here, values and gradients (decay, inputs, initial state);
