@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import causal_conv1d, causal_conv1d_step
+from ..ops import AttentionBlockWeights, GatedMLPWeights, causal_conv1d, causal_conv1d_step
 from .cache import AttentionCache, check_packing, check_sequence, check_token
+from .norm import RMSNorm
+from .quant import decoding_matrix
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, dim: int, base: float, interleaved: bool) -> torch.Tensor:
@@ -321,6 +323,55 @@ class MHA(nn.Module):
                 mask = (t < counts[:, None]) | (t == 0)  # (S, Lmax); key 0 for an empty row (discarded)
                 context = self._sdpa(q, k, v, mask=mask[:, None, None, :])
         return context[seq, offset][None]
+
+    def step_weights(
+        self, norm: nn.Module, cache: AttentionCache, mlp: GatedMLPWeights | None = None
+    ) -> AttentionBlockWeights | None:
+        """What ``ssm.ops.mamba_blocks_step`` needs to run the decoding step of a block around
+        this mixer (residual, ``norm``, this mixer's step, which appends to ``cache`` in place,
+        then the block's ``mlp`` if any) in C, or None where it cannot (a norm other than
+        RMSNorm). Makes the cache fit that step first, in place of its tensors: room for one more
+        token in every row (grown as the tensor step grows it), contiguous, and a bfloat16 /
+        float16 cache widened to float32, the step's states' dtype (the tensor step reads
+        either)."""
+        if not isinstance(norm, RMSNorm):
+            return None
+        needed = int(cache.lengths.max()) + 1 if cache.batch_size else 1
+        cache.key, cache.value = _room(cache, needed)
+        wide = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+        def fit(t):  # a packed prefill leaves the conv state strided; the C step reads it contiguous
+            return t.to(wide.get(t.dtype, t.dtype)).contiguous()
+
+        cache.key, cache.value = fit(cache.key), fit(cache.value)
+        if cache.conv_state is not None:
+            cache.conv_state = fit(cache.conv_state)
+        inv_freq = None
+        if self.rotary_emb_dim > 0:  # as rotary() forms them
+            work = torch.float64 if self.out_proj.weight.dtype == torch.float64 else torch.float32
+            dim = self.rotary_emb_dim
+            channels = torch.arange(0, dim, 2, dtype=work, device=self.out_proj.weight.device)
+            inv_freq = 1.0 / (self.rotary_emb_base ** (channels / dim))
+        conv = self.d_conv > 0
+        return AttentionBlockWeights(
+            norm_weight=norm.weight,
+            norm_eps=norm.eps,
+            in_proj_weight=decoding_matrix(self.in_proj),
+            in_proj_bias=self.in_proj.bias,
+            conv_weight=self.conv1d.weight if conv else None,
+            conv_bias=self.conv1d.bias if conv else None,
+            conv_state=cache.conv_state,
+            num_heads=self.num_heads,
+            num_heads_kv=self.num_heads_kv,
+            softmax_scale=self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5,
+            inv_freq=inv_freq,
+            rotary_interleaved=self.rotary_emb_interleaved,
+            key=cache.key,
+            value=cache.value,
+            lengths=cache.lengths,
+            out_proj_weight=decoding_matrix(self.out_proj),
+            out_proj_bias=self.out_proj.bias,
+            mlp=mlp,
+        )
 
     def step(self, hidden_states: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         """One token per row: (batch, d_model) or (batch, 1, d_model) → the same shape; appends

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..layers import MHA, AttentionCache, Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, Mamba3Cache, RMSNorm
 from ..layers.quant import decoding_matrix
-from ..ops import LMHeadWeights, MambaBlocksStep, mamba_blocks_step
+from ..ops import AttentionBlockWeights, LMHeadWeights, MambaBlocksStep, mamba_blocks_step
 from .config import MambaConfig
 
 _MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}
@@ -170,8 +170,21 @@ class MambaBackbone(nn.Module):
                 return None
             plan.append((first, step))
         fused_head = plan[-1][1] is not None and head is not None
+        # The attention blocks' C step writes each new key and value into the cache in place:
+        # after as many tokens as the fullest row has room for, the cache grows (new tensors),
+        # so the steps are prepared again.
+        attention = [w for _, blocks in runs for w in blocks or () if isinstance(w, AttentionBlockWeights)]
+        room = [min((w.key.shape[1] - int(w.lengths.max()) for w in attention), default=-1)]  # -1: no limit
+        successor = []  # the steps prepared again, once the cache is full
 
         def run(input_ids):
+            if room[0] == 0 and not successor:
+                again = self.prepare_fused_step(cache, lm_head, batch)
+                successor.append(again or (lambda ids: lm_head(self(ids, cache, step=True))))
+            if successor:
+                return successor[0](input_ids)
+            if room[0] > 0:
+                room[0] -= 1
             hidden, residual = self.embedding(input_ids), None
             for first, step in plan:
                 if step is None:

@@ -2,7 +2,8 @@
    loads it through ctypes): plain C11 + OpenMP, no Python or torch headers.
 
    Each family of kernels lives in its own file (selective.c, linear.c, conv.c, norm.c,
-   decode_weights.c with decode_simd.c, decode.c, decode_mamba2.c, decode_mamba3.c) over common.h; this file
+   decode_weights.c with decode_simd.c, decode.c, decode_mamba2.c, decode_mamba3.c,
+   decode_attention.c) over common.h; this file
    includes every family twice, REAL = float then double (REAL_IS_F32 1, then 0), so that every
    kernel exists as name_f32 and name_f64. One library keeps start-up to one compile and one
    load per process. */
@@ -23,6 +24,7 @@
 #include "decode.c"
 #include "decode_mamba2.c"
 #include "decode_mamba3.c"
+#include "decode_attention.c"
 #undef REAL
 #undef REAL_IS_F32
 #undef SUF
@@ -43,6 +45,7 @@
 #include "decode.c"
 #include "decode_mamba2.c"
 #include "decode_mamba3.c"
+#include "decode_attention.c"
 #undef REAL
 #undef REAL_IS_F32
 #undef SUF

@@ -6,11 +6,12 @@ error, never a silent fallback), and a plain reference that every backend is tes
     causal_conv1d(x, weight, bias, ...)        the causal depthwise conv of x (B, D, L)    (conv.py)
     causal_conv1d_step(x, weight, bias, state) its one-token step                          (conv.py)
     rms_norm(x, weight, eps, z=None, ...)      RMSNorm, grouped and gated (Mamba-2)         (norm.py)
-    mamba_blocks_step(hidden, blocks, head)    a stack of Mamba-1, -2 or -3 blocks' decoding
-                                               step and the LM head in one C call, or None  (decode.py)
+    mamba_blocks_step(hidden, blocks, head)    a stack of Mamba-1, -2 or -3 (or attention)
+                                               blocks' decoding step and the LM head in one
+                                               C call, or None                              (decode.py)
     MambaBlockWeights, Mamba2BlockWeights,     what a layer, a block's MLP and a model hand
-    Mamba3BlockWeights, GatedMLPWeights,       that step                                    (decode.py)
-    LMHeadWeights
+    Mamba3BlockWeights, AttentionBlockWeights, that step                                    (decode.py)
+    GatedMLPWeights, LMHeadWeights
     quantize_matrix(weight, scheme)            a matrix as int8 / int4 with a scale per 32
                                                inputs (QuantizedMatrix), as that step reads it (quant.py)
 
@@ -22,6 +23,7 @@ from .._backends import lister
 from .conv import BACKENDS as _CONV
 from .conv import causal_conv1d, causal_conv1d_silu, causal_conv1d_step
 from .decode import (
+    AttentionBlockWeights,
     GatedMLPWeights,
     LMHeadWeights,
     Mamba2BlockWeights,
@@ -50,6 +52,7 @@ __all__ = [
     "MambaBlockWeights",
     "Mamba2BlockWeights",
     "Mamba3BlockWeights",
+    "AttentionBlockWeights",
     "GatedMLPWeights",
     "LMHeadWeights",
     "QuantizedMatrix",

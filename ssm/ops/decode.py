@@ -1,9 +1,10 @@
-"""The decoding step of a stack of Mamba-1, Mamba-2 or Mamba-3 blocks, and the LM head, in
-one C call per token (ssm/native/decode.c, decode_mamba2.c, decode_mamba3.c), for recurrent
-generation on the CPU.
+"""The decoding step of a stack of Mamba-1, Mamba-2 or Mamba-3 blocks (or of a hybrid's
+attention blocks), and the LM head, in one C call per token (ssm/native/decode.c,
+decode_mamba2.c, decode_mamba3.c, decode_attention.c), for recurrent generation on the CPU.
 
-A layer hands its tensors over as a ``MambaBlockWeights``, ``Mamba2BlockWeights`` or
-``Mamba3BlockWeights`` (with a ``GatedMLPWeights`` for a block's MLP), and the model its head as
+A layer hands its tensors over as a ``MambaBlockWeights``, ``Mamba2BlockWeights``,
+``Mamba3BlockWeights`` or ``AttentionBlockWeights`` (with a ``GatedMLPWeights`` for a block's
+MLP), and the model its head as
 ``LMHeadWeights``: typed, documented fields, so that nothing here knows a module's parameter
 names. ``mamba_blocks_step`` runs one step; ``MambaBlocksStep.prepare`` builds the C arguments
 once for a caller that decodes many tokens with the same tensors (``MambaLM.generate``).
@@ -170,6 +171,42 @@ class Mamba3BlockWeights:
 
 
 @dataclass(frozen=True)
+class AttentionBlockWeights:
+    """A hybrid model's attention block (``ssm.layers.MHA`` in a Block), one token per row:
+    residual ← hidden + residual (the first block: residual ← hidden); u = RMSNorm(residual);
+    (qkv, up, gate) = in_proj u; with a conv, its step (no activation) on qkv; q (H heads of P),
+    k, v (Hk heads); the first ``rotary_dim`` channels of each q and k head rotated to the row's
+    position t = lengths[b] (pairs (i, i + R/2), or (2i, 2i + 1) with ``rotary_interleaved``, at
+    angle t·inv_freq[i]); k and v written into the cache at t, lengths[b] ← t + 1; each query
+    head h attends to the row's t + 1 keys and values of head h // (H / Hk) with softmax(scale·q·kᵀ);
+    hidden = out_proj [context, up·SiLU(gate)]; then the block's ``mlp`` if any. Dtypes: see the
+    module's docstring (the key/value cache and the conv state are states: the compute dtype).
+    The cache has room for one more token in every row (lengths[b] < capacity)."""
+
+    norm_weight: Tensor  # (M,)
+    norm_eps: float
+    in_proj_weight: Tensor | QuantizedMatrix  # (E, M): q (H·P), k, v (Hk·P each), up, gate (U each) rows
+    in_proj_bias: Tensor | None  # (E,)
+    conv_weight: Tensor | None  # (Z, 1, K) or (Z, K), Z = (H + 2·Hk)·P; None: no conv
+    conv_bias: Tensor | None  # (Z,)
+    conv_state: Tensor | None  # (B, Z, K)
+    num_heads: int  # H
+    num_heads_kv: int  # Hk
+    softmax_scale: float
+    inv_freq: Tensor | None  # (R/2,) the rotary frequencies; None: no rotary
+    rotary_interleaved: bool
+    key: Tensor  # (B, capacity, Hk, P)
+    value: Tensor  # (B, capacity, Hk, P)
+    lengths: Tensor  # (B,) int64: the tokens each row holds
+    out_proj_weight: Tensor | QuantizedMatrix  # (M, H·P + U)
+    out_proj_bias: Tensor | None  # (M,)
+    mlp: GatedMLPWeights | None = None
+
+    def tensors(self) -> list[Tensor | None]:
+        return _tensors_and_mlp(self)
+
+
+@dataclass(frozen=True)
 class LMHeadWeights:
     """After the last block: residual ← hidden + residual; logits = weight · RMSNorm(residual)."""
 
@@ -260,10 +297,31 @@ class _Mamba3StepArgs(ctypes.Structure):
     )  # fmt: skip
 
 
+class _AttentionStepArgs(ctypes.Structure):
+    """AttentionStepArgs of ssm/native (decode_attention.c), field for field."""
+
+    _fields_ = (
+        [
+            (name, ctypes.c_int64)
+            for name in ("batch", "d_model", "H", "Hk", "P", "U", "K", "T", "R", "interleaved", "F", "nthreads")
+        ]
+        + [(name, ctypes.c_double) for name in ("eps", "eps2", "scale")]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "hidden", "residual", "norm_w", "in_b", "conv_w", "conv_b", "conv_state", "inv_freq",
+                "key", "value", "lengths", "out_b", "norm2_w", "work", "new_hidden", "new_residual",
+            )
+        ]
+        + [(name, _WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
+    )  # fmt: skip
+
+
 _HEAD = ctypes.POINTER(_HeadArgs)
 declare("mamba_blocks_step", [ctypes.POINTER(_BlockStepArgs), ctypes.c_int64, _HEAD])
 declare("mamba2_blocks_step", [ctypes.POINTER(_Mamba2StepArgs), ctypes.c_int64, _HEAD])
 declare("mamba3_blocks_step", [ctypes.POINTER(_Mamba3StepArgs), ctypes.c_int64, _HEAD])
+declare("attention_blocks_step", [ctypes.POINTER(_AttentionStepArgs), ctypes.c_int64, _HEAD])
 
 
 declare(
@@ -472,6 +530,61 @@ def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_mo
     return batch * (d_model + E + 2 * R * G * N + 2 * H * R * N + H * R * P + S + 3 * F)
 
 
+def _attention_args(a: _AttentionStepArgs, block: AttentionBlockWeights, batch: int, d_model: int, feed: _Feed) -> int:
+    """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
+    them); return the scratch the block needs (elements)."""
+    H, Hk = block.num_heads, block.num_heads_kv
+    if block.key.ndim != 4 or H < 1 or Hk < 1 or H % Hk:
+        raise ValueError(
+            f"AttentionBlockWeights: key must be (B, capacity, Hk, P) and num_heads_kv {Hk} divide num_heads {H}, "
+            f"got key shape {tuple(block.key.shape)}"
+        )
+    _, T, _, P = block.key.shape
+    Z = (H + 2 * Hk) * P
+    E = block.in_proj_weight.shape[0]
+    U = (E - Z) // 2
+    R = 0 if block.inv_freq is None else 2 * block.inv_freq.numel()
+    K = 0 if block.conv_weight is None else block.conv_weight.shape[-1]
+    F = 0 if block.mlp is None else block.mlp.fc2_weight.shape[1]
+    expected = {
+        "key": ((batch, T, Hk, P), block.key),
+        "value": ((batch, T, Hk, P), block.value),
+        "lengths": ((batch,), block.lengths),
+        "in_proj_weight": ((Z + 2 * U, d_model), block.in_proj_weight),
+        "out_proj_weight": ((d_model, H * P + U), block.out_proj_weight),
+    }
+    if K:
+        expected["conv_weight"] = ((Z, K), block.conv_weight.reshape(block.conv_weight.shape[0], -1))
+        expected["conv_state"] = ((batch, Z, K), block.conv_state)
+    if block.mlp is not None:
+        expected["mlp.fc1_weight"] = ((2 * F, d_model), block.mlp.fc1_weight)
+    for name, (shape, t) in expected.items():
+        if t is None or tuple(t.shape) != shape:
+            raise ValueError(
+                f"AttentionBlockWeights.{name} must have shape {shape}, got {None if t is None else tuple(t.shape)}"
+            )
+    if U < 0 or R > P or block.lengths.dtype != torch.int64:
+        raise ValueError(
+            f"AttentionBlockWeights: in_proj's {E} rows must be (H + 2·Hk)·P = {Z} plus twice the MLP's width, "
+            f"the rotary channels {R} at most P = {P}, lengths int64 (got {block.lengths.dtype})"
+        )
+    a.batch, a.d_model, a.H, a.Hk, a.P, a.U, a.K, a.T, a.R, a.F = batch, d_model, H, Hk, P, U, K, T, R, F
+    a.interleaved = int(block.rotary_interleaved)
+    a.eps, a.scale = block.norm_eps, block.softmax_scale
+    a.norm_w, a.in_b, a.conv_w, a.conv_b = (
+        feed.vec(t) for t in (block.norm_weight, block.in_proj_bias, block.conv_weight, block.conv_bias)
+    )
+    a.inv_freq, a.out_b = feed.vec(block.inv_freq), feed.vec(block.out_proj_bias)
+    a.conv_state = None if block.conv_state is None or not K else feed.state(block.conv_state)
+    a.key, a.value = feed.state(block.key), feed.state(block.value)
+    a.lengths = block.lengths.data_ptr() if feed._fits(block.lengths) else None
+    a.in_w, a.out_w = feed.mat(block.in_proj_weight), feed.mat(block.out_proj_weight)
+    if block.mlp is not None:
+        a.eps2, a.norm2_w = block.mlp.norm_eps, feed.vec(block.mlp.norm_weight)
+        a.fc1_w, a.fc2_w = feed.mat(block.mlp.fc1_weight), feed.mat(block.mlp.fc2_weight)
+    return batch * (d_model + E + Z + H * P + U + H * T + 3 * F)
+
+
 # the dtype the step computes in, for each dtype of the hidden stream it is given
 _COMPUTE = {torch.float64: torch.float64, torch.float32: torch.float32}
 _COMPUTE.update({torch.bfloat16: torch.float32, torch.float16: torch.float32})
@@ -481,6 +594,7 @@ _KINDS = {
     MambaBlockWeights: (_BlockStepArgs, _mamba1_args, "mamba_blocks_step"),
     Mamba2BlockWeights: (_Mamba2StepArgs, _mamba2_args, "mamba2_blocks_step"),
     Mamba3BlockWeights: (_Mamba3StepArgs, _mamba3_args, "mamba3_blocks_step"),
+    AttentionBlockWeights: (_AttentionStepArgs, _attention_args, "attention_blocks_step"),
 }
 
 

@@ -234,9 +234,10 @@ def test_bad_attention_arguments_name_the_field(attn_cfg, message):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", HYBRIDS)
 def test_decoding_steps_the_mamba_blocks_in_c_between_attention_blocks(kind, dtype, monkeypatch):
-    """On the CPU a hybrid's runs of Mamba blocks step in C (one call per run; the attention
-    blocks by their own tensor step between them; the head in C only where a run ends the
-    stack): it must be taken, and give the tensor path's logits and every layer's cache."""
+    """On the CPU a hybrid's runs of blocks of one kind step in C (one call per run of Mamba
+    blocks, one per run of attention blocks; the head in C where a run ends the stack): it must
+    be taken, and give the tensor path's logits and every layer's cache (keys and values
+    written in place, lengths, conv states)."""
     from ssm.ops import MambaBlocksStep
 
     model = tiny(kind).to(dtype)
@@ -258,8 +259,8 @@ def test_decoding_steps_the_mamba_blocks_in_c_between_attention_blocks(kind, dty
 
     monkeypatch.setattr(MambaBlocksStep, "prepare", spy)
     fused_logits, fused_cache = decode(True)
-    runs = {"mamba1": 2, "mamba2": 1, "mamba3": 1}[kind]  # runs of Mamba blocks between attention
-    assert prepared == [True] * (7 * runs), "the C step was not taken for every run of Mamba blocks"
+    runs = {"mamba1": 3, "mamba2": 3, "mamba3": 2}[kind]  # runs of blocks of one kind: M A M, A M A, M M A
+    assert prepared == [True] * (7 * runs), "the C step was not taken for every run of blocks"
     logits, cache = decode(False)
     tol = 1e-12 if dtype == torch.float64 else 2e-5
     torch.testing.assert_close(fused_logits, logits, rtol=tol, atol=tol)
@@ -273,3 +274,33 @@ def test_greedy_generation_gives_the_same_tokens_with_the_fused_runs(kind, monke
     from tests.helpers import assert_generate_takes_the_fused_step_and_keeps_its_tokens
 
     assert_generate_takes_the_fused_step_and_keeps_its_tokens(tiny(kind).float(), monkeypatch)
+
+
+def test_the_prepared_attention_step_follows_its_cache_as_it_grows(monkeypatch):
+    """generate's prepared step writes keys and values into the cache in place; a cache without
+    room reserved (max_seqlen 0) fills up after a few tokens and grows (new tensors), and the
+    step must be prepared again on them: the same logits and cache as the tensor path."""
+    from ssm.ops import MambaBlocksStep
+
+    model = tiny("mamba1").float()
+    prompt, tokens = ids((2, 5)), ids((2, 12), seed=3)
+    prepare, prepared = MambaBlocksStep.prepare, []
+    monkeypatch.setattr(MambaBlocksStep, "prepare", lambda *a, **k: prepared.append(1) or prepare(*a, **k))
+
+    def decode(fused: bool):
+        cache = model.allocate_inference_cache(2)
+        with torch.no_grad():
+            model(prompt, cache=cache)
+            step = model.backbone.prepare_fused_step(cache, model.lm_head) if fused else None
+            if not fused:
+                monkeypatch.setattr(model.backbone, "fused_step", lambda *args: None)
+            logits = [step(t).clone() if fused else model.step(t, cache) for t in tokens.T]
+        return torch.stack(logits, 1), cache
+
+    fused_logits, fused_cache = decode(True)
+    attention = fused_cache.layers[1]
+    assert attention.key.shape[1] >= 17 and len(prepared) > 3, "the cache did not grow under the prepared step"
+    logits, cache = decode(False)
+    torch.testing.assert_close(fused_logits, logits, rtol=2e-5, atol=2e-5)
+    for a, b in zip(attention.tensors(), cache.layers[1].tensors()):
+        torch.testing.assert_close(a[:, :17] if a.ndim == 4 else a, b[:, :17] if b.ndim == 4 else b)
