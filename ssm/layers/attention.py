@@ -339,6 +339,7 @@ class MHA(nn.Module):
         needed = int(cache.lengths.max()) + 1 if cache.batch_size else 1
         cache.key, cache.value = _room(cache, needed)
         wide = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
         def fit(t):  # a packed prefill leaves the conv state strided; the C step reads it contiguous
             return t.to(wide.get(t.dtype, t.dtype)).contiguous()
 
