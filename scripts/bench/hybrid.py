@@ -6,7 +6,8 @@ at batch 1 with the cache prefilled to each of ``--decode-positions`` (128,4096)
 steps timed from a copy of that cache per repeat. The attention layers: ``--attn-heads`` heads
 (4; as many key/value heads), causal, rotary on half of each head. The all-Mamba model decodes
 with its fused C step where that applies; the hybrid decodes its runs of Mamba blocks the same
-way and its attention blocks by their tensor step, which reads every cached key at each token."""
+way and each run of attention blocks by their C step (ssm/native/decode_attention.c), which
+reads every cached key at each token."""
 
 from __future__ import annotations
 
@@ -153,8 +154,8 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         f"\n\nTraining step: forward, cross-entropy and backward at batch {c['batch']}, L {c['length']}. "
         f"Decoding: {c['new_tokens']} greedy steps at batch 1 after a prefill to that position. Medians of "
         f"{c['repeats']} after {c['warmup']} untimed. The all-Mamba model decodes through its fused C step; the "
-        "hybrid decodes each run of Mamba blocks in one fused C call and its attention block by its tensor "
-        "step between them (a C step for attention is still to write)."
+        "hybrid decodes each run of Mamba blocks in one fused C call and each attention block in the C step "
+        "of attention (ssm/native/decode_attention.c), which reads every cached key at each token."
     )
     title = f"hybrid model: d_model {c['d_model']}, {c['layers']} layers, {c['device']}"
     return "hybrid", title, body
