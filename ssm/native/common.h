@@ -55,8 +55,11 @@ static inline void restore_fp_mode(fp_mode old) { (void)old; }
 #endif
 
 /* exp, log1p for float: branch-free (Cephes polynomials) so that loops over N or over a
-   chunk's steps vectorise; a few ulp from libm's. */
-static inline float exp_f32(float x) {
+   chunk's steps vectorise; a few ulp from libm's. Always inlined (as softplus and sigmoid in
+   common_real.h): "static inline" leaves it to GCC's budget for the whole translation unit, and
+   when decode_attention.c joined the library that budget ran out and the selective sweeps came
+   out 1.5-1.75x slower (a Mamba-1 training step 0.45 -> 0.54 s, d_model 256, batch 8, L 512). */
+static inline __attribute__((always_inline)) float exp_f32(float x) {
     /* x is clamped to [-87.3, 88.3] (below, the result is 1e-38 rather than 0: negligible, and
        branch-free); the clamps are max/min instructions, and a NaN is passed through at the end. */
     float r, p, k, xc;
@@ -77,7 +80,7 @@ static inline float exp_f32(float x) {
     return x == x ? p * scale.f : x;
 }
 
-static inline float log_f32(float x) { /* x > 0, finite */
+static inline __attribute__((always_inline)) float log_f32(float x) { /* x > 0, finite */
     union { int32_t i; float f; } bits;
     float e, m, z, y;
     bits.f = x;
@@ -101,7 +104,7 @@ static inline float log_f32(float x) { /* x > 0, finite */
     return m + y + 0.693359375f * e;
 }
 
-static inline float log1p_f32(float y) { /* y >= 0: log(1 + y), exact to a few ulp for tiny y */
+static inline __attribute__((always_inline)) float log1p_f32(float y) { /* y >= 0: log(1 + y), exact to a few ulp for tiny y */
     float u = 1.0f + y;
     float d = u - 1.0f;
     return d == 0.0f ? y : log_f32(u) * (y / d);

@@ -2,8 +2,8 @@
    includes this once per REAL, before the families. */
 
 /* softplus with torch's threshold: x above 20 is returned as is. */
-static inline REAL SUF(softplus)(REAL x) { return x > 20 ? x : LOG1P(EXP(x)); }
-static inline REAL SUF(sigmoid)(REAL x) { return 1 / (1 + EXP(-x)); }
+static inline __attribute__((always_inline)) REAL SUF(softplus)(REAL x) { return x > 20 ? x : LOG1P(EXP(x)); }
+static inline __attribute__((always_inline)) REAL SUF(sigmoid)(REAL x) { return 1 / (1 + EXP(-x)); }
 
 /* out[i] = Σ over the region's threads th of part[th·stride + i], i < n: per-thread sums added in
    thread order, so the same bits on every run with as many threads. Run by every thread of the
