@@ -27,9 +27,10 @@ BACKENDS.add("cpu", ssd_cpu, devices=("cpu",))
 CPU_SWEEP_MAX_HEAD_STATE = 4096
 # ... and runs "chunked" in blocks of at most 64 positions on the CPU, whatever chunk_size says:
 # chunk_size is a GPU kernel's tile (mamba-ssm's 256), and on a CPU the chunked form's (T, T)
-# blocks of every head outgrow the caches as T grows. Measured on one thread, L 1024, at
-# mamba2-130m's width (H 24, P 64, N 128): forward 291 ms in blocks of 256, 125 of 128, 33 of 64,
-# 52 of 32; forward and backward 731, 322, 91, 152 (docs/benchmarks-history/2026-11.md).
+# blocks of every head outgrow the caches as T grows. Measured on 2 threads at mamba2-130m's
+# width (H 24, P 64, N 128): fwd+bwd at L 1024 262 ms in blocks of 256, 68 of 64, 87 of 32; a
+# 512-token prefill of the whole model 396 tokens/s in blocks of 256, 880 of 64 (docs/
+# benchmarks-history/2026-11.md, "The attention block's C decoding step; SSD's chunk ...").
 CPU_MAX_CHUNK = 64
 
 

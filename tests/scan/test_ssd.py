@@ -201,9 +201,9 @@ def test_auto_on_the_cpu_takes_the_sweeps_for_small_head_states(monkeypatch, hea
     ("backend", "chunk_size", "expected"), [("auto", 256, 64), ("auto", 16, 16), ("chunked", 256, 256)]
 )
 def test_auto_on_the_cpu_runs_the_chunked_form_in_blocks_of_at_most_64(monkeypatch, backend, chunk_size, expected):
-    """chunk_size is a GPU tile (mamba2-130m's config says 256); on a CPU blocks of 64 were 8x
-    faster, so "auto" takes at most that, and the answer does not change. An explicit backend
-    keeps the caller's chunk_size."""
+    """chunk_size is a GPU tile (mamba2-130m's config says 256); on a CPU blocks of 64 made its
+    prefill 2.2x faster, so "auto" takes at most that, and the answer does not change. An
+    explicit backend keeps the caller's chunk_size."""
     from ssm.scan.ssd import BACKENDS
 
     chunked = BACKENDS._backends["chunked"]
