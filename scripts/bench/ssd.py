@@ -11,24 +11,23 @@ import torch
 from ssm.scan import backends, ssd
 
 from . import report
-from .common import TOLERANCE, config_of, describe_device, median_ms, relative_difference
+from .common import TOLERANCE, comma_ints, config_of, describe_device, median_ms, relative_difference
 
 
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("--op ssd (also --batch, --length, --dim, --state, --headdim)")
     group.add_argument(
-        "--chunk-sizes", default="64,256", help="block lengths of the chunked rows, comma-separated (default 64,256)"
+        "--chunk-sizes",
+        type=comma_ints,
+        default=[64, 256],
+        help="block lengths of the chunked rows, comma-separated (default 64,256)",
     )
 
 
 def check(args, parser) -> None:
     if min(args.batch, args.dim, args.state, args.length, args.headdim, args.repeats) < 1 or args.dim % args.headdim:
         parser.error("--batch, --dim, --state, --length, --headdim, --repeats must be positive, --headdim divide --dim")
-    try:
-        args.chunk_sizes = [int(c) for c in str(args.chunk_sizes).split(",")]
-    except ValueError:
-        parser.error(f"--chunk-sizes must be positive integers separated by commas, got {args.chunk_sizes!r}")
-    if min(args.chunk_sizes) < 1:
+    if not args.chunk_sizes or min(args.chunk_sizes) < 1:
         parser.error(f"--chunk-sizes must be positive integers separated by commas, got {args.chunk_sizes!r}")
 
 

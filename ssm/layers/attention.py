@@ -16,6 +16,12 @@ from .norm import RMSNorm
 from .quant import decoding_matrix
 
 
+def rotary_frequencies(dim: int, base: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """(dim/2,) the rotary frequencies base^(-2i/dim), formed in ``dtype`` (rotary's and the C
+    decoding step's)."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=dtype, device=device) / dim))
+
+
 def rotary(x: torch.Tensor, positions: torch.Tensor, dim: int, base: float, interleaved: bool) -> torch.Tensor:
     """x (B, L, H, P) with its first ``dim`` channels of every head rotated by position:
     the pair (a, b) at frequency f_i = base^(-2i/dim) becomes (a·cos θ − b·sin θ, b·cos θ + a·sin θ),
@@ -25,7 +31,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, dim: int, base: float, inte
     if dim == 0:
         return x
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=work, device=x.device) / dim))  # (dim/2,)
+    inv_freq = rotary_frequencies(dim, base, work, x.device)  # (dim/2,)
     angle = positions.to(work)[..., None] * inv_freq  # (L, dim/2) or (B, L, dim/2)
     cos, sin = angle.cos()[..., None, :], angle.sin()[..., None, :]  # a head axis to broadcast over
     rot = x[..., :dim].to(work)
@@ -347,11 +353,10 @@ class MHA(nn.Module):
         if cache.conv_state is not None:
             cache.conv_state = fit(cache.conv_state)
         inv_freq = None
-        if self.rotary_emb_dim > 0:  # as rotary() forms them
-            work = torch.float64 if self.out_proj.weight.dtype == torch.float64 else torch.float32
-            dim = self.rotary_emb_dim
-            channels = torch.arange(0, dim, 2, dtype=work, device=self.out_proj.weight.device)
-            inv_freq = 1.0 / (self.rotary_emb_base ** (channels / dim))
+        if self.rotary_emb_dim > 0:  # in the dtype rotary() forms them in
+            weight = self.out_proj.weight
+            work = torch.float64 if weight.dtype == torch.float64 else torch.float32
+            inv_freq = rotary_frequencies(self.rotary_emb_dim, self.rotary_emb_base, work, weight.device)
         conv = self.d_conv > 0
         return AttentionBlockWeights(
             norm_weight=norm.weight,
