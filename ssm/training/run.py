@@ -17,7 +17,9 @@ import copy
 import dataclasses
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint, TQDMProgressBar
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ..models import MambaLM
 from .checkpoint import SafeCheckpointIO, load_checkpoint
@@ -106,6 +109,43 @@ class SharedRunDir(pl.Callback):
         self.path = Path(trainer.strategy.broadcast(str(self.path), src=0))
 
 
+class StopOnSignal(pl.Callback):
+    """Ctrl+C (SIGINT) ends a single-process run at the end of the step in progress, so that the
+    caller saves last.ckpt at a step boundary and the run continues from there with resume=.
+    Lightning's own answer, sys.exit, loses every step since the last periodic checkpoint (49
+    steps at L 2^18 of a GPU run, once). A second Ctrl+C interrupts at once. SIGTERM needs no
+    handler here: Lightning raises SIGTERMException at a step boundary, which train() catches.
+    With several processes Lightning's behaviour is kept: the ranks could stop at different steps.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def on_fit_start(self, trainer, pl_module):
+        if trainer.world_size > 1 or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:  # the second one
+            self.restore()
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupted: stopping at the end of this step (Ctrl+C again to stop at once)", flush=True)
+
+    def on_train_batch_end(self, trainer, *args):
+        if self.requested:
+            trainer.should_stop = True
+
+    def restore(self):
+        """Put back the SIGINT handler of before the run (train() calls it however fit ends)."""
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 # Lightning logs at INFO level what helps no user of these runs: which accelerators exist,
 # an advertisement for its logging service, that fit stopped at max_steps. Its warnings stay.
 _LIGHTNING_LOGGERS = ("pytorch_lightning", "lightning_fabric")
@@ -168,6 +208,7 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     progress_bar = sys.stdout.isatty() if config.progress_bar is None else config.progress_bar
     shared_run_dir = SharedRunDir(run_dir)
     logger = MetricsCSV(run_dir / "metrics.csv")
+    stop_on_signal = StopOnSignal()
     trainer = pl.Trainer(
         **kwargs,
         default_root_dir=str(run_dir),
@@ -188,6 +229,7 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
                 save_on_train_epoch_end=False,
             ),
             TQDMProgressBar() if progress_bar else LogLines(config.log_every),
+            stop_on_signal,
             *callbacks,
         ],
         enable_progress_bar=progress_bar,
@@ -217,7 +259,13 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
             logger.drop_rows_after(resume_step)
             print(f"resuming from {ckpt_path} at step {resume_step}", flush=True)
 
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+    except SIGTERMException:  # raised between steps: the state below is a whole step's
+        if trainer.is_global_zero:
+            print("\nSIGTERM: saving the last step's state", flush=True)
+    finally:
+        stop_on_signal.restore()
     run_dir = shared_run_dir.path  # rank 0's, on every rank
     ckpt_dir = run_dir / "checkpoints"
     trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)  # the final (or interrupted) state, in full

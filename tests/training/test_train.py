@@ -9,6 +9,7 @@ import logging
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -240,6 +241,38 @@ class Scramble(pl.Callback):
         with torch.no_grad():
             for p in pl_module.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 20)
+
+
+class SignalAt(pl.Callback):
+    """Sends ``signum`` to this process in the middle of step ``step`` (counted from 1), between
+    its backward pass and its optimiser update, as a Ctrl+C or a job scheduler's SIGTERM would."""
+
+    def __init__(self, signum, step):
+        self.signum, self.step = signum, step
+
+    def on_before_optimizer_step(self, trainer, *args):
+        if trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_the_step_in_progress_and_the_run_continues_from_it(tmp_path, signum):
+    # Lightning's own answer to Ctrl+C is sys.exit, which lost every step since the last periodic
+    # checkpoint (checkpoint_every=1000 here: all of them). The step the signal arrives in is
+    # finished and saved, and the resumed run ends with the uninterrupted run's parameters.
+    args = RESUMABLE + ["checkpoint_every=1000"]
+    whole = train(load_config(None, args + [f"run_dir={tmp_path / 'whole'}"]))
+    handler = signal.getsignal(signal.SIGINT)
+    cut = train(load_config(None, args + [f"run_dir={tmp_path / 'cut'}"]), callbacks=(SignalAt(signum, 3),))
+    assert signal.getsignal(signal.SIGINT) is handler  # the run's handler is gone again
+    last = tmp_path / "cut" / "checkpoints" / "last.ckpt"
+    assert cut.interrupted and load_checkpoint(last)["global_step"] == 3
+    resumed = train(load_config(None, args + [f"resume={tmp_path / 'cut'}"]))
+    assert not resumed.interrupted
+    a = MambaLM.from_pretrained(whole.run_dir / "model").state_dict()
+    b = MambaLM.from_pretrained(resumed.run_dir / "model").state_dict()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 def test_resume_keeps_the_best_checkpoint_of_before_the_interruption(tmp_path):
