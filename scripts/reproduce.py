@@ -26,7 +26,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +102,39 @@ STAGES = {
         Stage(4096, 8, 2500, 128, lr=1e-4, overrides=("optim.decay_steps=2500",)),
     ],
 }
+# Mamba-3's induction heads: a gentler rate from 8192 on. With the stages above, 2 of 3 seeds
+# broke at the jump from 2048 to 16384 (validation 0.125 and 0.156; the first losses at 16384
+# 6.8 and 4.5, where Mamba-1 and Mamba-2 read 0.00); Mamba-3 carries what it learned at 2048 to
+# longer lengths worse (seed 1: 0.91 at 2048, 0.59 at 16384), and at 1e-3 its updates on long
+# sequences undo it. Not the rotation: with θ forced to 0 the same model read 0.47 at 16384.
+# A stage at 8192 at 1e-3 left seed 1 worse (0.84 at 2048); at 2.5e-4 it read 1.000 at 2048
+# and 0.906 at 16384, and then 60 steps at 16384 at 2.5e-4 held 0.953 there.
+# docs/paper-results.md has the runs.
+MAMBA3_LONG_LR = 2.5e-4
+
+
+def _gentler_from(stages: list[Stage], length: int, lr: float, inserted: Stage) -> list[Stage]:
+    """``stages`` with ``inserted`` before the first stage at ``length`` or longer, and every
+    stage from there on at a rate of at most ``lr``."""
+    first = next(k for k, s in enumerate(stages) if s.seq_len >= length)
+    later = [replace(s, lr=min(s.lr or lr, lr)) for s in stages[first:]]
+    return stages[:first] + [inserted] + later
+
+
+MIXER_STAGES = {
+    ("induction_heads", "Mamba3"): _gentler_from(
+        STAGES["induction_heads"], 16384, MAMBA3_LONG_LR, Stage(8192, 4, 200, 32, lr=MAMBA3_LONG_LR)
+    ),
+}
+
+
+def stages_for(task: str, mixer: str, tiny: bool = False) -> list[Stage]:
+    """The stages that ``mixer`` trains ``task`` through: the task's, or the mixer's own."""
+    if tiny:
+        return TINY_STAGES[task]
+    return MIXER_STAGES.get((task, mixer), STAGES[task])
+
+
 # --tiny: the same path in seconds (a 1-layer d_model-16 model, a few steps per stage).
 TINY_STAGES = {
     "induction_heads": [Stage(16, 4, 2, 8), Stage(32, 2, 2, 8)],
@@ -177,7 +210,7 @@ def train_stages(task: str, mixer: str, seed: int, run_dir: Path, tiny: bool, ov
     """Train one run through its stages; returns steps, wall seconds and the final validation."""
     from ssm.training import load_checkpoint, load_config, train
 
-    stages = (TINY_STAGES if tiny else STAGES)[task]
+    stages = stages_for(task, mixer, tiny)
     ssm_cfg = json.dumps((TINY_MIXERS if tiny else MIXERS)[mixer])
     # A run stopped between stages continues with the first stage it has not finished.
     walls_path = run_dir / "stage_walls.json"
@@ -376,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             run_dir = out / f"{args.task}_{mixer}_s{seed}"
             done = run_dir / "reproduce.json"
-            total = sum(s.steps for s in (TINY_STAGES if args.tiny else STAGES)[args.task])
+            total = sum(s.steps for s in stages_for(args.task, mixer, args.tiny))
             info = json.loads(done.read_text()) if done.is_file() else None
             if info is not None and info["steps"] == total:
                 print(f"== {run_dir}: trained already ({info['steps']} steps, {info['train_wall_s']:.0f} s)")

@@ -41,6 +41,23 @@ def test_paper_configs_parse_with_the_papers_settings():
     assert betas == [(0.9, 0.999)] * 3 + [(0.9, 0.95)] * 7
 
 
+def test_mamba3_trains_induction_heads_gentler_from_8192_and_the_others_as_the_task():
+    mod = reproduce()
+    task = mod["STAGES"]["induction_heads"]
+    for mixer in ("Mamba1", "Mamba2"):
+        assert mod["stages_for"]("induction_heads", mixer) == task
+    m3 = mod["stages_for"]("induction_heads", "Mamba3")
+    assert [s.seq_len for s in m3] == [64, 256, 2048, 8192, 16384, 65536, 262144, 1024, 524288, 524288, 16384]
+    assert m3[:3] == task[:3] and m3[3].lr == 2.5e-4 and m3[3].batch_size == 4
+    for ours, theirs in zip(m3[4:], task[3:], strict=True):  # the same stages, at 2.5e-4 at most
+        assert (ours.seq_len, ours.batch_size, ours.steps, ours.overrides) == (
+            theirs.seq_len, theirs.batch_size, theirs.steps, theirs.overrides
+        )  # fmt: skip
+        assert ours.lr == (2.5e-4 if theirs.lr is None else min(theirs.lr, 2.5e-4))
+    assert m3[-1].lr == 1e-4  # the last stage's anneal keeps its own, lower, rate
+    assert mod["stages_for"]("induction_heads", "Mamba3", tiny=True) == mod["TINY_STAGES"]["induction_heads"]
+
+
 @pytest.mark.parametrize("task", ["induction_heads", "selective_copying"])
 def test_tiny_reproduction_runs_end_to_end(task, tmp_path, capsys):
     main = reproduce()["main"]
