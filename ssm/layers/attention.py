@@ -12,6 +12,7 @@ from torch import nn
 
 from ..ops import AttentionBlockWeights, GatedMLPWeights, causal_conv1d, causal_conv1d_step
 from .cache import AttentionCache, check_packing, check_sequence, check_token
+from .linear import Linear
 from .norm import RMSNorm
 from .quant import decoding_matrix
 
@@ -132,10 +133,10 @@ class MHA(nn.Module):
         self.qkv_dim = head_dim * (num_heads + 2 * num_heads_kv)
         out_dim = head_dim * num_heads
 
-        self.in_proj = nn.Linear(embed_dim, self.qkv_dim + self.mlp_dim, bias=qkv_proj_bias, **kw)
+        self.in_proj = Linear(embed_dim, self.qkv_dim + self.mlp_dim, bias=qkv_proj_bias, **kw)
         if d_conv > 0:
             self.conv1d = nn.Conv1d(self.qkv_dim, self.qkv_dim, d_conv, padding=d_conv - 1, groups=self.qkv_dim, **kw)
-        self.out_proj = nn.Linear(out_dim + self.mlp_dim // 2, embed_dim, bias=out_proj_bias, **kw)
+        self.out_proj = Linear(out_dim + self.mlp_dim // 2, embed_dim, bias=out_proj_bias, **kw)
 
     # ------------------------------------------------------------------ pieces
 

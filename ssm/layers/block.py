@@ -8,6 +8,7 @@ from torch import nn
 
 from ..ops import GatedMLPWeights
 from .cache import LayerCache
+from .linear import Linear
 from .norm import RMSNorm, upcast
 from .quant import decoding_matrix
 
@@ -19,8 +20,8 @@ class GatedMLP(nn.Module):
     def __init__(self, d_model: int, hidden: int, multiple_of: int = 128, device=None, dtype=None):
         super().__init__()
         hidden = (hidden + multiple_of - 1) // multiple_of * multiple_of
-        self.fc1 = nn.Linear(d_model, 2 * hidden, bias=False, device=device, dtype=dtype)
-        self.fc2 = nn.Linear(hidden, d_model, bias=False, device=device, dtype=dtype)
+        self.fc1 = Linear(d_model, 2 * hidden, bias=False, device=device, dtype=dtype)
+        self.fc2 = Linear(hidden, d_model, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, gate = self.fc1(x).chunk(2, dim=-1)

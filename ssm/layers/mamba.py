@@ -11,6 +11,7 @@ from torch import nn
 from ..ops import MambaBlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import selective_scan, selective_scan_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
+from .linear import Linear
 from .norm import RMSNorm, upcast
 from .quant import decoding_matrix
 
@@ -68,10 +69,10 @@ class Mamba(nn.Module):
         self.layer_idx, self.backend = layer_idx, backend
         D = self.d_inner
 
-        self.in_proj = nn.Linear(d_model, 2 * D, bias=bias, **kw)
+        self.in_proj = Linear(d_model, 2 * D, bias=bias, **kw)
         self.conv1d = nn.Conv1d(D, D, d_conv, groups=D, padding=d_conv - 1, bias=conv_bias, **kw)
-        self.x_proj = nn.Linear(D, self.dt_rank + 2 * d_state, bias=False, **kw)
-        self.dt_proj = nn.Linear(self.dt_rank, D, bias=True, **kw)
+        self.x_proj = Linear(D, self.dt_rank + 2 * d_state, bias=False, **kw)
+        self.dt_proj = Linear(self.dt_rank, D, bias=True, **kw)
         std = self.dt_rank**-0.5 * dt_scale
         if dt_init == "constant":
             nn.init.constant_(self.dt_proj.weight, std)
@@ -87,7 +88,7 @@ class Mamba(nn.Module):
         A = torch.arange(1, d_state + 1, dtype=torch.float32, device=device).repeat(D, 1)  # (D, N)
         self.A_log = no_weight_decay(nn.Parameter(torch.log(A)))
         self.D = no_weight_decay(nn.Parameter(torch.ones(D, device=device)))
-        self.out_proj = nn.Linear(D, d_model, bias=bias, **kw)
+        self.out_proj = Linear(D, d_model, bias=bias, **kw)
 
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
         return LayerCache.zeros(batch, self.conv1d, (self.d_inner, self.d_state), dtype, device)

@@ -10,6 +10,7 @@ from torch import nn
 from ..ops import GatedMLPWeights, Mamba2BlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import ssd, ssd_step
 from .cache import LayerCache, check_packing, check_sequence, check_token
+from .linear import Linear
 from .mamba import decoding_A, dt_bias_init, no_weight_decay
 from .norm import RMSNorm, RMSNormGated, upcast
 from .quant import decoding_matrix
@@ -73,7 +74,7 @@ class Mamba2(nn.Module):
         self.conv_dim = self.d_ssm + 2 * ngroups * d_state
 
         d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
-        self.in_proj = nn.Linear(d_model, d_in_proj, bias=bias, **kw)
+        self.in_proj = Linear(d_model, d_in_proj, bias=bias, **kw)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1, bias=conv_bias, **kw
         )
@@ -91,7 +92,7 @@ class Mamba2(nn.Module):
             self.norm = RMSNormGated(
                 self.d_ssm, eps=1e-5, norm_before_gate=norm_before_gate, group_size=self.d_ssm // ngroups, **kw
             )
-        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **kw)
+        self.out_proj = Linear(self.d_inner, d_model, bias=bias, **kw)
 
     def _D(self) -> torch.Tensor:
         return upcast(self.D).view(self.nheads, self.headdim) if self.D_has_hdim else upcast(self.D)

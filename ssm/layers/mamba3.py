@@ -12,6 +12,7 @@ from torch import nn
 from ..ops import GatedMLPWeights, Mamba3BlockWeights
 from ..scan import TrapezoidalState, trapezoidal_scan, trapezoidal_scan_step
 from .cache import Mamba3Cache, check_sequence, check_token
+from .linear import Linear
 from .mamba import dt_bias_init, no_weight_decay
 from .norm import RMSNorm, RMSNormGated, upcast
 from .quant import decoding_matrix
@@ -108,7 +109,7 @@ class Mamba3(nn.Module):
         H, R, N, G, P = self.nheads, self.mimo_rank, d_state, ngroups, headdim
         # in_proj's output, in order: z, x, B, C, Δ, A, λ (trapezoid), θ (rotary angles)
         self._sizes = [self.d_inner, self.d_inner, N * G * R, N * G * R, H, H, H, self.num_rope_angles]
-        self.in_proj = nn.Linear(d_model, sum(self._sizes), bias=False, **kw)
+        self.in_proj = Linear(d_model, sum(self._sizes), bias=False, **kw)
         self.dt_bias = no_weight_decay(nn.Parameter(dt_bias_init(H, dt_min, dt_max, dt_init_floor, device)))
         self.B_bias = nn.Parameter(torch.ones(H, R, N, device=device))
         self.C_bias = nn.Parameter(torch.ones(H, R, N, device=device))
@@ -121,7 +122,7 @@ class Mamba3(nn.Module):
         self.D = no_weight_decay(nn.Parameter(torch.ones(H, device=device)))
         if is_outproj_norm:
             self.norm = RMSNormGated(self.d_inner, eps=1e-5, norm_before_gate=True, group_size=P, **kw)
-        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False, **kw)
+        self.out_proj = Linear(self.d_inner, d_model, bias=False, **kw)
 
     # ------------------------------------------------------------------ the shared pieces
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..layers import MHA, AttentionCache, Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, Mamba3Cache, RMSNorm
+from ..layers.linear import Linear
 from ..layers.quant import decoding_matrix
 from ..ops import AttentionBlockWeights, LMHeadWeights, MambaBlocksStep, mamba_blocks_step
 from .config import MambaConfig
@@ -245,7 +246,7 @@ class MambaLM(nn.Module):
         self.config = config
         self.quantization: dict | None = None  # set by quantize: scheme, block_size, modules
         self.backbone = MambaBackbone(config, backend=backend, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
+        self.lm_head = Linear(config.d_model, config.padded_vocab_size, bias=False, device=device, dtype=dtype)
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight
