@@ -326,20 +326,20 @@ def plot(runs: list[dict], path: Path) -> None:
     fig = figure.Figure(figsize=(7, 4.2))
     ax = fig.subplots()
     styles = {"Mamba1": "-", "Mamba2": "--", "Mamba3": ":"}
-    longest = max(s["seq_len"] for s in runs[0]["stages"]) if runs else None
+    trained = sorted({s["seq_len"] for s in runs[0]["stages"]}) if runs else []  # the band's lengths
     for r in runs:
         xs = [t["length"] for t in r["test"]]
         trained_to = max(s["seq_len"] for s in r["stages"])  # a run trained through fewer stages says so
+        note = f" (trained to {trained_to})" if trained_to != trained[-1] else ""
         ax.plot(
             xs,
             [100 * t["val/acc"] for t in r["test"]],
             styles.get(r["mixer"], "-"),
             marker="o",
             markersize=3,
-            label=f"{r['mixer']} seed {r['seed']}" + (f" (trained to {trained_to})" if trained_to != longest else ""),
+            label=f"{r['mixer']} seed {r['seed']}{note}",
         )
     if runs:
-        trained = sorted({s["seq_len"] for s in runs[0]["stages"]})
         ax.axvspan(
             min(trained),
             max(trained),
