@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.decode import widen_rows
 from ..ops.quant import BLOCK, QuantizedMatrix, blocks_per_row, check_scheme, dequantize_rows, quantize_matrix
 
 _ROWS = 1024  # rows widened at a time on the tensor path
@@ -49,12 +50,25 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.matrix()
-        parts = [
-            F.linear(x, dequantize_rows(q, lo, min(lo + _ROWS, self.out_features)).to(x.dtype))
-            for lo in range(0, self.out_features, _ROWS)
-        ]
+        # On the CPU the product runs in float32 whatever x's dtype: the widened rows are float32
+        # already, and casting them to bfloat16 would round them and take torch's slower bfloat16
+        # product (ssm.layers.linear). The rows are widened by the C reads where they apply, into
+        # one buffer reused chunk after chunk unless autograd keeps the rows for x's gradient.
+        cpu = x.device.type == "cpu"
+        xc = x.float() if cpu else x
+        reuse = cpu and not (torch.is_grad_enabled() and x.requires_grad)
+        buf, parts = None, []
+        for lo in range(0, self.out_features, _ROWS):
+            hi = min(lo + _ROWS, self.out_features)
+            w = widen_rows(q, lo, hi, buf) if cpu else None
+            if w is None:
+                w = dequantize_rows(q, lo, hi)
+            elif reuse and buf is None:
+                buf = w
+            parts.append(F.linear(xc, w.to(xc.dtype)))
         y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = y if self.bias is None else y + self.bias.to(y.dtype)
+        return y.to(x.dtype)
 
     def _apply(self, fn, recurse=True):
         # the scales keep float32 whatever dtype the model is moved to; they follow its device

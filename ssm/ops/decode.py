@@ -345,6 +345,33 @@ def decode_matvec(weight: Tensor | QuantizedMatrix, x: Tensor, nthreads: int | N
     return y
 
 
+declare(
+    "decode_widen_rows",
+    [ctypes.POINTER(_WMat), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64],
+)
+
+
+def widen_rows(weight: QuantizedMatrix, lo: int, hi: int, out: Tensor | None = None) -> Tensor | None:
+    """Rows lo .. hi-1 of a quantised matrix in float32 ((hi - lo, I), in ``out`` when given: a
+    float32 CPU tensor of at least that many elements), widened by the C reads of the fused steps
+    in one pass: the values of ``ops.quant.dequantize_rows``, several times faster. None where the
+    C library is not there or the matrix is not a contiguous CPU one."""
+    if not ready() or not 0 <= lo <= hi <= weight.shape[0]:
+        return None
+    feed = _Feed(torch.float32)
+    m = feed.mat(weight)
+    if not feed.ok:
+        return None
+    rows, n = hi - lo, weight.shape[1]
+    if out is None:
+        out = torch.empty(rows, n)
+    elif out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < rows * n:
+        raise ValueError(f"widen_rows: out must be a contiguous float32 CPU tensor of >= {rows * n} elements")
+    out = out.view(-1)[: rows * n].view(rows, n)
+    kernel("decode_widen_rows", torch.float32)(ctypes.byref(m), n, lo, hi, out.data_ptr(), threads())
+    return out
+
+
 def mamba_blocks_step(
     hidden: Tensor,
     blocks: Sequence[MambaBlockWeights] | Sequence[Mamba2BlockWeights] | Sequence[Mamba3BlockWeights],

@@ -1,0 +1,74 @@
+"""QuantLinear's tensor path (a prompt's prefill through a quantised layer): the C widening of
+its rows (``ops.decode.widen_rows``) against ``dequantize_ref``, the float64 reading of the
+stored integers and scales that shares no code with it; the layer's output and gradient against
+float64 products of those weights, over several chunks of rows and for float32 and bfloat16
+inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ssm.layers.quant as quant
+from ssm.layers.quant import QuantLinear
+from ssm.native import library
+from ssm.ops import dequantize_ref, quantize_matrix
+from ssm.ops.decode import widen_rows
+
+
+def needs_library():
+    if library() is None:
+        pytest.fail("the C library did not build: the C widening is untested")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("n", [1, 17, 32, 33, 47, 64, 100])
+def test_widen_rows_reads_the_stored_weights_exactly(scheme, n):
+    """float32 products of a small integer and a float32 scale are exact in float64, so the
+    float64 reading rounded once to float32 is what one float32 multiplication gives: equal."""
+    needs_library()
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(11, n, generator=g) * torch.rand(11, 1, generator=g) * 4
+    q = quantize_matrix(w, scheme)
+    want = dequantize_ref(q).float()
+    for lo, hi in [(0, 11), (3, 4), (5, 11), (7, 7)]:
+        got = widen_rows(q, lo, hi)
+        assert got.shape == (hi - lo, n)
+        assert torch.equal(got, want[lo:hi]), (scheme, n, lo, hi)
+    buf = torch.full((200 * n,), float("nan"))  # a larger buffer: only its first rows are written
+    assert torch.equal(widen_rows(q, 2, 9, buf), want[2:9])
+
+
+def test_widen_rows_refuses_a_wrong_buffer():
+    needs_library()
+    q = quantize_matrix(torch.randn(4, 40), "int8")
+    for bad in (torch.empty(4 * 40 - 1), torch.empty(4 * 40, dtype=torch.float64), torch.empty(40, 8).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            widen_rows(q, 0, 4, bad)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_input_gradient_against_float64_over_several_chunks(scheme, dtype, monkeypatch):
+    """Chunks of 7 rows (35 outputs: five chunks, the widened rows reused between them unless
+    autograd keeps them). Output: float32 rounding of the float64 product for float32 inputs, one
+    bfloat16 rounding for bfloat16 ones; x's gradient: float32 rounding."""
+    needs_library()
+    monkeypatch.setattr(quant, "_ROWS", 7)
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(45, 35)
+    layer = QuantLinear.from_linear(lin, scheme)
+    wide = dequantize_ref(layer.matrix())
+    x = torch.randn(6, 45).to(dtype)
+    want = x.double() @ wide.T + lin.bias.double()
+    scale = (x.double().abs() @ wide.abs().T + lin.bias.double().abs()).max()
+    with torch.no_grad():
+        got = layer(x)
+    assert got.dtype == dtype
+    tol = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-6 * scale).all()
+
+    xg = x.float().requires_grad_()
+    g = torch.randn(6, 35)
+    layer(xg).backward(g)
+    torch.testing.assert_close(xg.grad.double(), g.double() @ wide, rtol=1e-5, atol=1e-5)
