@@ -219,13 +219,16 @@ def test_auto_on_the_cpu_runs_the_chunked_form_in_blocks_of_at_most_64(monkeypat
     assert_close(got, ssd(**x, dt_softplus=True, backend="ref"), torch.float32, "out")
 
 
-def test_entering_states_matches_a_loop_and_keeps_the_backward_linear():
-    """The inter-chunk recurrence of the chunked backends (ssm.scan._common.entering_states)
+@pytest.mark.parametrize("way", ["entering_states", "_entering_by_scan", "_entering_by_loop"])
+def test_entering_states_matches_a_loop_and_keeps_the_backward_linear(way):
+    """The inter-chunk recurrence of the chunked backends (ssm.scan._common.entering_states,
+    and each of its two ways: the loop it runs on the CPU, the linear scan it runs elsewhere)
     against a float64 loop written here, values and gradients (decay, inputs, initial state);
     and its backward holds no per-chunk index (whose gradients are each the size of the whole
     input: O(chunks²) work, what made Mamba-3's backward at L 16384 25x that at 2048)."""
-    from ssm.scan._common import entering_states
+    import ssm.scan._common as common
 
+    entering_states = getattr(common, way)  # the loop (the CPU's), the linear scan (other devices')
     g = torch.Generator().manual_seed(0)
     decay = torch.rand(2, 7, 3, 1, 1, generator=g, dtype=torch.float64).requires_grad_()
     inputs = torch.randn(2, 7, 3, 4, 5, generator=g, dtype=torch.float64).requires_grad_()
@@ -245,11 +248,12 @@ def test_entering_states_matches_a_loop_and_keeps_the_backward_linear():
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
 
-    seen, todo = set(), [entering.grad_fn, last.grad_fn]
+    seen, todo, selects = set(), [entering.grad_fn, last.grad_fn], 0
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        assert type(node).__name__ != "SelectBackward0", "a per-chunk index in the backward"
+        selects += type(node).__name__ == "SelectBackward0"
         todo += [n for n, _ in node.next_functions]
+    assert selects <= 1, f"{selects} indexes in the backward: one per chunk (7), not the last state's alone"
