@@ -29,6 +29,16 @@ BACKENDS.add("triton", triton.trapezoidal_scan_triton, devices=triton.devices, h
 ROTARY = ("interleaved", "halved")
 
 
+def auto_on_cuda(batch: int, heads: int, multiprocessors: int) -> str:
+    """What ``backend="auto"`` runs on a CUDA device: "triton" where its scan fills the GPU,
+    else "chunked". The Triton scan runs a program per row and head (and block of P), each walking
+    all L steps, so with fewer of them than multiprocessors most of the GPU idles. Measured on an
+    H100 (132 SMs), float32 forward+backward: batch 1 × 8 heads, N 40, the chunked form 12.8
+    against 38.6 ms at L 16384, 242 against 650 at 2^18; batch 8 × 96 heads, N 16, L 2048, Triton
+    11.0 against 14.2."""
+    return "triton" if batch * heads >= multiprocessors else "chunked"
+
+
 def trapezoidal_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -95,7 +105,9 @@ def trapezoidal_scan(
     ``chunk_size``: block length of the "chunked" algorithm (others ignore it).
     ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("trapezoidal_scan")``: "ref" (a
     loop over time on the complex state), "chunked" (chunked matrix products, any device),
-    "triton" (fused kernels for CUDA; on the CPU only in Triton's interpreter).
+    "triton" (fused kernels for CUDA; on the CPU only in Triton's interpreter). On CUDA "auto"
+    takes "triton" where batch × H reaches the GPU's multiprocessor count, else "chunked"
+    (``auto_on_cuda``); packed sequences keep "triton" (the chunked form loops over them).
     """
     check_tensor("x", x, ndim=4)
     batch, length, heads, head_dim = x.shape
@@ -170,6 +182,10 @@ def trapezoidal_scan(
         **{f"initial_state.{n}": t for n, t in zip(TrapezoidalState._fields, initial_state or ())},
     )
     impl = BACKENDS.resolve(backend, x.device)
+    # (under torch.compile the choice stays Triton's: the traced graph asks no device properties)
+    if impl.name == "triton" and backend == "auto" and cu_seqlens is None and not torch.compiler.is_compiling():
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        impl = BACKENDS.resolve(auto_on_cuda(batch, heads, sms), x.device)
 
     dtype = compute_dtype(
         x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, *(initial_state or ())
