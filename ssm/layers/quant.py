@@ -55,7 +55,7 @@ class QuantLinear(nn.Module):
         # product (ssm.layers.linear). The rows are widened by the C reads where they apply, into
         # one buffer reused chunk after chunk unless autograd keeps the rows for x's gradient.
         cpu = x.device.type == "cpu"
-        xc = x.float() if cpu else x
+        xc = x.float() if cpu and x.dtype in (torch.bfloat16, torch.float16) else x
         reuse = cpu and not (torch.is_grad_enabled() and x.requires_grad)
         buf, parts = None, []
         for lo in range(0, self.out_features, _ROWS):

@@ -48,25 +48,26 @@ def test_widen_rows_refuses_a_wrong_buffer():
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_forward_and_input_gradient_against_float64_over_several_chunks(scheme, dtype, monkeypatch):
     """Chunks of 7 rows (35 outputs: five chunks, the widened rows reused between them unless
     autograd keeps them). Output: float32 rounding of the float64 product for float32 inputs, one
-    bfloat16 rounding for bfloat16 ones; x's gradient: float32 rounding."""
+    bfloat16 rounding for bfloat16 ones, float64 rounding for float64 ones (not a float32
+    product); x's gradient: float32 rounding."""
     needs_library()
     monkeypatch.setattr(quant, "_ROWS", 7)
     torch.manual_seed(3)
     lin = torch.nn.Linear(45, 35)
     layer = QuantLinear.from_linear(lin, scheme)
-    wide = dequantize_ref(layer.matrix())
+    wide = dequantize_ref(layer.matrix()).float().double()  # the float32 weights (see the test above)
     x = torch.randn(6, 45).to(dtype)
     want = x.double() @ wide.T + lin.bias.double()
     scale = (x.double().abs() @ wide.abs().T + lin.bias.double().abs()).max()
     with torch.no_grad():
         got = layer(x)
     assert got.dtype == dtype
-    tol = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
-    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-6 * scale).all()
+    tol = {torch.bfloat16: 2.0**-8, torch.float32: 1e-6, torch.float64: 1e-13}[dtype]
+    assert ((got.double() - want).abs() <= tol * (want.abs() + scale)).all()
 
     xg = x.float().requires_grad_()
     g = torch.randn(6, 35)
