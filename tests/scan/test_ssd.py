@@ -219,16 +219,13 @@ def test_auto_on_the_cpu_runs_the_chunked_form_in_blocks_of_at_most_64(monkeypat
     assert_close(got, ssd(**x, dt_softplus=True, backend="ref"), torch.float32, "out")
 
 
-@pytest.mark.parametrize("way", ["entering_states", "_entering_by_scan", "_entering_by_loop"])
-def test_entering_states_matches_a_loop_and_keeps_the_backward_linear(way):
-    """The inter-chunk recurrence of the chunked backends (ssm.scan._common.entering_states,
-    and each of its two ways: the loop it runs on the CPU, the linear scan it runs elsewhere)
+def test_entering_states_matches_a_loop_and_keeps_the_backward_linear():
+    """The inter-chunk recurrence of the chunked backends (ssm.scan._common.entering_states)
     against a float64 loop written here, values and gradients (decay, inputs, initial state);
     and its backward holds no per-chunk index (whose gradients are each the size of the whole
     input: O(chunks²) work, what made Mamba-3's backward at L 16384 25x that at 2048)."""
-    import ssm.scan._common as common
+    from ssm.scan._common import entering_states
 
-    entering_states = getattr(common, way)  # the loop (the CPU's), the linear scan (other devices')
     g = torch.Generator().manual_seed(0)
     decay = torch.rand(2, 7, 3, 1, 1, generator=g, dtype=torch.float64).requires_grad_()
     inputs = torch.randn(2, 7, 3, 4, 5, generator=g, dtype=torch.float64).requires_grad_()
