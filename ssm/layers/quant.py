@@ -50,10 +50,11 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.matrix()
-        # On the CPU the product runs in float32 whatever x's dtype: the widened rows are float32
-        # already, and casting them to bfloat16 would round them and take torch's slower bfloat16
-        # product (ssm.layers.linear). The rows are widened by the C reads where they apply, into
-        # one buffer reused chunk after chunk unless autograd keeps the rows for x's gradient.
+        # On the CPU a 16-bit x is multiplied in float32: the widened rows are float32 already,
+        # and casting them to bfloat16 would round them and take torch's slower bfloat16 product
+        # (ssm.layers.linear); float32 and float64 keep their own dtype. The rows are widened by
+        # the C reads where they apply, into one buffer reused chunk after chunk unless autograd
+        # keeps the rows for x's gradient.
         cpu = x.device.type == "cpu"
         xc = x.float() if cpu and x.dtype in (torch.bfloat16, torch.float16) else x
         reuse = cpu and not (torch.is_grad_enabled() and x.requires_grad)

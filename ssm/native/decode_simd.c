@@ -68,12 +68,7 @@ static inline void tail_rows(const WMat *W, const void *const *rows, i64 from, i
             case W_BF16: w = bf16_to_f32(((const uint16_t *)rows[r])[i]); break;
             case W_F16: w = f16_to_f32(((const uint16_t *)rows[r])[i]); break;
             case W_Q8: w = (float)((const int8_t *)rows[r])[i]; break;
-            case W_Q4: {
-                const i64 t = i % QBLOCK;
-                const uint8_t byte = ((const uint8_t *)rows[r])[i / QBLOCK * (QBLOCK / 2) + t % 16];
-                w = (float)((t < 16 ? byte & 15 : byte >> 4) - 8);
-                break;
-            }
+            case W_Q4: w = (float)q4_at((const uint8_t *)rows[r] + i / QBLOCK * (QBLOCK / 2), i % QBLOCK); break;
             default: w = ((const float *)rows[r])[i];
             }
             acc += w * x[i];

@@ -30,6 +30,9 @@ typedef struct {
     i64 type, isa;
 } WMat;
 
+/* Input t (0 <= t < 32) of a W_Q4 block of 16 bytes, as its integer (nibble − 8). */
+static inline int q4_at(const uint8_t *block, i64 t) { return (t < 16 ? block[t & 15] & 15 : block[t & 15] >> 4) - 8; }
+
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)h << 16;
@@ -192,11 +195,7 @@ static inline void SUF(dot_rows_q4)(const uint8_t *W, const float *sc, i64 n, i6
     REAL sums[4] = {0, 0, 0, 0};
     for (int r = 0; r < 4; r++) {
         REAL tail = 0;
-        for (i64 i = j * QBLOCK; i < n; i++) {
-            const i64 t = i - j * QBLOCK;
-            const uint8_t byte = w[r][j * (QBLOCK / 2) + (t & 15)];
-            tail += (REAL)((t < 16 ? byte & 15 : byte >> 4) - 8) * x[i];
-        }
+        for (i64 i = j * QBLOCK; i < n; i++) tail += (REAL)q4_at(w[r] + j * (QBLOCK / 2), i - j * QBLOCK) * x[i];
         sums[r] = tail * (j < nb ? (REAL)s[r][j] : 0);
     }
     for (int k = 0; k < DOT_LANES; k++) {
@@ -224,20 +223,19 @@ static inline void SUF(dot_rows_any)(const WMat *W, i64 n, i64 o, i64 nr, const 
     }
 }
 
-/* Rows lo .. hi-1 of W (n inputs) widened to REAL, one after another in out ((hi − lo) × n): the
-   weights exactly as the products above read them (a W_Q8 / W_Q4 weight is its integer times its
-   block's float32 scale, rounded once to float32, as ops.quant.dequantize_rows computes it), for
-   the tensor path's matrix products (a prompt's prefill) of a quantised layer. One pass over the
-   narrow rows where torch's formula makes five over the wide ones. */
+/* Rows lo .. hi-1 of a W_Q8 or W_Q4 matrix W (n inputs) widened to REAL, one after another in
+   out ((hi − lo) × n): the weights exactly as the products above read them (the integer times
+   its block's float32 scale, rounded once to float32, as ops.quant.dequantize_rows computes it),
+   for the tensor path's matrix products (a prompt's prefill) of a quantised layer. One pass over
+   the narrow rows where torch's formula makes five over the wide ones. */
 void SUF(decode_widen_rows)(const WMat *W, i64 n, i64 lo, i64 hi, REAL *out, i64 nthreads) {
     const i64 nb = (n + QBLOCK - 1) / QBLOCK;
     (void)nthreads; /* unused without OpenMP */
 #pragma omp parallel for schedule(static) num_threads((int)nthreads)
     for (i64 o = lo; o < hi; o++) {
         REAL *dst = out + (o - lo) * n;
-        const float *sc = W->scale ? W->scale + o * nb : NULL;
-        switch (W->type) {
-        case W_Q8: {
+        const float *sc = W->scale + o * nb;
+        if (W->type == W_Q8) {
             const int8_t *w = (const int8_t *)W->w + o * n;
             for (i64 j = 0; j < nb; j++) {
                 const i64 i0 = j * QBLOCK, i1 = i0 + QBLOCK < n ? i0 + QBLOCK : n;
@@ -245,37 +243,22 @@ void SUF(decode_widen_rows)(const WMat *W, i64 n, i64 lo, i64 hi, REAL *out, i64
 #pragma omp simd
                 for (i64 i = i0; i < i1; i++) dst[i] = (REAL)((float)w[i] * d);
             }
-            break;
+            continue;
         }
-        case W_Q4: {
-            const uint8_t *w = (const uint8_t *)W->w + o * nb * (QBLOCK / 2);
-            for (i64 j = 0; j < nb; j++) {
-                const i64 i0 = j * QBLOCK;
-                const uint8_t *b = w + j * (QBLOCK / 2);
-                const float d = sc[j];
-                if (i0 + QBLOCK <= n) {
+        const uint8_t *w = (const uint8_t *)W->w + o * nb * (QBLOCK / 2); /* W_Q4 */
+        for (i64 j = 0; j < nb; j++) {
+            const i64 i0 = j * QBLOCK;
+            const uint8_t *b = w + j * (QBLOCK / 2);
+            const float d = sc[j];
+            if (i0 + QBLOCK <= n) {
 #pragma omp simd
-                    for (int k = 0; k < QBLOCK / 2; k++) {
-                        dst[i0 + k] = (REAL)((float)((b[k] & 15) - 8) * d);
-                        dst[i0 + QBLOCK / 2 + k] = (REAL)((float)((b[k] >> 4) - 8) * d);
-                    }
-                } else { /* the last, partial block */
-                    for (i64 i = i0; i < n; i++) {
-                        const i64 t = i - i0;
-                        dst[i] = (REAL)((float)((t < 16 ? b[t & 15] & 15 : b[t & 15] >> 4) - 8) * d);
-                    }
+                for (int k = 0; k < QBLOCK / 2; k++) {
+                    dst[i0 + k] = (REAL)((float)((b[k] & 15) - 8) * d);
+                    dst[i0 + QBLOCK / 2 + k] = (REAL)((float)((b[k] >> 4) - 8) * d);
                 }
+            } else { /* the last, partial block */
+                for (i64 i = i0; i < n; i++) dst[i] = (REAL)((float)q4_at(b, i - i0) * d);
             }
-            break;
-        }
-        case W_BF16:
-            for (i64 i = 0; i < n; i++) dst[i] = (REAL)bf16_to_f32(((const uint16_t *)W->w)[o * n + i]);
-            break;
-        case W_F16:
-            for (i64 i = 0; i < n; i++) dst[i] = (REAL)f16_to_f32(((const uint16_t *)W->w)[o * n + i]);
-            break;
-        default:
-            for (i64 i = 0; i < n; i++) dst[i] = ((const REAL *)W->w)[o * n + i];
         }
     }
 }

@@ -356,7 +356,11 @@ def widen_rows(weight: QuantizedMatrix, lo: int, hi: int, out: Tensor | None = N
     float32 CPU tensor of at least that many elements), widened by the C reads of the fused steps
     in one pass: the values of ``ops.quant.dequantize_rows``, several times faster. None where the
     C library is not there or the matrix is not a contiguous CPU one."""
-    if not ready() or not 0 <= lo <= hi <= weight.shape[0]:
+    if not isinstance(weight, QuantizedMatrix):
+        raise ValueError(f"widen_rows: weight must be a QuantizedMatrix, got {type(weight).__name__}")
+    if not 0 <= lo <= hi <= weight.shape[0]:
+        raise ValueError(f"widen_rows: lo, hi must satisfy 0 <= lo <= hi <= {weight.shape[0]} (rows), got {lo}, {hi}")
+    if not ready():
         return None
     feed = _Feed(torch.float32)
     m = feed.mat(weight)

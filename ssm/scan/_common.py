@@ -109,7 +109,7 @@ def entering_states(
     at L 2^18 in chunks of 32 (8192 chunks) ``ssd`` spent 939 ms of its forward+backward
     launching them, 12.9 ms now; on the CPU the loop took 44 / 62-97 ms forward / backward at
     2048 chunks of 5120 columns, the scan 28 / 47."""
-    from .linear import linear_scan  # imported here: linear.py's backends import this module's neighbours
+    from .linear import linear_scan  # imported here: linear.py's backends (cpu.py, pscan.py) import this module
 
     states = linear_scan(decay.expand_as(inputs), inputs, dim=1, initial_state=state)
     return torch.cat([state.unsqueeze(1), states[:, :-1]], dim=1), states[:, -1].contiguous()

@@ -39,12 +39,17 @@ def test_widen_rows_reads_the_stored_weights_exactly(scheme, n):
     assert torch.equal(widen_rows(q, 2, 9, buf), want[2:9])
 
 
-def test_widen_rows_refuses_a_wrong_buffer():
+def test_widen_rows_refuses_a_wrong_buffer_range_or_matrix():
     needs_library()
     q = quantize_matrix(torch.randn(4, 40), "int8")
     for bad in (torch.empty(4 * 40 - 1), torch.empty(4 * 40, dtype=torch.float64), torch.empty(40, 8).t()):
         with pytest.raises(ValueError, match="out must be"):
             widen_rows(q, 0, 4, bad)
+    for lo, hi in ((-1, 2), (3, 2), (0, 5)):
+        with pytest.raises(ValueError, match=r"lo, hi must satisfy 0 <= lo <= hi <= 4 \(rows\)"):
+            widen_rows(q, lo, hi)
+    with pytest.raises(ValueError, match="weight must be a QuantizedMatrix, got Tensor"):
+        widen_rows(torch.randn(4, 40), 0, 4)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
