@@ -17,8 +17,10 @@ tokens per second and the weights' precision.
 Precision: --dtype casts the weights as they are read (default: the checkpoint's dtype); --quantize
 int8 / int4 quantises them as they are read (MambaLM.quantize: blocks of 32 inputs, one float32
 scale each), or names the scheme of a checkpoint saved quantised (loaded as saved; another scheme
-is an error). On the CPU, bfloat16 / float16 and int8 / int4 models decode through the fused C
-step, which reads each matrix as stored (README, "Low-precision decoding").
+is an error). --activations: what a quantised model's layers multiply their integers by, int8
+(the default: each input rounded per block of 32, as llama.cpp's q8_0 / q4_0 do) or float32. On
+the CPU, bfloat16 / float16 and int8 / int4 models decode through the fused C step, which reads
+each matrix as stored (README, "Low-precision decoding").
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quantize", default=None, choices=["int8", "int4"], help="quantise the weights (or: the checkpoint's scheme)"
     )
+    parser.add_argument(
+        "--activations",
+        default=None,
+        choices=["int8", "float32"],
+        help="what a quantised model's layers multiply their integers by (default: int8, or the checkpoint's)",
+    )
     parser.add_argument("--no-stream", action="store_true", help="print the text when done, not token by token")
     parser.add_argument("--show-ids", action="store_true", help="also print each row's new token ids")
     args = parser.parse_args(argv)
@@ -69,10 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         model, tokenizer, directory = load_model_and_tokenizer(
-            args.name_or_dir, args.tokenizer, device=args.device, dtype=args.dtype, quantize=args.quantize
+            args.name_or_dir,
+            args.tokenizer,
+            device=args.device,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            activations=args.activations,
         )
     except QuantizationMismatch as err:
         parser.error(f"--{err}")  # "--quantize int4: DIR is saved quantised as int8; ..."
+    except ValueError as err:
+        if args.activations is None or "activations" not in str(err):
+            raise
+        parser.error(f"--activations {args.activations}: {err}")
     precision = model.quantization["scheme"] if model.quantization else str(model.lm_head.weight.dtype).split(".")[-1]
     encoded = [tokenizer.encode(p) for p in prompts]
     if any(not ids for ids in encoded):

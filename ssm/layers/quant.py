@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.decode import widen_rows
-from ..ops.quant import BLOCK, QuantizedMatrix, blocks_per_row, check_scheme, dequantize_rows, quantize_matrix
+from ..ops.quant import (
+    BLOCK,
+    QuantizedMatrix,
+    blocks_per_row,
+    check_activations,
+    check_scheme,
+    dequantize_rows,
+    quantize_matrix,
+    round_activations,
+)
 
 _ROWS = 1024  # rows widened at a time on the tensor path
 
@@ -24,10 +33,20 @@ class QuantLinear(nn.Module):
     """y = x·Wᵀ + b with W (out_features, in_features) quantised by ``scheme`` ("int8", "int4").
     Buffers: ``qweight`` (the integers) and ``scales`` (float32, out_features × ceil(in / 32))."""
 
-    def __init__(self, in_features: int, out_features: int, scheme: str, bias: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: str,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        activations: str = "int8",
+    ):
         super().__init__()
         check_scheme(scheme)
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.activations = check_activations(activations)  # what the weights multiply (ssm.ops.quant)
         nb = blocks_per_row(in_features)
         shape = (out_features, in_features) if scheme == "int8" else (out_features, nb * BLOCK // 2)
         kind = torch.int8 if scheme == "int8" else torch.uint8
@@ -36,17 +55,18 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: str) -> QuantLinear:
+    def from_linear(cls, linear: nn.Linear, scheme: str, activations: str = "int8") -> QuantLinear:
         w = linear.weight
         q = quantize_matrix(w, scheme)
-        out = cls(linear.in_features, linear.out_features, scheme, linear.bias is not None, device="meta")
+        bias = linear.bias is not None
+        out = cls(linear.in_features, linear.out_features, scheme, bias, device="meta", activations=activations)
         out.qweight, out.scales = q.data, q.scales
         if linear.bias is not None:
             out.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         return out
 
     def matrix(self) -> QuantizedMatrix:
-        return QuantizedMatrix(data=self.qweight, scales=self.scales, scheme=self.scheme, in_features=self.in_features)
+        return QuantizedMatrix(self.qweight, self.scales, self.scheme, self.in_features, self.activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.matrix()
@@ -57,6 +77,8 @@ class QuantLinear(nn.Module):
         # keeps the rows for x's gradient.
         cpu = x.device.type == "cpu"
         xc = x.float() if cpu and x.dtype in (torch.bfloat16, torch.float16) else x
+        if self.activations == "int8" and x.dtype != torch.float64:  # as the fused step rounds them
+            xc = round_activations(xc).to(xc.dtype)  # (a float64 model is for checking: never rounded)
         reuse = cpu and not (torch.is_grad_enabled() and x.requires_grad)
         buf, parts = None, []
         for lo in range(0, self.out_features, _ROWS):
@@ -83,7 +105,10 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, bias={bias}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, bias={bias}, "
+            f"activations={self.activations}"
+        )
 
 
 class QuantEmbedding(nn.Module):

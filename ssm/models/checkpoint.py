@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from ..ops.quant import BLOCK, check_scheme, quantize_matrix
 from .config import MambaConfig
-from .quantize import build_quantized, quantizable, read_quantization, save_quantization
+from .quantize import build_quantized, quantizable, read_quantization, save_quantization, set_activations
 
 CONFIG, BIN, SAFETENSORS = "config.json", "pytorch_model.bin", "model.safetensors"
 INDEX_SUFFIX = ".index.json"  # model.safetensors.index.json, pytorch_model.bin.index.json
@@ -43,7 +43,9 @@ def save_pretrained(model, directory, safe_serialization: bool = False) -> None:
         torch.save(state, directory / BIN)
 
 
-def from_pretrained(cls, name_or_path, *, device=None, dtype=None, backend="auto", revision=None, quantize=None):
+def from_pretrained(
+    cls, name_or_path, *, device=None, dtype=None, backend="auto", revision=None, quantize=None, activations=None
+):
     """See MambaLM.from_pretrained. With ``dtype`` or ``quantize`` each tensor is converted (or
     quantised) as it is read, so that a float32 checkpoint never stands in memory whole beside
     its converted copy: the peak is the converted model plus one tensor of the file."""
@@ -75,13 +77,16 @@ def from_pretrained(cls, name_or_path, *, device=None, dtype=None, backend="auto
             )
         build_quantized(model, quantization)
     elif quantize is not None:  # quantised layers, filled from the float matrices as they are read
-        build_quantized(model, {"scheme": check_scheme(quantize), "block_size": BLOCK, "modules": quantizable(model)})
+        spec = {"scheme": check_scheme(quantize), "block_size": BLOCK, "activations": activations or "int8"}
+        build_quantized(model, {**spec, "modules": quantizable(model)})
     transform = _reading_transform(model, rename, dtype, None if quantization is not None else quantize)
     state = read_weights(directory, transform)
     if transform is None:  # (the transform renames as it reads)
         for old, new in rename.items():
             state = {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
     load_state_dict_strict(model, state)
+    if activations is not None:
+        set_activations(model, activations)
     return model.to(device=device, dtype=dtype)
 
 

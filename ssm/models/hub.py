@@ -89,13 +89,21 @@ class QuantizationMismatch(ValueError):
 
 
 def load_model_and_tokenizer(
-    name_or_path, tokenizer=None, *, device=None, dtype=None, backend: str = "auto", quantize: str | None = None
+    name_or_path,
+    tokenizer=None,
+    *,
+    device=None,
+    dtype=None,
+    backend: str = "auto",
+    quantize: str | None = None,
+    activations: str | None = None,
 ):
     """(model in eval mode, tokenizer, model directory) for text in and text out. ``name_or_path``:
     a model directory, a hub repo id, or a run directory of scripts/train.py (its model/). The
     tokenizer: ``tokenizer`` when given (see ``load_tokenizer``), else the one beside the weights.
     ``quantize``: a float checkpoint is quantised as it is read (from_pretrained); one saved
-    quantised in that scheme loads as saved, in another is a QuantizationMismatch (a ValueError)."""
+    quantised in that scheme loads as saved, in another is a QuantizationMismatch (a ValueError).
+    ``activations``: what a quantised model's layers multiply their integers by (from_pretrained)."""
     from .lm import MambaLM
     from .quantize import read_quantization
     from .tokenizer import load_tokenizer
@@ -111,7 +119,9 @@ def load_model_and_tokenizer(
                 f"quantize {quantize}: {directory} is saved quantised as {saved['scheme']}; load it without quantize"
             )
         quantize = None  # as saved
-    model = MambaLM.from_pretrained(directory, device=device, dtype=dtype, backend=backend, quantize=quantize).eval()
+    model = MambaLM.from_pretrained(
+        directory, device=device, dtype=dtype, backend=backend, quantize=quantize, activations=activations
+    ).eval()
     return model, load_tokenizer(directory, tokenizer, vocab_size=model.config.vocab_size), directory
 
 

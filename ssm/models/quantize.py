@@ -19,6 +19,12 @@ What stays in the model's float dtype, and why:
   - attention layers (no fused step reads them yet; their linears stay float).
 The recurrent states and every sum of the fused step stay float32 (see ssm.ops.quant for the
 format and its block size).
+
+What the quantised layers multiply their weights by, ``activations``: "int8" (the default: each
+input rounded to int8 per block of 32, as llama.cpp's q8_0 / q4_0 do, so that the fused step runs
+integer instructions) or "float32" (the inputs as they are). It is recorded in
+quantization_config.json and can be changed at any time (``set_activations``): the stored
+integers do not depend on it.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from torch import nn
 
 from ..layers import GatedMLP, Mamba, Mamba2, Mamba3
 from ..layers.quant import QuantEmbedding, QuantLinear
-from ..ops.quant import BLOCK, check_scheme
+from ..ops.quant import BLOCK, check_activations, check_scheme
 
 QUANT_CONFIG = "quantization_config.json"
 
@@ -62,9 +68,11 @@ def _tie(model) -> None:
         model.backbone.embedding = QuantEmbedding(model.lm_head, dtype)
 
 
-def quantize_model(model, scheme) -> None:
-    """Replace ``quantizable(model)`` by QuantLinear layers of ``scheme``, in place."""
+def quantize_model(model, scheme, activations: str = "int8") -> None:
+    """Replace ``quantizable(model)`` by QuantLinear layers of ``scheme`` taking ``activations``,
+    in place."""
     check_scheme(scheme)
+    check_activations(activations)
     if model.quantization is not None:
         raise ValueError(
             f"scheme {scheme!r}: this model is already quantised ({model.quantization['scheme']}); "
@@ -75,10 +83,21 @@ def quantize_model(model, scheme) -> None:
         linear = model.get_submodule(name)
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"cannot quantise {name}: a {type(linear).__name__}, not an nn.Linear")
-        _replace(model, name, QuantLinear.from_linear(linear, scheme))
+        _replace(model, name, QuantLinear.from_linear(linear, scheme, activations))
     _tie(model)
     _own_storage(model)
-    model.quantization = {"scheme": scheme, "block_size": BLOCK, "modules": names}
+    model.quantization = {"scheme": scheme, "block_size": BLOCK, "activations": activations, "modules": names}
+
+
+def set_activations(model, activations: str) -> None:
+    """Make every quantised layer of ``model`` take ``activations`` ("int8" or "float32")."""
+    check_activations(activations)
+    if model.quantization is None:
+        raise ValueError(f"activations={activations!r} applies to a quantised model; this one is not quantised")
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.activations = activations
+    model.quantization["activations"] = activations
 
 
 def _own_storage(model) -> None:
@@ -118,6 +137,7 @@ def read_quantization(directory: Path) -> dict | None:
     check_scheme(spec.get("scheme"), f"{path}'s 'scheme'")
     if spec.get("block_size") != BLOCK:
         raise ValueError(f"{path}: block_size {spec.get('block_size')!r} is not supported (only {BLOCK})")
+    check_activations(spec.setdefault("activations", "int8"), f"{path}'s 'activations'")
     return spec
 
 
@@ -132,7 +152,14 @@ def build_quantized(model, spec: dict) -> None:
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"{QUANT_CONFIG} names {name!r}, a {type(linear).__name__}, not an nn.Linear")
         bias = linear.bias is not None
-        quant = QuantLinear(linear.in_features, linear.out_features, spec["scheme"], bias, device="meta")
+        quant = QuantLinear(
+            linear.in_features,
+            linear.out_features,
+            spec["scheme"],
+            bias,
+            device="meta",
+            activations=spec["activations"],
+        )
         _replace(model, name, quant)
     _tie(model)
     model.quantization = dict(spec)

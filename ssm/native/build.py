@@ -58,7 +58,7 @@ FLAGS = (
     "-fno-trapping-math",
     "-ffp-contract=fast",
 )
-ABI = 10  # what ssm_kernels_abi() returns for this version of the argument structs
+ABI = 11  # what ssm_kernels_abi() returns for this version of the argument structs
 
 _lock = threading.Lock()
 _built: dict[tuple, ctypes.CDLL | str] = {}  # build key -> the library, or why it failed
@@ -190,7 +190,7 @@ def library() -> ctypes.CDLL | None:
     return built
 
 
-ISA_LEVELS = ("portable", "avx2", "avx512")  # decode_simd.c's ISA_*, in order
+ISA_LEVELS = ("portable", "avx2", "avx512", "avx512vnni")  # decode_simd.c's ISA_*, in order
 
 
 def cpu_isa() -> int:

@@ -9,6 +9,7 @@
 #ifndef SSM_COMMON_H
 #define SSM_COMMON_H
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

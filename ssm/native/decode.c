@@ -57,16 +57,48 @@ static inline void SUF(add_rms_norm)(const REAL *hid, const REAL *res, const REA
 }
 
 /* Rows o .. o+3 (up to n_out) of y_b = W·x_b + bias (bias may be NULL) for each batch row b,
-   with x_b = x + b·sx and y_b = y + b·sy: four of W's rows read once for the whole batch. */
+   with x_b = x + b·sx and y_b = y + b·sy: four of W's rows read once for the whole batch. With
+   qa->q set (float32 only: quantize_acts), the products take row b's int8 activations from qa
+   instead of x_b. */
 static inline void SUF(project_rows)(const WMat *W, const REAL *bias, i64 n_in, i64 n_out, i64 o, i64 Bn,
-                                     const REAL *x, i64 sx, REAL *y, i64 sy) {
+                                     const REAL *x, i64 sx, REAL *y, i64 sy, const QAct *qa) {
     const i64 nr = n_out - o < 4 ? n_out - o : 4;
     for (i64 b = 0; b < Bn; b++) {
         REAL *yb = y + b * sy + o;
-        SUF(dot_rows_any)(W, n_in, o, nr, x + b * sx, yb);
+#if REAL_IS_F32
+        if (qa->q) {
+            const int8_t *q = qa->q + b * qa->qs;
+            const float *d = qa->d + b * qa->nb;
+            if (!simd_qdot_rows(W, n_in, o, nr, q, d, yb)) qdot_rows_portable(W, n_in, o, nr, q, d, yb);
+        } else
+#else
+        (void)qa;
+#endif
+            SUF(dot_rows_any)(W, n_in, o, nr, x + b * sx, yb);
         if (bias)
             for (i64 r = 0; r < nr; r++) yb[r] += bias[o + r];
     }
+}
+
+/* The int8 activations of x's Bn rows for a product with W, when W takes them (quantize_acts). */
+static inline QAct SUF(acts)(const WMat *W, const REAL *x, i64 sx, i64 Bn, i64 n_in) {
+#if REAL_IS_F32
+    return quantize_acts(W, x, sx, Bn, n_in);
+#else
+    (void)W, (void)x, (void)sx, (void)Bn, (void)n_in;
+    const QAct none = {NULL, NULL, 0, 0};
+    return none;
+#endif
+}
+
+/* y_b = W·x_b + bias for every batch row b (as project_rows), all n_out rows, run by every
+   thread of the calling parallel region: each thread rounds x to int8 for itself where W takes
+   int8 activations, then the threads split W's rows (an omp for, its barrier at the end). */
+static void SUF(project)(const WMat *W, const REAL *bias, i64 n_in, i64 n_out, i64 Bn, const REAL *x, i64 sx,
+                         REAL *y, i64 sy) {
+    const QAct qa = SUF(acts)(W, x, sx, Bn, n_in);
+#pragma omp for schedule(static)
+    for (i64 o = 0; o < n_out; o += 4) SUF(project_rows)(W, bias, n_in, n_out, o, Bn, x, sx, y, sy, &qa);
 }
 
 /* y (n_out) = W·x (x: n inputs) on nthreads threads, split by rows as the steps split theirs: one
@@ -74,8 +106,8 @@ static inline void SUF(project_rows)(const WMat *W, const REAL *bias, i64 n_in, 
    decode_simd.c) at each format and instruction-set level. */
 void SUF(decode_matvec)(const WMat *W, i64 n, i64 n_out, const REAL *x, REAL *y, i64 nthreads) {
     (void)nthreads; /* unused without OpenMP */
-#pragma omp parallel for schedule(static) num_threads((int)nthreads)
-    for (i64 o = 0; o < n_out; o += 4) SUF(project_rows)(W, NULL, n, n_out, o, 1, x, n, y, n_out);
+#pragma omp parallel num_threads((int)nthreads)
+    SUF(project)(W, NULL, n, n_out, 1, x, n, y, n_out);
 }
 
 /* A Mamba-1 block's decoding step (BlockStepArgs), run by every thread of the calling parallel
@@ -104,9 +136,8 @@ static void SUF(block_step)(const BlockStepArgs *a) {
     for (i64 b = 0; b < Bn; b++)
         SUF(add_rms_norm)(hid + b * M, res ? res + b * M : NULL, (const REAL *)a->norm_w, a->eps, M,
                           new_res + b * M, normed + b * M);
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < 2 * Dn; o += 4) /* in_proj: x and z */
-        SUF(project_rows)(&a->in_w, in_b, M, 2 * Dn, o, Bn, normed, M, xz, 2 * Dn);
+    /* in_proj: x and z */
+    SUF(project)(&a->in_w, in_b, M, 2 * Dn, Bn, normed, M, xz, 2 * Dn);
     /* Per-channel work, each thread on its own channels c0 .. c1-1 (blocks of 4, as dt_proj
        reads its rows) so that the stages between two projections need no barrier; the exps
        of the SiLUs and the softplus vectorised across channels (measured at mamba-130m's
@@ -130,11 +161,11 @@ static void SUF(block_step)(const BlockStepArgs *a) {
         }
     }
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < X; o += 4) /* x_proj: Δ's low rank, B, C */
-        SUF(project_rows)(&a->x_w, NULL, Dn, X, o, Bn, xc, Dn, xdbl, X);
+    /* x_proj: Δ's low rank, B, C */
+    SUF(project)(&a->x_w, NULL, Dn, X, Bn, xc, Dn, xdbl, X);
+    const QAct qdt = SUF(acts)(&a->dt_w, xdbl, X, Bn, R);
     for (i64 o = c0; o < c1; o += 4) /* dt_proj, on this thread's channels */
-        SUF(project_rows)(&a->dt_w, dt_b, R, Dn, o, Bn, xdbl, X, y, Dn);
+        SUF(project_rows)(&a->dt_w, dt_b, R, Dn, o, Bn, xdbl, X, y, Dn, &qdt);
     for (i64 b = 0; b < Bn; b++) {
         REAL *yb = y + b * Dn;
         const REAL *xb = xdbl + b * X, *xcb = xc + b * Dn, *zgb = zg + b * Dn;
@@ -147,9 +178,8 @@ static void SUF(block_step)(const BlockStepArgs *a) {
         }
     }
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < M; o += 4) /* out_proj */
-        SUF(project_rows)(&a->out_w, out_b, Dn, M, o, Bn, y, Dn, new_hid, M);
+    /* out_proj */
+    SUF(project)(&a->out_w, out_b, Dn, M, Bn, y, Dn, new_hid, M);
 }
 
 /* The final norm and the LM head after the last block, run by every thread of the calling
@@ -160,10 +190,7 @@ static void SUF(head_step)(const HeadArgs *head, i64 Bn, i64 M, const REAL *hid,
     for (i64 b = 0; b < Bn; b++)
         SUF(add_rms_norm)(hid + b * M, res + b * M, (const REAL *)head->norm_w, head->eps, M, res + b * M,
                           normed + b * M);
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < head->vocab; o += 4)
-        SUF(project_rows)(&head->weight, NULL, M, head->vocab, o, Bn, normed, M, (REAL *)head->logits,
-                          head->vocab);
+    SUF(project)(&head->weight, NULL, M, head->vocab, Bn, normed, M, (REAL *)head->logits, head->vocab);
 }
 
 /* The decoding step of n Mamba-1 blocks in order (layers[l] reads layers[l-1]'s outputs), then

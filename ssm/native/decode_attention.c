@@ -91,9 +91,8 @@ static void SUF(attention_block_step)(const AttentionStepArgs *a) {
     for (i64 b = 0; b < Bn; b++)
         SUF(add_rms_norm)(hid + b * M, res ? res + b * M : NULL, (const REAL *)a->norm_w, a->eps, M,
                           new_res + b * M, normed + b * M);
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < E; o += 4) /* in_proj: q, k, v, then the MLP branch's up and gate */
-        SUF(project_rows)(&a->in_w, in_b, M, E, o, Bn, normed, M, proj, E);
+    /* in_proj: q, k, v, then the MLP branch's up and gate */
+    SUF(project)(&a->in_w, in_b, M, E, Bn, normed, M, proj, E);
 #pragma omp for schedule(static)
     for (i64 i = 0; i < Bn * Z; i++) { /* the conv's step (no activation), or a copy */
         const i64 b = i / Z, c = i % Z;
@@ -157,9 +156,8 @@ static void SUF(attention_block_step)(const AttentionStepArgs *a) {
     }
 #pragma omp single
     for (i64 b = 0; b < Bn; b++) lengths[b] += 1;
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < M; o += 4) /* out_proj */
-        SUF(project_rows)(&a->out_w, out_b, Y, M, o, Bn, yin, Y, new_hid, M);
+    /* out_proj */
+    SUF(project)(&a->out_w, out_b, Y, M, Bn, yin, Y, new_hid, M);
     if (!a->fc1_w.w) return;
     SUF(gated_mlp_step)(Bn, M, F, &a->fc1_w, &a->fc2_w, (const REAL *)a->norm2_w, a->eps2, new_hid, new_res, normed,
                         fc, gated);

@@ -66,17 +66,13 @@ static void SUF(gated_mlp_step)(i64 Bn, i64 M, i64 F, const WMat *fc1, const WMa
 #pragma omp for schedule(static)
     for (i64 b = 0; b < Bn; b++)
         SUF(add_rms_norm)(new_hid + b * M, new_res + b * M, norm2_w, eps2, M, new_res + b * M, normed + b * M);
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < 2 * F; o += 4)
-        SUF(project_rows)(fc1, NULL, M, 2 * F, o, Bn, normed, M, fc, 2 * F);
+    SUF(project)(fc1, NULL, M, 2 * F, Bn, normed, M, fc, 2 * F);
 #pragma omp for schedule(static)
     for (i64 i = 0; i < Bn * F; i++) {
         const REAL f = fc[i / F * 2 * F + i % F], g = fc[i / F * 2 * F + F + i % F];
         gated[i] = f * g * SUF(sigmoid)(g);
     }
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < M; o += 4)
-        SUF(project_rows)(fc2, NULL, F, M, o, Bn, gated, F, new_hid, M);
+    SUF(project)(fc2, NULL, F, M, Bn, gated, F, new_hid, M);
 }
 
 /* A Mamba-2 block's decoding step (Mamba2StepArgs), run by every thread of the calling parallel
@@ -106,9 +102,8 @@ static void SUF(mamba2_block_step)(const Mamba2StepArgs *a) {
     for (i64 b = 0; b < Bn; b++)
         SUF(add_rms_norm)(hid + b * M, res ? res + b * M : NULL, (const REAL *)a->norm_w, a->eps, M,
                           new_res + b * M, normed + b * M);
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < E; o += 4) /* in_proj: z0, x0, z, xBC, dt */
-        SUF(project_rows)(&a->in_w, in_b, M, E, o, Bn, normed, M, proj, E);
+    /* in_proj: z0, x0, z, xBC, dt */
+    SUF(project)(&a->in_w, in_b, M, E, Bn, normed, M, proj, E);
     i64 c0, c1, q0, q1;
     thread_share(C, &c0, &c1);
     thread_share(Q, &q0, &q1);
@@ -180,9 +175,8 @@ static void SUF(mamba2_block_step)(const Mamba2StepArgs *a) {
             }
         }
     }
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < M; o += 4) /* out_proj */
-        SUF(project_rows)(&a->out_w, out_b, Q + S, M, o, Bn, yin, Q + S, new_hid, M);
+    /* out_proj */
+    SUF(project)(&a->out_w, out_b, Q + S, M, Bn, yin, Q + S, new_hid, M);
     if (!a->fc1_w.w) return;
     /* the block's MLP: residual ← hidden + residual; fc1; f·SiLU(g); fc2 */
     SUF(gated_mlp_step)(Bn, M, F, &a->fc1_w, &a->fc2_w, (const REAL *)a->norm2_w, a->eps2, new_hid, new_res, normed,

@@ -88,9 +88,8 @@ static void SUF(mamba3_block_step)(const Mamba3StepArgs *a) {
     for (i64 b = 0; b < Bn; b++)
         SUF(add_rms_norm)(hid + b * M, res ? res + b * M : NULL, (const REAL *)a->norm_w, a->eps, M,
                           new_res + b * M, normed + b * M);
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < E; o += 4) /* in_proj: z, x, B, C, dt, a, λ, θ */
-        SUF(project_rows)(&a->in_w, NULL, M, E, o, Bn, normed, M, proj, E);
+    /* in_proj: z, x, B, C, dt, a, λ, θ */
+    SUF(project)(&a->in_w, NULL, M, E, Bn, normed, M, proj, E);
 #pragma omp for schedule(static)
     for (i64 i = 0; i < Bn * 2 * R * G; i++) { /* the RMSNorm of (rank, group) j of B (which 0) or C (1) of row b */
         const i64 b = i / (2 * R * G), which = i % (2 * R * G) / (R * G), j = i % (R * G);
@@ -178,9 +177,8 @@ static void SUF(mamba3_block_step)(const Mamba3StepArgs *a) {
             }
         }
     }
-#pragma omp for schedule(static)
-    for (i64 o = 0; o < M; o += 4) /* out_proj */
-        SUF(project_rows)(&a->out_w, NULL, S, M, o, Bn, y, S, new_hid, M);
+    /* out_proj */
+    SUF(project)(&a->out_w, NULL, S, M, Bn, y, S, new_hid, M);
     if (!a->fc1_w.w) return;
     /* the block's MLP: residual ← hidden + residual; fc1; f·SiLU(g); fc2 */
     SUF(gated_mlp_step)(Bn, M, F, &a->fc1_w, &a->fc2_w, (const REAL *)a->norm2_w, a->eps2, new_hid, new_res, normed,

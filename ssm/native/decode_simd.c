@@ -4,11 +4,17 @@
    weight is widened exactly to float32 and multiplied by the float32 activation, as in the
    portable code: only the order of the additions differs (the activations are never rounded).
 
-   Two levels, each compiled per function with a target attribute (the library's -march may lack
-   them) and chosen at run time (WMat.isa, which ssm/native/build.py's cpu_isa() sets, never
+   Three levels, each compiled per function with a target attribute (the library's -march may
+   lack them) and chosen at run time (WMat.isa, which ssm/native/build.py's cpu_isa() sets, never
    above what ssm_cpu_isa() says this CPU runs):
-     ISA_AVX2    AVX2 + FMA + F16C, 8 lanes;
-     ISA_AVX512  AVX-512F, 16 lanes.
+     ISA_AVX2         AVX2 + FMA + F16C, 8 lanes;
+     ISA_AVX512       AVX-512F, 16 lanes;
+     ISA_AVX512_VNNI  the same, and AVX-512 VNNI (with BW, VL) for the int8-activation products.
+
+   The int8-activation products (WMat.act = ACT_I8, decode_weights.c) have their own kernels,
+   qdot4_*: AVX2's vpmaddubsw (also at ISA_AVX512) and VNNI's vpdpbusd. Their integer sums are
+   exact, so they differ from the portable code's only in the order of the float additions of
+   the blocks' scaled sums.
    decode_weights.c includes this file once, with its types; on another architecture or
    compiler only ssm_cpu_isa() is left, returning ISA_PORTABLE.
 
@@ -20,7 +26,7 @@
    Read from L3 (3072 x 768) the same loops run at 21 (bf16, f16, int8) and 17 (int4) G
    weights/s, against 4 to 16 for the portable C. */
 
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3 };
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define SSM_X86_SIMD 1
@@ -32,7 +38,11 @@ enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 int ssm_cpu_isa(void) {
     unsigned a, b, c, d;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
+    if (__builtin_cpu_supports("avx512f")) {
+        const int vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl");
+        return vnni ? ISA_AVX512_VNNI : ISA_AVX512;
+    }
     const int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) return ISA_AVX2;
     return ISA_PORTABLE;
@@ -263,23 +273,167 @@ static T256 inline __m256 block_256(__m128i lo, __m128i hi, const float *xb, flo
 DOT4_Q_256(dot4_q8_256, int8_t, n, QBLOCK, UNPACK_Q8)
 DOT4_Q_256(dot4_q4_256, uint8_t, nb *(QBLOCK / 2), QBLOCK / 2, UNPACK_Q4)
 
+/* ------------------------------------------------------------------ int8 activations */
+
+/* The integer kernels: y[r] = Σ_j (w scale_rj · d_j) · Σ_k w_rjk · q_jk for nr ≤ 4 rows, q the
+   int8 activations (32·nb values, zero past n), d their scales. A W_Q8 row holds exactly n
+   bytes, so its last block, when short, is summed one input at a time (qtail_rows); a W_Q4 row
+   is padded to whole blocks (nibbles of 8: zero) and read whole. */
+static inline void qtail_rows(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *s) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK, j = n / QBLOCK;
+    if (W->type != W_Q8 || j == nb) return;
+    for (i64 r = 0; r < nr; r++) {
+        const int8_t *w = (const int8_t *)W->w + (o + r) * n;
+        int32_t t = 0;
+        for (i64 i = j * QBLOCK; i < n; i++) t += (int32_t)w[i] * q[i];
+        s[r] += (float)t * (W->scale[(o + r) * nb + j] * d[j]);
+    }
+}
+
+/* The blocks a kernel reads whole: the full ones of a W_Q8 row, all of a W_Q4 row. */
+static inline i64 whole_blocks(const WMat *W, i64 n) {
+    return W->type == W_Q8 ? n / QBLOCK : (n + QBLOCK - 1) / QBLOCK;
+}
+
+/* AVX2: one block (32 inputs) a step. A W_Q8 block: |w| · (q with w's sign), vpmaddubsw into 16
+   pairs, vpmaddwd into 8 sums (|w| ≤ 128, |q| ≤ 127: a pair stays inside int16). A W_Q4 block:
+   the nibbles (0..15) times q, less 8 · Σq (computed once for the four rows). */
+static T256 inline __m256i q4_block_256(const uint8_t *b) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)b), m = _mm_set1_epi8(15);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, m)),
+                                   _mm_and_si128(_mm_srli_epi16(v, 4), m), 1);
+}
+
+static T256 void qdot4_256(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK, whole = whole_blocks(W, n), q4 = W->type == W_Q4;
+    const i64 rowlen = q4 ? nb * (QBLOCK / 2) : n;
+    ROWS4(uint8_t, (const uint8_t *)W->w + o * rowlen, rowlen);
+    const uint8_t *w[4] = {w0, w1, w2, w3};
+    const float *sc[4];
+    for (int r = 0; r < 4; r++) sc[r] = W->scale + (o + (r < nr ? r : 0)) * nb;
+    const __m256i ones = _mm256_set1_epi16(1), eights = _mm256_set1_epi8(8);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (i64 j = 0; j < whole; j++) {
+        PREFETCH4(j * (q4 ? QBLOCK / 2 : QBLOCK), 64);
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + j * QBLOCK));
+        const __m256i off = q4 ? _mm256_madd_epi16(_mm256_maddubs_epi16(eights, qv), ones) : _mm256_setzero_si256();
+        for (int r = 0; r < 4; r++) {
+            __m256i isum;
+            if (q4) {
+                isum = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q4_block_256(w[r] + j * (QBLOCK / 2)), qv), ones), off);
+            } else {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w[r] + j * QBLOCK));
+                isum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(qv, wv)), ones);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(sc[r][j] * d[j]), acc[r]);
+        }
+    }
+    float s[4] = {hsum256(acc[0]), hsum256(acc[1]), hsum256(acc[2]), hsum256(acc[3])};
+    qtail_rows(W, n, o, nr, q, d, s);
+    for (i64 r = 0; r < nr; r++) y[r] = s[r];
+}
+
+/* AVX-512 VNNI: two blocks (64 inputs) a step, vpdpbusd (unsigned × signed bytes, four products
+   a lane into int32). W_Q8: |w| times q with w's sign, lanes 0-7 block j, 8-15 block j + 1.
+   W_Q4: the two blocks' 32 bytes give [low nibbles j, j + 1 | high nibbles j, j + 1], so q is
+   permuted to match (128-bit lanes 0, 2, 1, 3) and each lane's sum starts from −8 · Σq. An odd
+   last block runs the same in 256 bits. */
+#define TVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+static TVNNI inline __m512i q4_pair_512(const uint8_t *b) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)b), m = _mm256_set1_epi8(15);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m)),
+                              _mm256_and_si256(_mm256_srli_epi16(v, 4), m), 1);
+}
+
+static TVNNI void qdot4_vnni(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK, whole = whole_blocks(W, n), q4 = W->type == W_Q4;
+    const i64 rowlen = q4 ? nb * (QBLOCK / 2) : n, bb = q4 ? QBLOCK / 2 : QBLOCK;
+    ROWS4(uint8_t, (const uint8_t *)W->w + o * rowlen, rowlen);
+    const uint8_t *w[4] = {w0, w1, w2, w3};
+    const float *sc[4];
+    for (int r = 0; r < 4; r++) sc[r] = W->scale + (o + (r < nr ? r : 0)) * nb;
+    /* the lanes' blocks: W_Q8 8 lanes of j then 8 of j + 1; W_Q4 4, 4, 4, 4 of j, j + 1, j, j + 1 */
+    const __m512i pick = q4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                            : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i zero = _mm512_setzero_si512(), eights = _mm512_set1_epi8(8);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    i64 j = 0;
+    for (; j + 2 <= whole; j += 2) {
+        PREFETCH4(j * bb, 2 * bb);
+        __m512i qv = _mm512_loadu_si512((const void *)(q + j * QBLOCK));
+        if (q4) qv = _mm512_shuffle_i64x2(qv, qv, _MM_SHUFFLE(3, 1, 2, 0));
+        const __m512i start = q4 ? _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, eights, qv)) : zero;
+        const __m512 dv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(d + j)))));
+        for (int r = 0; r < 4; r++) {
+            __m512i isum;
+            if (q4) {
+                isum = _mm512_dpbusd_epi32(start, q4_pair_512(w[r] + j * bb), qv);
+            } else {
+                const __m512i wv = _mm512_loadu_si512((const void *)(w[r] + j * bb));
+                const __m512i sq = _mm512_mask_sub_epi8(qv, _mm512_movepi8_mask(wv), zero, qv);
+                isum = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), sq);
+            }
+            const __m512 sv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(sc[r] + j)))));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sv, dv), acc[r]);
+        }
+    }
+    float s[4] = {_mm512_reduce_add_ps(acc[0]), _mm512_reduce_add_ps(acc[1]), _mm512_reduce_add_ps(acc[2]),
+                  _mm512_reduce_add_ps(acc[3])};
+    if (j < whole) { /* an odd last block, 256 bits */
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + j * QBLOCK)), z = _mm256_setzero_si256();
+        const __m256i start = q4 ? _mm256_sub_epi32(z, _mm256_dpbusd_epi32(z, _mm256_set1_epi8(8), qv)) : z;
+        for (int r = 0; r < 4; r++) {
+            __m256i isum;
+            if (q4) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(w[r] + j * bb)), m = _mm_set1_epi8(15);
+                const __m256i nib = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, m)),
+                                                            _mm_and_si128(_mm_srli_epi16(v, 4), m), 1);
+                isum = _mm256_dpbusd_epi32(start, nib, qv);
+            } else {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w[r] + j * bb));
+                isum = _mm256_dpbusd_epi32(z, _mm256_abs_epi8(wv), _mm256_mask_sub_epi8(qv, _mm256_movepi8_mask(wv), z, qv));
+            }
+            const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(sc[r][j] * d[j]));
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(p), _mm256_extractf128_ps(p, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            s[r] += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        }
+    }
+    qtail_rows(W, n, o, nr, q, d, s);
+    for (i64 r = 0; r < nr; r++) y[r] = s[r];
+}
+
 /* ------------------------------------------------------------------ dispatch */
 
 static int cpu_isa_cached = -1; /* ssm_cpu_isa(), asked once (a benign race: every thread writes the same) */
 
+/* W->isa if this CPU runs it, else ISA_PORTABLE. */
+static inline int isa_run(const WMat *W) {
+    if (W->isa == ISA_PORTABLE) return ISA_PORTABLE;
+    if (cpu_isa_cached < 0) cpu_isa_cached = ssm_cpu_isa();
+    return W->isa > cpu_isa_cached || W->isa > ISA_AVX512_VNNI ? ISA_PORTABLE : (int)W->isa;
+}
+
 /* y[r] = row o + r of W times x (r < nr ≤ 4) at level W->isa; 0 (nothing done) where that level
    is portable or above what this CPU runs: the caller then runs the portable code. */
 static int simd_dot_rows(const WMat *W, i64 n, i64 o, i64 nr, const float *x, float *y) {
-    if (W->isa == ISA_PORTABLE) return 0;
-    if (cpu_isa_cached < 0) cpu_isa_cached = ssm_cpu_isa();
-    if (W->isa > cpu_isa_cached) return 0;
+    const int isa = isa_run(W);
+    if (isa == ISA_PORTABLE || W->type < W_REAL || W->type > W_Q4) return 0;
     typedef void (*Dot4)(const WMat *, i64, i64, i64, const float *, float *);
     static const Dot4 table[2][5] = {
         {dot4_f32_256, dot4_bf16_256, dot4_f16_256, dot4_q8_256, dot4_q4_256},
         {dot4_f32_512, dot4_bf16_512, dot4_f16_512, dot4_q8_512, dot4_q4_512},
     };
-    if (W->isa > ISA_AVX512 || W->type < W_REAL || W->type > W_Q4) return 0;
-    table[W->isa - 1][W->type](W, n, o, nr, x, y);
+    table[(isa >= ISA_AVX512) ? 1 : 0][W->type](W, n, o, nr, x, y);
+    return 1;
+}
+
+/* The same for int8 activations q (scales d) and a W_Q8 / W_Q4 matrix. */
+static int simd_qdot_rows(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
+    const int isa = isa_run(W);
+    if (isa == ISA_PORTABLE) return 0;
+    (isa == ISA_AVX512_VNNI ? qdot4_vnni : qdot4_256)(W, n, o, nr, q, d, y);
     return 1;
 }
 
@@ -288,6 +442,10 @@ static int simd_dot_rows(const WMat *W, i64 n, i64 o, i64 nr, const float *x, fl
 int ssm_cpu_isa(void) { return ISA_PORTABLE; }
 static inline int simd_dot_rows(const WMat *W, i64 n, i64 o, i64 nr, const float *x, float *y) {
     (void)W, (void)n, (void)o, (void)nr, (void)x, (void)y;
+    return 0;
+}
+static inline int simd_qdot_rows(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
+    (void)W, (void)n, (void)o, (void)nr, (void)q, (void)d, (void)y;
     return 0;
 }
 

@@ -22,13 +22,102 @@
 enum { W_REAL = 0, W_BF16 = 1, W_F16 = 2, W_Q8 = 3, W_Q4 = 4 };
 #define QBLOCK 32 /* inputs per scale of W_Q8 / W_Q4 */
 
-/* A matrix as the steps read it: its data, its scales (W_Q8, W_Q4; else NULL), its format, and
-   the instruction set its products run in (decode_simd.c's ISA_*; float32 steps only). */
+/* A matrix as the steps read it: its data, its scales (W_Q8, W_Q4; else NULL), its format, the
+   instruction set its products run in (decode_simd.c's ISA_*; float32 steps only), and act:
+   ACT_I8 for a W_Q8 / W_Q4 matrix whose products take int8 activations (below), else ACT_F. */
 typedef struct {
     const void *w;
     const float *scale;
-    i64 type, isa;
+    i64 type, isa, act;
 } WMat;
+
+/* Activations rounded to int8 (ACT_I8; float32 steps only): the input x of a product with a W_Q8
+   or W_Q4 matrix, per block of 32 inputs, d = max|x| / 127 and q = round(x / d) (to nearest,
+   ties to even, as x · (1 / d) in float32), so that a block's products are integers summed
+   exactly, scaled once by (weight scale · d): the dot products run in integer instructions
+   (decode_simd.c: AVX2's vpmaddubsw, AVX-512 VNNI's vpdpbusd), as llama.cpp's q8_0 / q4_0 do.
+   The price is the activations' rounding: at most d / 2 an input, a relative 1/254 of its
+   block's largest. A block holding a NaN or an infinity gives d = NaN: its outputs are NaN. */
+enum { ACT_F = 0, ACT_I8 = 1 };
+
+/* The int8 activations of nrows inputs of n values: row b's q at q + b·qs (qs = 32·nb, the last
+   block padded with zeros), its scales at d + b·nb. */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    i64 qs, nb;
+} QAct;
+
+static void quantize_act_row(const float *x, i64 n, int8_t *q, float *d) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK;
+    for (i64 j = 0; j < nb; j++) {
+        const i64 i0 = j * QBLOCK, len = n - i0 < QBLOCK ? n - i0 : QBLOCK;
+        float amax = 0;
+        int finite = 1;
+        for (i64 k = 0; k < len; k++) {
+            const float a = fabsf(x[i0 + k]);
+            finite &= a <= FLT_MAX; /* false for an infinity and a NaN */
+            amax = a > amax ? a : amax;
+        }
+        const float dj = amax / 127.0f, id = amax > 0 ? 1.0f / dj : 0.0f;
+        d[j] = finite ? dj : NAN;
+        for (i64 k = 0; k < QBLOCK; k++) q[i0 + k] = finite && k < len ? (int8_t)nearbyintf(x[i0 + k] * id) : 0;
+    }
+}
+
+/* Per thread, the int8 activations of the product it is about to run (each thread rounds the
+   whole input itself: no barrier, and the input is at most a few thousand values a row). The
+   buffer grows and is kept for the thread's life. */
+static __thread int8_t *act_q;
+static __thread float *act_d;
+static __thread i64 act_cap;
+
+/* The int8 activations of rows x + b·sx (b < nrows, n values each) for a product with W, in
+   this thread's buffer; q NULL (the float path) unless W takes int8 activations. */
+static QAct quantize_acts(const WMat *W, const float *x, i64 sx, i64 nrows, i64 n) {
+    QAct a = {NULL, NULL, 0, 0};
+    if (W->act != ACT_I8 || (W->type != W_Q8 && W->type != W_Q4)) return a;
+    a.nb = (n + QBLOCK - 1) / QBLOCK;
+    a.qs = a.nb * QBLOCK;
+    if (nrows * a.qs > act_cap) {
+        free(act_q);
+        free(act_d);
+        act_q = malloc((size_t)(nrows * a.qs));
+        act_d = malloc((size_t)(nrows * a.nb) * sizeof(float));
+        act_cap = act_q && act_d ? nrows * a.qs : 0;
+        if (!act_cap) return a; /* out of memory: the float path, which needs no buffer */
+    }
+    for (i64 b = 0; b < nrows; b++) quantize_act_row(x + b * sx, n, act_q + b * a.qs, act_d + b * a.nb);
+    a.q = act_q;
+    a.d = act_d;
+    return a;
+}
+
+/* y[r] = row o + r of a W_Q8 / W_Q4 matrix W (n inputs) times the int8 activations q (scales
+   d), r < nr: one row at a time, each block's integer sum exact, scaled by (w scale · d) and
+   added in order. The portable code; decode_simd.c has the same in intrinsics. */
+static void qdot_rows_portable(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK;
+    for (i64 r = 0; r < nr; r++) {
+        const float *sc = W->scale + (o + r) * nb;
+        float acc = 0;
+        for (i64 j = 0; j < nb; j++) {
+            const int8_t *qb = q + j * QBLOCK;
+            int32_t s = 0;
+            if (W->type == W_Q8) {
+                const int8_t *w = (const int8_t *)W->w + (o + r) * n + j * QBLOCK;
+                const i64 len = n - j * QBLOCK < QBLOCK ? n - j * QBLOCK : QBLOCK;
+                for (i64 k = 0; k < len; k++) s += (int32_t)w[k] * qb[k];
+            } else { /* padding nibbles hold 8 (zero), and q is zero past n */
+                const uint8_t *b = (const uint8_t *)W->w + ((o + r) * nb + j) * (QBLOCK / 2);
+                for (int k = 0; k < QBLOCK / 2; k++)
+                    s += ((b[k] & 15) - 8) * qb[k] + ((b[k] >> 4) - 8) * qb[k + QBLOCK / 2];
+            }
+            acc += (float)s * (sc[j] * d[j]);
+        }
+        y[r] = acc;
+    }
+}
 
 /* Input t (0 <= t < 32) of a W_Q4 block of 16 bytes, as its integer (nibble − 8). */
 static inline int q4_at(const uint8_t *block, i64 t) { return (t < 16 ? block[t & 15] & 15 : block[t & 15] >> 4) - 8; }

@@ -53,4 +53,4 @@
 #undef LOG1P
 
 /* The version of the argument structs (ssm/native/build.py checks it at load). */
-int ssm_kernels_abi(void) { return 10; }
+int ssm_kernels_abi(void) { return 11; }

@@ -35,7 +35,15 @@ from .decode import (
 from .norm import BACKENDS as _NORM
 from .norm import rms_norm
 from .quant import QuantizedMatrix, quantize_matrix
-from .reference import causal_conv1d_ref, dequantize_ref, mamba2_blocks_step_ref, mamba_blocks_step_ref, rms_norm_ref
+from .reference import (
+    causal_conv1d_ref,
+    dequantize_ref,
+    mamba2_blocks_step_ref,
+    mamba_blocks_step_ref,
+    quantized_product_ref,
+    rms_norm_ref,
+    round_activations_ref,
+)
 
 # backends(op, device=None): the names of the backends of "causal_conv1d_silu" or "rms_norm";
 # with a device, only those that run there ("auto" is always accepted).
@@ -63,4 +71,6 @@ __all__ = [
     "mamba_blocks_step_ref",
     "mamba2_blocks_step_ref",
     "dequantize_ref",
+    "round_activations_ref",
+    "quantized_product_ref",
 ]

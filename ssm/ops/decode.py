@@ -217,9 +217,16 @@ class LMHeadWeights:
 
 class _WMat(ctypes.Structure):
     """WMat of ssm/native (decode_weights.c): a matrix's data, its scales, its format, the
-    instruction-set level of its products (ssm.native.cpu_isa, decode_simd.c)."""
+    instruction-set level of its products (ssm.native.cpu_isa, decode_simd.c), and whether its
+    products take int8 activations (a QuantizedMatrix's ``activations``)."""
 
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("type", ctypes.c_int64), ("isa", ctypes.c_int64)]
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("type", ctypes.c_int64),
+        ("isa", ctypes.c_int64),
+        ("act", ctypes.c_int64),
+    ]
 
 
 # WMat.type for each storage of a matrix (W_REAL: the step's own dtype)
@@ -431,6 +438,7 @@ class _Feed:
         if isinstance(t, QuantizedMatrix):
             if self._fits(t.data) and self._fits(t.scales) and t.scales.dtype == torch.float32:
                 m.w, m.scale, m.type = t.data.data_ptr(), t.scales.data_ptr(), _W_TYPES[t.scheme]
+                m.act = int(t.activations == "int8" and self.compute == torch.float32)
             else:
                 self.ok = False
         elif self._fits(t) and (t.dtype == self.compute or t.dtype in _W_TYPES):

@@ -11,7 +11,18 @@ Schemes, for a matrix W (O, I) and nb = ceil(I / 32) blocks of 32 inputs per row
             q = round(W / s) in [-8, 7], s = max|W| over the block / 7 (a short last block is
             padded with q = 0).
 
-scales float32 (O, nb); W ≈ q · s. Blocks of 32 along the input dimension rather than one scale
+scales float32 (O, nb); W ≈ q · s.
+
+Activations (what a quantised layer multiplies its weights by), one of ACTIVATIONS:
+
+    "int8" (``MambaLM.quantize``'s default): the layer's input rounded to int8 per block of 32
+            (``round_activations``: d = max|x| / 127 per block), so that a block's products are
+            integers summed exactly and scaled once, as llama.cpp's q8_0 / q4_0 compute them.
+            The fused CPU step then runs integer instructions (AVX2's vpmaddubsw, AVX-512 VNNI's
+            vpdpbusd), 1.25x (int8) to 1.7x (int4) the tokens per second of float inputs at
+            mamba-130m's size (BENCHMARKS.md); the tensor path rounds the same way.
+    "float32": the input as it is (float32 products of the widened weights): exact to float32
+            rounding, slower. Blocks of 32 along the input dimension rather than one scale
 per output row: a scale then covers 32 weights, so one outlier costs the precision of 31
 others, not of the whole row (768 to 1536 weights in Mamba's projections); it is the layout of
 llama.cpp's q8_0 / q4_0 (so the two are compared like with like), and int4 needs it (one scale
@@ -28,7 +39,34 @@ from torch import Tensor
 
 BLOCK = 32  # inputs per scale
 SCHEMES = ("int8", "int4")
+ACTIVATIONS = ("float32", "int8")
 _QMAX = {"int8": 127, "int4": 7}
+
+
+def check_activations(activations, name: str = "activations") -> str:
+    """``activations`` if it is one of ACTIVATIONS, else a ValueError naming argument ``name``."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"{name} must be one of {list(ACTIVATIONS)}, got {activations!r}")
+    return activations
+
+
+def round_activations(x: Tensor) -> Tensor:
+    """x (..., I) as the int8-activation products see it (``activations="int8"``; the fused
+    step's C code, decode_weights.c, does the same in float32): per block of 32 along the last
+    dimension, d = max|x| / 127 and q = round(x · (1 / d)) (to nearest, ties to even); returns
+    q · d in float32, NaN over a block holding a NaN or an infinity. The gradient passes
+    straight through (the rounding's own is zero almost everywhere)."""
+    x32 = x.float()
+    n = x32.shape[-1]
+    nb = blocks_per_row(n)
+    blocks = torch.nn.functional.pad(x32, (0, nb * BLOCK - n)).unflatten(-1, (nb, BLOCK))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    inv = torch.where(amax > 0, 1 / d, torch.zeros_like(d))
+    rounded = torch.round(blocks * inv) * d
+    rounded = torch.where(torch.isfinite(amax), rounded, torch.full_like(rounded, float("nan")))
+    rounded = rounded.flatten(-2)[..., :n]
+    return x32 + (rounded - x32).detach() if x.requires_grad else rounded
 
 
 def check_scheme(scheme, name: str = "scheme") -> str:
@@ -47,6 +85,7 @@ class QuantizedMatrix:
     scales: Tensor  # float32 (O, nb)
     scheme: str
     in_features: int
+    activations: str = "float32"  # "int8": the products round their inputs (round_activations)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -101,6 +101,47 @@ def dequantize_ref(q) -> Tensor:
     return out
 
 
+def _f32(v: float) -> float:
+    """v rounded to float32 (to nearest, ties to even), as a Python float."""
+    return torch.tensor(v, dtype=torch.float64).float().item()
+
+
+def round_activations_ref(x) -> tuple[list[int], list[float]]:
+    """The int8 activations of a quantised product (activations="int8") of a float32 vector x
+    (I,), one input at a time: per block j of 32 inputs (the last may be shorter),
+    d_j = max|x| / 127 and q = round-half-even(x · (1 / d_j)), each operation rounded to float32
+    as float32 code computes it; q = 0 over a block of zeros, d_j NaN over a block holding a NaN
+    or an infinity. Returns (q, one int per input; d, one float per block)."""
+    xs = [float(v) for v in x.float().tolist()]
+    q, d = [], []
+    for j in range(0, len(xs), 32):
+        block = xs[j : j + 32]
+        amax = max(abs(v) for v in block)
+        if not all(math.isfinite(v) for v in block):
+            q += [0] * len(block)
+            d.append(math.nan)
+            continue
+        dj = _f32(amax / 127)
+        inv = _f32(1 / dj) if amax > 0 else 0.0
+        q += [round(_f32(v * inv)) for v in block]  # Python's round: ties to even
+        d.append(dj)
+    return q, d
+
+
+def quantized_product_ref(W, x) -> Tensor:
+    """y (O,) = W·x in float64 for an ``ssm.ops.quant.QuantizedMatrix`` W (read by field, as
+    dequantize_ref does) whose activations are "int8": x (I,) float32 rounded by
+    round_activations_ref, then each block's integer sum times its weight scale and d_j."""
+    q, d = round_activations_ref(x)
+    ints = (dequantize_ref(W) / torch.repeat_interleave(W.scales.double(), 32, 1)[:, : W.in_features]).round()
+    out = torch.zeros(W.data.shape[0], dtype=torch.float64)
+    qt = torch.tensor(q, dtype=torch.float64)
+    for j, dj in enumerate(d):
+        isum = ints[:, 32 * j : 32 * (j + 1)] @ qt[32 * j : 32 * (j + 1)]
+        out += isum * W.scales[:, j].double() * dj
+    return out
+
+
 def _matvec(W, v: list, bias=None) -> list:
     W = dequantize_ref(W) if hasattr(W, "scheme") else W.double()
     out = [float(torch.dot(W[r], torch.tensor(v, dtype=torch.float64))) for r in range(W.shape[0])]

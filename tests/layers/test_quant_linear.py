@@ -2,7 +2,8 @@
 its rows (``ops.decode.widen_rows``) against ``dequantize_ref``, the float64 reading of the
 stored integers and scales that shares no code with it; the layer's output and gradient against
 float64 products of those weights, over several chunks of rows and for float32 and bfloat16
-inputs."""
+inputs, with float32 activations and rounded to int8 (round_activations, against its reference
+one input at a time)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 import ssm.layers.quant as quant
 from ssm.layers.quant import QuantLinear
 from ssm.native import library
-from ssm.ops import dequantize_ref, quantize_matrix
+from ssm.ops import dequantize_ref, quantize_matrix, quantized_product_ref, round_activations_ref
 from ssm.ops.decode import widen_rows
+from ssm.ops.quant import round_activations
 
 
 def needs_library():
@@ -52,21 +54,26 @@ def test_widen_rows_refuses_a_wrong_buffer_range_or_matrix():
         widen_rows(torch.randn(4, 40), 0, 4)
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_forward_and_input_gradient_against_float64_over_several_chunks(scheme, dtype, monkeypatch):
+def test_forward_and_input_gradient_against_float64_over_several_chunks(scheme, dtype, activations, monkeypatch):
     """Chunks of 7 rows (35 outputs: five chunks, the widened rows reused between them unless
     autograd keeps them). Output: float32 rounding of the float64 product for float32 inputs, one
     bfloat16 rounding for bfloat16 ones, float64 rounding for float64 ones (not a float32
-    product); x's gradient: float32 rounding."""
+    product); with int8 activations the float64 product of the rounded activations
+    (quantized_product_ref; a float64 input is never rounded). x's gradient: float32 rounding of
+    the float product (the rounding passes the gradient straight through)."""
     needs_library()
     monkeypatch.setattr(quant, "_ROWS", 7)
     torch.manual_seed(3)
     lin = torch.nn.Linear(45, 35)
-    layer = QuantLinear.from_linear(lin, scheme)
+    layer = QuantLinear.from_linear(lin, scheme, activations)
     wide = dequantize_ref(layer.matrix()).float().double()  # the float32 weights (see the test above)
     x = torch.randn(6, 45).to(dtype)
     want = x.double() @ wide.T + lin.bias.double()
+    if activations == "int8" and dtype != torch.float64:
+        want = torch.stack([quantized_product_ref(layer.matrix(), row.float()) for row in x]) + lin.bias.double()
     scale = (x.double().abs() @ wide.abs().T + lin.bias.double().abs()).max()
     with torch.no_grad():
         got = layer(x)
@@ -78,3 +85,33 @@ def test_forward_and_input_gradient_against_float64_over_several_chunks(scheme, 
     g = torch.randn(6, 35)
     layer(xg).backward(g)
     torch.testing.assert_close(xg.grad.double(), g.double() @ wide, rtol=1e-5, atol=1e-5)
+
+
+def test_round_activations_equals_the_reference_one_input_at_a_time():
+    """The tensor path's rounding (ssm.ops.quant.round_activations) against round_activations_ref:
+    exactly, for blocks of zeros, partial last blocks, ties (x = (k + 1/2)·d) and non-finite
+    values (NaN over their block only)."""
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 31, 32, 33, 70, 100):
+        x = torch.randn(3, n, generator=g) * torch.rand(3, n, generator=g) ** 3
+        if n >= 64:
+            x[0, 32:64] = 0
+            x[1, :32] = torch.arange(32) + 0.5  # d = 31.5 / 127: (k + 1/2)·d are ties in exact arithmetic
+            x[2, 40] = float("nan")
+            x[2, 5] = float("inf")
+        got = round_activations(x)
+        assert got.dtype == torch.float32 and got.shape == x.shape
+        for row in range(3):
+            q, d = round_activations_ref(x[row])
+            want = torch.tensor([qi * d[i // 32] for i, qi in enumerate(q)], dtype=torch.float64).float()
+            assert torch.equal(got[row].isnan(), want.isnan()), (n, row)
+            ok = ~want.isnan()
+            assert torch.equal(got[row][ok], want[ok]), (n, row)
+    xg = torch.randn(40, requires_grad=True)
+    round_activations(xg).sum().backward()
+    assert torch.equal(xg.grad, torch.ones(40))  # straight through
+
+
+def test_bad_activations_name_the_argument():
+    with pytest.raises(ValueError, match=r"activations must be one of \['float32', 'int8'\], got 'int4'"):
+        QuantLinear(40, 8, "int8", activations="int4")

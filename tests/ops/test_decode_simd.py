@@ -14,12 +14,14 @@ one |wᵢ·xᵢ| ≈ Σ/n, far above (n + 4)·2⁻²⁴·Σ at these n."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from ssm import MambaConfig, MambaLM
 from ssm.native import ISA_LEVELS, cpu_isa, library
-from ssm.ops import decode, dequantize_ref, quantize_matrix
+from ssm.ops import decode, dequantize_ref, quantize_matrix, quantized_product_ref, round_activations_ref
 from ssm.ops.decode import decode_matvec
 
 
@@ -64,6 +66,52 @@ def test_every_level_reads_every_format_as_the_float64_product(fmt, monkeypatch)
                 )
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_every_level_multiplies_int8_activations_as_the_float64_integer_product(scheme, monkeypatch):
+    """activations="int8": x rounded per block (round_activations_ref, float32 operations one
+    input at a time), each block's integer sum exact, scaled by (weight scale · d). The levels
+    differ only in the order of the float32 additions of the scaled sums (and of a VNNI lane's
+    partial sums), bounded by (nb + 20)·2⁻²³·Σⱼ sⱼ·dⱼ·Σₖ|wₖ·qₖ|; an activation rounded one step
+    the wrong way moves an output by sⱼ·dⱼ·|w| ≈ that sum / (32·nb), well above the bound."""
+    g = torch.Generator().manual_seed(23)
+    found = levels()
+    for n in SIZES + [1000, 1536]:
+        for n_out in (1, 3, 4, 5, 9):
+            w = torch.randn(n_out, n, generator=g) * torch.rand(n_out, 1, generator=g) * 3
+            x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4 * 2  # uneven blocks
+            if n > 40:
+                x[:32] = 0  # a block of zeros (d = 0)
+            mat = dataclasses.replace(quantize_matrix(w, scheme), activations="int8")
+            want = quantized_product_ref(mat, x)
+            q, d = round_activations_ref(x)
+            ints = (dequantize_ref(mat) / torch.repeat_interleave(mat.scales.double(), 32, 1)[:, :n]).round()
+            terms = ints.abs() * torch.tensor(q, dtype=torch.float64).abs()  # |w·q| per input
+            blocks = torch.stack([terms[:, 32 * j : 32 * j + 32].sum(1) for j in range(len(d))], 1)
+            mags = (blocks * mat.scales.double() * torch.tensor(d, dtype=torch.float64)).sum(1)
+            bound = (len(d) + 20) * 2.0**-23 * mags + 1e-30
+            for level in found:
+                monkeypatch.setenv("SSM_CPU_ISA", level)
+                got = decode_matvec(mat, x, nthreads=1).double()
+                err = (got - want).abs()
+                assert (err <= bound).all(), (
+                    f"{scheme} at {level}, {n_out}x{n}: error {err.max().item():.3g} above the bound "
+                    f"{bound[err.argmax()].item():.3g} (row {err.argmax().item()})"
+                )
+
+
+def test_int8_activations_of_a_non_finite_block_give_nan(monkeypatch):
+    """A NaN or an infinity among the inputs makes every output NaN (each row reads every
+    block), never a number computed from a silently clipped input."""
+    w = quantize_matrix(torch.randn(6, 70), "int8")
+    mat = dataclasses.replace(w, activations="int8")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(70)
+        x[40] = bad
+        for level in levels():
+            monkeypatch.setenv("SSM_CPU_ISA", level)
+            assert decode_matvec(mat, x, nthreads=1).isnan().all(), (bad, level)
+
+
 def test_threads_split_the_rows_without_changing_a_bit(monkeypatch):
     """Each output is one thread's sum whatever the number of threads (rows are split, never
     the inputs)."""
@@ -71,7 +119,8 @@ def test_threads_split_the_rows_without_changing_a_bit(monkeypatch):
     w, x = torch.randn(50, 100, generator=g), torch.randn(100, generator=g)
     for level in levels():
         monkeypatch.setenv("SSM_CPU_ISA", level)
-        for mat in (w, w.bfloat16(), quantize_matrix(w, "int4")):
+        q4 = quantize_matrix(w, "int4")
+        for mat in (w, w.bfloat16(), q4, dataclasses.replace(q4, activations="int8")):
             assert torch.equal(decode_matvec(mat, x, nthreads=1), decode_matvec(mat, x, nthreads=2))
 
 
