@@ -380,7 +380,7 @@ def test_decode_peer_llama_cpp_maps_each_precision_to_its_gguf_type():
 def test_precision_mode_scores_each_precision_of_a_trained_text_run(tmp_path):
     """--op precision on a text run: every precision scores the run's held-out files and decodes;
     float32 agrees with itself; the quantised ones really run quantised (their bits per byte
-    differ from float32's)."""
+    differ from float32's), with and without their activations rounded."""
     from ssm.training import load_config, train
     from tests.training.test_text_tokenizer import TINY, corpus
 
@@ -391,13 +391,15 @@ def test_precision_mode_scores_each_precision_of_a_trained_text_run(tmp_path):
     cli = ["--op", "precision", "--run", str(run_dir), "--new-tokens", "8", "--prompts", "2", "--device", "cpu"]
     assert main([*cli, "--json", str(path)]) == 0
     rows = {r["precision"]: r for r in json.loads(path.read_text())["rows"]}
-    assert list(rows) == ["float32", "bfloat16", "float16", "int8", "int4"]
+    quantised = ["int8", "int8, float32 act.", "int4", "int4, float32 act."]
+    assert list(rows) == ["float32", "bfloat16", "float16", *quantised]
     assert rows["float32"]["greedy_agree"] == 1.0 and rows["float32"]["first_difference"] == [8, 8]
     for name, r in rows.items():
         assert math.isfinite(r["bits_per_byte"]) and 0 < r["bits_per_byte"] < 9, name
         assert 0 <= r["greedy_agree"] <= 1 and all(0 <= f <= 8 for f in r["first_difference"])
-    assert rows["int4"]["bits_per_byte"] != rows["float32"]["bits_per_byte"]
-    assert rows["int8"]["bits_per_byte"] != rows["float32"]["bits_per_byte"]
+    for name in quantised:
+        assert rows[name]["bits_per_byte"] != rows["float32"]["bits_per_byte"], name
+    assert rows["int4"]["bits_per_byte"] != rows["int4, float32 act."]["bits_per_byte"]  # the rounding ran
 
 
 @pytest.mark.parametrize("op", ["decode", "decode-table", "memory", "text"])

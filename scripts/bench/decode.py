@@ -52,6 +52,12 @@ def add_arguments(parser) -> None:
         "--quantize", choices=("int8", "int4"), default=None, help="quantise ssm's weights (MambaLM.quantize)"
     )
     group.add_argument(
+        "--activations",
+        choices=("int8", "float32"),
+        default="int8",
+        help="what the quantised layers multiply their integers by (MambaLM.quantize's activations)",
+    )
+    group.add_argument(
         "--peer",
         choices=("llama.cpp",),
         default=None,
@@ -118,9 +124,9 @@ def run(args) -> tuple[int, dict]:
         model.to(dtype)
         hf_model = None if hf_model is None else hf_model.to(dtype)
         if args.quantize:
-            model.quantize(args.quantize)
+            model.quantize(args.quantize, activations=args.activations)
     params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
-    precision = args.dtype + (f", {args.quantize} weights" if args.quantize else "")
+    precision = args.dtype + (f", {args.quantize} weights, {args.activations} activations" if args.quantize else "")
     print(
         f"greedy decoding, MambaLM ({args.mixer}) d_model={args.d_model} n_layer={args.layers} vocab={args.vocab} "
         f"({params / 1e6:.1f} M parameters, {precision}), {describe_device(device)}; "

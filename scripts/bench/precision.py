@@ -1,8 +1,9 @@
 """--op precision: what each weight precision costs a trained text model. ``--run DIR`` (a text run
 of scripts/train.py, or any model directory with its tokenizer) is loaded in float32, bfloat16
-and float16, and quantised to int8 and int4 (``load_model_and_tokenizer(..., dtype=, quantize=)``,
-as generate.py and evaluate.py load it). For each: bits per byte on held-out text (``--text FILE``;
-by default the run's validation files, the ones training never read, up to ``--text-bytes``),
+and float16, and quantised to int8 and int4, each with int8 and with float32 activations
+(``load_model_and_tokenizer(..., dtype=, quantize=, activations=)``, as generate.py loads it).
+For each: bits per byte on held-out text (``--text FILE``; by default the run's validation
+files, the ones training never read, up to ``--text-bytes``),
 read in pieces of 1024 tokens with the state carried; and greedy decoding of ``--new-tokens``
 tokens (through the fused step) from ``--prompts`` prompts cut from that text, compared with
 float32's tokens: the positions that agree, and the tokens before the first difference."""
@@ -55,14 +56,28 @@ def held_out_text(args) -> tuple[str, str]:
     return text[: args.text_bytes], f"the run's validation files (the first {used} of {len(val)})"
 
 
+def _variants() -> list[tuple[str, str, str | None, str | None]]:
+    """(name, dtype, quantize, activations) of each row: every precision of PRECISIONS, and the
+    quantised ones with their activations rounded to int8 (the default) and kept in float32."""
+    rows = []
+    for name, (dtype, quantize) in PRECISIONS.items():
+        if quantize is None:
+            rows.append((name, dtype, None, None))
+        else:
+            rows += [(name, dtype, quantize, "int8"), (f"{name}, float32 act.", dtype, quantize, "float32")]
+    return rows
+
+
 def run(args) -> tuple[int, dict]:
     from ssm.models.hub import load_model_and_tokenizer
     from ssm.models.scoring import score_ids, text_metrics
 
     text, source = held_out_text(args)
     rows, reference, ids = [], None, None
-    for name, (dtype, quantize) in PRECISIONS.items():
-        model, tokenizer, directory = load_model_and_tokenizer(args.run, dtype=getattr(torch, dtype), quantize=quantize)
+    for name, dtype, quantize, activations in _variants():
+        model, tokenizer, directory = load_model_and_tokenizer(
+            args.run, dtype=getattr(torch, dtype), quantize=quantize, activations=activations
+        )
         if ids is None:  # one tokenizer for every precision: the text, its prompts and bytes once
             ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
             lengths = tokenizer.token_byte_lengths()
@@ -86,7 +101,7 @@ def run(args) -> tuple[int, dict]:
             }
         )
         print(
-            f"{name:9s} bits/byte {m['bits_per_byte']:.4f}  ({m['bits_per_byte'] / rows[0]['bits_per_byte'] - 1:+.2%}"
+            f"{name:24s} bits/byte {m['bits_per_byte']:.4f}  ({m['bits_per_byte'] / rows[0]['bits_per_byte'] - 1:+.2%}"
             f" against float32)  greedy tokens agreeing with float32: {agree:.1%}, first difference at "
             f"{first.tolist()} of {args.new_tokens}",
             flush=True,
