@@ -137,9 +137,12 @@ def _compile(compiler: str, flags: tuple[str, ...]) -> Path:
 
 
 def _set_argtypes(lib: ctypes.CDLL, name: str, argtypes: list) -> None:
-    for suffix in ("_f32", "_f64"):
-        fn = getattr(lib, name + suffix)
-        fn.argtypes, fn.restype = argtypes, None
+    found = [getattr(lib, name + suffix, None) for suffix in ("_f32", "_f64")]
+    if not any(found):
+        raise AttributeError(f"the C library has no kernel {name}_f32 or {name}_f64")
+    for fn in found:  # a float32-only kernel (decode_round_rows) has no _f64
+        if fn is not None:
+            fn.argtypes, fn.restype = argtypes, None
 
 
 def _load(path: Path) -> ctypes.CDLL:

@@ -312,6 +312,33 @@ static inline void SUF(dot_rows_any)(const WMat *W, i64 n, i64 o, i64 nr, const 
     }
 }
 
+/* The tensor path's int8 activations (a QuantLinear's input on the CPU, float32 only): each of
+   the rows of x (n values, rows apart by n) rounded as the fused step rounds it
+   (quantize_act_row) and written back widened, out = q · d, for the float32 product with the
+   widened weights. ssm.ops.quant.round_activations computes the same in torch. */
+#if REAL_IS_F32
+void SUF(decode_round_rows)(const float *x, i64 rows, i64 n, float *out, i64 nthreads) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK;
+    (void)nthreads; /* unused without OpenMP */
+#pragma omp parallel num_threads((int)nthreads)
+    {
+        int8_t *q = malloc((size_t)(nb * QBLOCK));
+        float *d = malloc((size_t)nb * sizeof(float));
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < rows; r++) {
+            if (!q || !d) { /* out of memory: NaN, never an unrounded row */
+                for (i64 i = 0; i < n; i++) out[r * n + i] = NAN;
+                continue;
+            }
+            quantize_act_row(x + r * n, n, q, d);
+            for (i64 i = 0; i < n; i++) out[r * n + i] = (float)q[i] * d[i / QBLOCK];
+        }
+        free(q);
+        free(d);
+    }
+}
+#endif
+
 /* Rows lo .. hi-1 of a W_Q8 or W_Q4 matrix W (n inputs) widened to REAL, one after another in
    out ((hi − lo) × n): the weights exactly as the products above read them (the integer times
    its block's float32 scale, rounded once to float32, as ops.quant.dequantize_rows computes it),

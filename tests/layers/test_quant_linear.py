@@ -14,7 +14,7 @@ import ssm.layers.quant as quant
 from ssm.layers.quant import QuantLinear
 from ssm.native import library
 from ssm.ops import dequantize_ref, quantize_matrix, quantized_product_ref, round_activations_ref
-from ssm.ops.decode import widen_rows
+from ssm.ops.decode import round_rows, widen_rows
 from ssm.ops.quant import round_activations
 
 
@@ -88,8 +88,8 @@ def test_forward_and_input_gradient_against_float64_over_several_chunks(scheme, 
 
 
 def test_round_activations_equals_the_reference_one_input_at_a_time():
-    """The tensor path's rounding (ssm.ops.quant.round_activations) against round_activations_ref:
-    exactly, for blocks of zeros, partial last blocks, ties (x = (k + 1/2)·d) and non-finite
+    """The tensor path's rounding (ssm.ops.quant.round_activations, and in C ops.decode.round_rows)
+    against round_activations_ref: exactly, for blocks of zeros, partial last blocks, ties (x = (k + 1/2)·d) and non-finite
     values (NaN over their block only)."""
     g = torch.Generator().manual_seed(4)
     for n in (1, 31, 32, 33, 70, 100):
@@ -101,6 +101,9 @@ def test_round_activations_equals_the_reference_one_input_at_a_time():
             x[2, 5] = float("inf")
         got = round_activations(x)
         assert got.dtype == torch.float32 and got.shape == x.shape
+        in_c = round_rows(x)  # the C rounding the tensor path takes on the CPU
+        assert in_c is not None and torch.equal(in_c.isnan(), got.isnan())
+        assert torch.equal(in_c.nan_to_num(7.0), got.nan_to_num(7.0))
         for row in range(3):
             q, d = round_activations_ref(x[row])
             want = torch.tensor([qi * d[i // 32] for i, qi in enumerate(q)], dtype=torch.float64).float()
