@@ -89,8 +89,8 @@ def test_forward_and_input_gradient_against_float64_over_several_chunks(scheme, 
 
 def test_round_activations_equals_the_reference_one_input_at_a_time():
     """The tensor path's rounding (ssm.ops.quant.round_activations, and in C ops.decode.round_rows)
-    against round_activations_ref: exactly, for blocks of zeros, partial last blocks, ties (x = (k + 1/2)·d) and non-finite
-    values (NaN over their block only)."""
+    against round_activations_ref: exactly, for blocks of zeros, partial last blocks, ties
+    (x = (k + 1/2)·d) and non-finite values (NaN over their block only)."""
     g = torch.Generator().manual_seed(4)
     for n in (1, 31, 32, 33, 70, 100):
         x = torch.randn(3, n, generator=g) * torch.rand(3, n, generator=g) ** 3
