@@ -52,16 +52,22 @@ static void quantize_act_row(const float *x, i64 n, int8_t *q, float *d) {
     const i64 nb = (n + QBLOCK - 1) / QBLOCK;
     for (i64 j = 0; j < nb; j++) {
         const i64 i0 = j * QBLOCK, len = n - i0 < QBLOCK ? n - i0 : QBLOCK;
+        const float *xb = x + i0;
+        int8_t *qb = q + i0;
         float amax = 0;
         int finite = 1;
         for (i64 k = 0; k < len; k++) {
-            const float a = fabsf(x[i0 + k]);
+            const float a = fabsf(xb[k]);
             finite &= a <= FLT_MAX; /* false for an infinity and a NaN */
             amax = a > amax ? a : amax;
         }
         const float dj = amax / 127.0f, id = amax > 0 ? 1.0f / dj : 0.0f;
         d[j] = finite ? dj : NAN;
-        for (i64 k = 0; k < QBLOCK; k++) q[i0 + k] = finite && k < len ? (int8_t)nearbyintf(x[i0 + k] * id) : 0;
+        if (finite && len == QBLOCK) { /* a plain loop, which the compiler vectorises */
+            for (int k = 0; k < QBLOCK; k++) qb[k] = (int8_t)nearbyintf(xb[k] * id);
+        } else {
+            for (i64 k = 0; k < QBLOCK; k++) qb[k] = finite && k < len ? (int8_t)nearbyintf(xb[k] * id) : 0;
+        }
     }
 }
 
@@ -312,29 +318,48 @@ static inline void SUF(dot_rows_any)(const WMat *W, i64 n, i64 o, i64 nr, const 
     }
 }
 
-/* The tensor path's int8 activations (a QuantLinear's input on the CPU, float32 only): each of
-   the rows of x (n values, rows apart by n) rounded as the fused step rounds it
-   (quantize_act_row) and written back widened, out = q · d, for the float32 product with the
-   widened weights. ssm.ops.quant.round_activations computes the same in torch. */
+/* The tensor path's int8 activations (a QuantLinear's input on the CPU, float32 only): row r of
+   x, its n values at x + r·rs + i·es, rounded as the fused step rounds it (quantize_act_row) and
+   written back widened, out (rows, n) = q · d, for the float32 product with the widened weights.
+   ssm.ops.quant.round_activations computes the same in torch. Strided rows (a transposed
+   (B, D, L) tensor: es = L, rs = 1) are copied ROUND_TILE at a time into contiguous ones, input
+   by input, so that each cache line of x is read once (row by row took 2.0 ms for 512 × 1536,
+   against 0.43 for contiguous rows). */
+#define ROUND_TILE 16
 #if REAL_IS_F32
-void SUF(decode_round_rows)(const float *x, i64 rows, i64 n, float *out, i64 nthreads) {
-    const i64 nb = (n + QBLOCK - 1) / QBLOCK;
+void SUF(decode_round_rows)(const float *x, i64 rows, i64 n, i64 rs, i64 es, float *out, i64 nthreads) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK, tiles = (rows + ROUND_TILE - 1) / ROUND_TILE;
     (void)nthreads; /* unused without OpenMP */
 #pragma omp parallel num_threads((int)nthreads)
     {
         int8_t *q = malloc((size_t)(nb * QBLOCK));
         float *d = malloc((size_t)nb * sizeof(float));
+        float *tile = es == 1 ? NULL : malloc((size_t)(ROUND_TILE * n) * sizeof(float));
+        const int ok = q && d && (es == 1 || tile);
 #pragma omp for schedule(static)
-        for (i64 r = 0; r < rows; r++) {
-            if (!q || !d) { /* out of memory: NaN, never an unrounded row */
-                for (i64 i = 0; i < n; i++) out[r * n + i] = NAN;
-                continue;
+        for (i64 t = 0; t < tiles; t++) {
+            const i64 r0 = t * ROUND_TILE, nr = rows - r0 < ROUND_TILE ? rows - r0 : ROUND_TILE;
+            if (ok && es != 1)
+                for (i64 i = 0; i < n; i++)
+                    for (i64 k = 0; k < nr; k++) tile[k * n + i] = x[(r0 + k) * rs + i * es];
+            for (i64 k = 0; k < nr; k++) {
+                float *o = out + (r0 + k) * n;
+                if (!ok) { /* out of memory: NaN, never an unrounded row */
+                    for (i64 i = 0; i < n; i++) o[i] = NAN;
+                    continue;
+                }
+                quantize_act_row(es == 1 ? x + (r0 + k) * rs : tile + k * n, n, q, d);
+                for (i64 j = 0; j < nb; j++) {
+                    const i64 i0 = j * QBLOCK, i1 = i0 + QBLOCK < n ? i0 + QBLOCK : n;
+                    const float dj = d[j];
+#pragma omp simd
+                    for (i64 i = i0; i < i1; i++) o[i] = (float)q[i] * dj;
+                }
             }
-            quantize_act_row(x + r * n, n, q, d);
-            for (i64 i = 0; i < n; i++) out[r * n + i] = (float)q[i] * d[i / QBLOCK];
         }
         free(q);
         free(d);
+        free(tile);
     }
 }
 #endif

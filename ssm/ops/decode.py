@@ -383,19 +383,28 @@ def widen_rows(weight: QuantizedMatrix, lo: int, hi: int, out: Tensor | None = N
     return out
 
 
-declare("decode_round_rows", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64])
+declare(
+    "decode_round_rows",
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64],
+)
 
 
 def round_rows(x: Tensor) -> Tensor | None:
     """x (..., I), a float32 CPU tensor, rounded to int8 activations per block of 32 and widened
-    back (the values of ``ops.quant.round_activations``) by the C code the fused step rounds
-    with, on all threads; None where the C library is not there or x is not such a tensor."""
+    back (the values of ``ops.quant.round_activations``; contiguous) by the C code the fused step
+    rounds with, on all threads; None where the C library is not there or x is not such a
+    tensor. x may be strided (a transposed (B, D, L) tensor) where its rows have one stride."""
     if not (ready() and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() > 0):
         return None
-    x = x.contiguous()
-    out = torch.empty_like(x)
     n = x.shape[-1]
-    kernel("decode_round_rows", torch.float32)(x.data_ptr(), x.numel() // n, n, out.data_ptr(), threads())
+    try:
+        rows = x.view(-1, n)  # the rows as one strided matrix, if they are
+    except RuntimeError:
+        rows = x.contiguous().view(-1, n)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    kernel("decode_round_rows", torch.float32)(
+        rows.data_ptr(), rows.shape[0], n, rows.stride(0), rows.stride(1), out.data_ptr(), threads()
+    )
     return out
 
 

@@ -110,6 +110,9 @@ def test_round_activations_equals_the_reference_one_input_at_a_time():
             assert torch.equal(got[row].isnan(), want.isnan()), (n, row)
             ok = ~want.isnan()
             assert torch.equal(got[row][ok], want[ok]), (n, row)
+    for shape in ((1, 70, 40), (3, 33, 17)):  # transposed (B, D, L) inputs: strided rows, read in tiles
+        xt = torch.randn(*shape, generator=g).transpose(1, 2)
+        assert torch.equal(round_rows(xt), round_activations(xt))
     xg = torch.randn(40, requires_grad=True)
     round_activations(xg).sum().backward()
     assert torch.equal(xg.grad, torch.ones(40))  # straight through
