@@ -8,8 +8,8 @@ and loads them (build.py).
     linear.c        the first-order linear scan                         (ssm/scan/cpu.py)
     conv.c          the causal depthwise conv with SiLU                 (ssm/ops/cpu.py)
     norm.c          RMSNorm and the gated, grouped RMSNorm              (ssm/ops/cpu.py)
-    decode_weights.c  the steps' matrices in f32, bf16, f16, int8, int4  (portable C)
-    decode_simd.c   the same products in AVX2 / AVX-512 intrinsics, chosen at run time (cpu_isa)
+    decode_weights.c  the steps' matrices in f32, bf16, f16, int8, int4, int8 activations (portable C)
+    decode_simd.c   the same products in AVX2 / AVX-512 (VNNI) intrinsics, chosen at run time (cpu_isa)
     decode.c        a stack of Mamba-1 blocks' decoding step            (ssm/ops/decode.py)
     decode_mamba2.c a stack of Mamba-2 blocks' decoding step            (ssm/ops/decode.py)
     _buffers.py     the pool the kernels' large outputs come from
@@ -26,6 +26,7 @@ from .build import (
     cpu_isa,
     declare,
     empty,
+    flushed_subnormals,
     kernel,
     library,
     ptr,
@@ -41,6 +42,7 @@ __all__ = [
     "cpu_isa",
     "declare",
     "empty",
+    "flushed_subnormals",
     "kernel",
     "library",
     "pool",

@@ -11,9 +11,10 @@ threads, and run on ``torch.get_num_threads()`` of them. One library per process
 ops used: one compile, one load.
 
 The decoding steps' matrix-vector products (decode_simd.c) also exist in AVX2 and AVX-512
-intrinsics, compiled per function whatever -march says and chosen at run time: ``cpu_isa()``
-gives the level a step prepared now uses, the best this CPU runs unless ``SSM_CPU_ISA``
-(``portable``, ``avx2``, ``avx512``; ``auto`` or unset: the best) asks for another.
+intrinsics (and, for int8 activations, AVX-512 VNNI), compiled per function whatever -march says
+and chosen at run time: ``cpu_isa()`` gives the level a step prepared now uses, the best this
+CPU runs unless ``SSM_CPU_ISA`` (``portable``, ``avx2``, ``avx512``, ``avx512vnni``; ``auto`` or
+unset: the best) asks for another.
 
 If no compiler works, ``library()`` warns once (per compiler and flags tried) and returns None;
 each op then takes its pure-PyTorch path (correct, slower). ``SSM_CPU_KERNEL=0`` (read at every
@@ -27,6 +28,7 @@ for that dtype (``name_f32`` or ``name_f64``) with them set.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -149,6 +151,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.ssm_kernels_abi.restype = ctypes.c_int
     lib.ssm_cpu_isa.restype = ctypes.c_int
+    lib.ssm_flush_subnormals_on_threads.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.ssm_flush_subnormals_on_threads.restype = None
     if lib.ssm_kernels_abi() != ABI:
         raise RuntimeError(f"{path} has ABI {lib.ssm_kernels_abi()}, expected {ABI}")
     for name, argtypes in list(_declared.items()):
@@ -211,6 +215,25 @@ def cpu_isa() -> int:
     if level > best:
         raise ValueError(f"SSM_CPU_ISA={asked}: this CPU runs at most {ISA_LEVELS[best]!r}")
     return level
+
+
+@contextlib.contextmanager
+def flushed_subnormals():
+    """Within the block, torch's CPU threads (those of its OpenMP team, which the library
+    shares) flush subnormal numbers to zero, as the C sweeps do inside themselves; their own
+    mode comes back at the end. For stretches of torch ops whose weights decay through the
+    subnormal range (the chunked scans' exp of strong decays): each subnormal read or made
+    otherwise takes a microcode assist. Without the library, the block runs unchanged."""
+    lib = None if _off() else library()
+    if lib is None:
+        yield
+        return
+    n = threads()
+    lib.ssm_flush_subnormals_on_threads(1, n)
+    try:
+        yield
+    finally:
+        lib.ssm_flush_subnormals_on_threads(0, n)
 
 
 def kernel(name: str, dtype: torch.dtype):

@@ -52,5 +52,24 @@
 #undef EXP
 #undef LOG1P
 
+/* Subnormals flushed to zero (on != 0) or the mode restored (on == 0) on every thread of an
+   OpenMP team of nthreads: the threads torch's own parallel ops run on (the library shares
+   torch's OpenMP runtime, whose team stays the same from one region to the next), so that a
+   stretch of torch ops (ssm.native.flushed_subnormals) does not pay a microcode assist for each
+   subnormal it reads or makes. Calls nest; each thread keeps the mode it had before the first. */
+static __thread fp_mode ftz_saved;
+static __thread int ftz_depth;
+void ssm_flush_subnormals_on_threads(int on, i64 nthreads) {
+    (void)nthreads; /* unused without OpenMP */
+#pragma omp parallel num_threads((int)nthreads)
+    {
+        if (on) {
+            if (ftz_depth++ == 0) ftz_saved = flush_subnormals();
+        } else if (ftz_depth > 0 && --ftz_depth == 0) {
+            restore_fp_mode(ftz_saved);
+        }
+    }
+}
+
 /* The version of the argument structs (ssm/native/build.py checks it at load). */
 int ssm_kernels_abi(void) { return 11; }

@@ -9,7 +9,7 @@ import torch
 from .._backends import BackendTable
 from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
 from .chunked import ssd_chunked
-from .cpu import ssd_cpu
+from .cpu import ssd_cpu, subnormals_flushed
 from .reference import ssd_ref
 
 # Backends take the public arguments less return_last_state and seq_idx, in the same order, with
@@ -17,7 +17,7 @@ from .reference import ssd_ref
 # (out, last_state), last_state (S, H, P, N) when packed. seq_idx is turned into cu_seqlens here.
 BACKENDS = BackendTable("ssd", auto={"cpu": ("cpu", "chunked"), "*": ("chunked",)})
 BACKENDS.add("ref", ssd_ref)
-BACKENDS.add("chunked", ssd_chunked)
+BACKENDS.add("chunked", subnormals_flushed(ssd_chunked))
 BACKENDS.add("cpu", ssd_cpu, devices=("cpu",))
 # "auto" on the CPU: the sweeps of "cpu" walk every state element at every step, while "chunked"
 # shares each B·C product among a head's P channels in matrix products. Measured fwd+bwd at

@@ -14,6 +14,7 @@ from .._backends import BackendTable
 from . import triton
 from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
 from ._common_trapezoidal import TrapezoidalState
+from .cpu import subnormals_flushed
 from .reference import trapezoidal_scan_ref
 from .trapezoidal_chunked import trapezoidal_scan_chunked
 
@@ -23,7 +24,7 @@ from .trapezoidal_chunked import trapezoidal_scan_chunked
 # (out, last_state) with out (batch, L, H, P), or (batch, L, R, H, P) without mimo_o.
 BACKENDS = BackendTable("trapezoidal_scan", auto={"cuda": ("triton", "chunked"), "*": ("chunked",)})
 BACKENDS.add("ref", trapezoidal_scan_ref)
-BACKENDS.add("chunked", trapezoidal_scan_chunked)
+BACKENDS.add("chunked", subnormals_flushed(trapezoidal_scan_chunked))
 BACKENDS.add("triton", triton.trapezoidal_scan_triton, devices=triton.devices, hint=triton.hint)
 
 ROTARY = ("interleaved", "halved")
