@@ -413,3 +413,20 @@ def test_two_process_ddp_on_cpu_splits_examples_and_keeps_parameters_equal(tmp_p
     for step in range(steps):
         assert torch.equal(ranks[0]["params"][step], ranks[1]["params"][step]), f"step {step}"
     assert not torch.equal(ranks[0]["params"][0], ranks[0]["params"][-1])
+
+
+def test_a_cpu_step_flushes_subnormals_on_every_thread_and_gives_the_mode_back(tmp_path):
+    """FlushSubnormals: inside a training step (after the backward, before the optimizer step)
+    a parallel torch op over subnormal inputs gives zeros in every thread's share; after the run
+    the same op keeps them."""
+    x = torch.full((1 << 21,), 1e-39)  # subnormal in float32, large enough for every thread
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(bool((x * 1.5 == 0).all()))
+
+    args = TINY + TASKS["selective_copying"] + ["trainer.max_steps=2", f"run_dir={tmp_path}"]
+    train(load_config(None, args), callbacks=(Probe(),))
+    assert seen == [True, True], seen
+    assert (x * 1.5 != 0).all(), "a thread kept flushing after the run"
