@@ -295,6 +295,16 @@ static inline i64 whole_blocks(const WMat *W, i64 n) {
     return W->type == W_Q8 ? n / QBLOCK : (n + QBLOCK - 1) / QBLOCK;
 }
 
+/* The four rows' bytes and scales of a call on rows o .. o+nr-1 (a row past nr: row o again,
+   read, never written). */
+static inline void qrows4(const WMat *W, i64 n, i64 o, i64 nr, const uint8_t *w[4], const float *sc[4]) {
+    const i64 nb = (n + QBLOCK - 1) / QBLOCK, rowlen = W->type == W_Q4 ? nb * (QBLOCK / 2) : n;
+    for (int r = 0; r < 4; r++) {
+        w[r] = (const uint8_t *)W->w + (o + (r < nr ? r : 0)) * rowlen;
+        sc[r] = W->scale + (o + (r < nr ? r : 0)) * nb;
+    }
+}
+
 /* AVX2: one block (32 inputs) a step. A W_Q8 block: |w| · (q with w's sign), vpmaddubsw into 16
    pairs, vpmaddwd into 8 sums (|w| ≤ 128, |q| ≤ 127: a pair stays inside int16). A W_Q4 block:
    the nibbles (0..15) times q, less 8 · Σq (computed once for the four rows). */
@@ -305,12 +315,11 @@ static T256 inline __m256i q4_block_256(const uint8_t *b) {
 }
 
 static T256 void qdot4_256(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
-    const i64 nb = (n + QBLOCK - 1) / QBLOCK, whole = whole_blocks(W, n), q4 = W->type == W_Q4;
-    const i64 rowlen = q4 ? nb * (QBLOCK / 2) : n;
-    ROWS4(uint8_t, (const uint8_t *)W->w + o * rowlen, rowlen);
-    const uint8_t *w[4] = {w0, w1, w2, w3};
+    const i64 whole = whole_blocks(W, n), q4 = W->type == W_Q4;
+    const uint8_t *w[4], *w0, *w1, *w2, *w3;
     const float *sc[4];
-    for (int r = 0; r < 4; r++) sc[r] = W->scale + (o + (r < nr ? r : 0)) * nb;
+    qrows4(W, n, o, nr, w, sc);
+    w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3]; /* PREFETCH4's names */
     const __m256i ones = _mm256_set1_epi16(1), eights = _mm256_set1_epi8(8);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (i64 j = 0; j < whole; j++) {
@@ -347,12 +356,11 @@ static TVNNI inline __m512i q4_pair_512(const uint8_t *b) {
 }
 
 static TVNNI void qdot4_vnni(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
-    const i64 nb = (n + QBLOCK - 1) / QBLOCK, whole = whole_blocks(W, n), q4 = W->type == W_Q4;
-    const i64 rowlen = q4 ? nb * (QBLOCK / 2) : n, bb = q4 ? QBLOCK / 2 : QBLOCK;
-    ROWS4(uint8_t, (const uint8_t *)W->w + o * rowlen, rowlen);
-    const uint8_t *w[4] = {w0, w1, w2, w3};
+    const i64 whole = whole_blocks(W, n), q4 = W->type == W_Q4, bb = q4 ? QBLOCK / 2 : QBLOCK;
+    const uint8_t *w[4], *w0, *w1, *w2, *w3;
     const float *sc[4];
-    for (int r = 0; r < 4; r++) sc[r] = W->scale + (o + (r < nr ? r : 0)) * nb;
+    qrows4(W, n, o, nr, w, sc);
+    w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3]; /* PREFETCH4's names */
     /* the lanes' blocks: W_Q8 8 lanes of j then 8 of j + 1; W_Q4 4, 4, 4, 4 of j, j + 1, j, j + 1 */
     const __m512i pick = q4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
                             : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);

@@ -580,7 +580,7 @@ def subnormals_flushed(fn):
     torch's threads flushing subnormals to zero while its forward runs (ssm.native.
     flushed_subnormals): the exps of strong decays make weights in the subnormal range, and each
     product that reads one takes a microcode assist. Measured: a 512-token prefill of a 24-layer
-    Mamba-2 with transformers' initialisation (A up to -24), 570 -> 780-830 tokens/s. The
+    Mamba-2 with transformers' initialisation (A up to -24), 527-582 -> 769-842 tokens/s. The
     backward (run later by autograd) is not covered; nor is a traced function (torch.compile)."""
 
     @functools.wraps(fn)
