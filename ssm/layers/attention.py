@@ -14,7 +14,7 @@ from ..ops import AttentionBlockWeights, GatedMLPWeights, causal_conv1d, causal_
 from .cache import AttentionCache, check_packing, check_sequence, check_token
 from .linear import Linear
 from .norm import RMSNorm
-from .quant import decoding_matrix
+from .quant import decoding_matrix, float_dtype_and_device
 
 
 def rotary_frequencies(dim: int, base: float, dtype: torch.dtype, device) -> torch.Tensor:
@@ -184,8 +184,8 @@ class MHA(nn.Module):
         """An empty cache for ``batch`` rows; ``max_seqlen`` reserves room for that many tokens
         per row (it grows past them on demand). Keys and values in ``dtype`` (default: the
         layer's)."""
-        dtype = dtype or self.out_proj.weight.dtype
-        device = device or self.out_proj.weight.device
+        own_dtype, own_device = float_dtype_and_device(self.out_proj)
+        dtype, device = dtype or own_dtype, device or own_device
         shape = (batch, max_seqlen, self.num_heads_kv, self.head_dim)
         conv_state = None
         if self.d_conv > 0:
@@ -355,9 +355,9 @@ class MHA(nn.Module):
             cache.conv_state = fit(cache.conv_state)
         inv_freq = None
         if self.rotary_emb_dim > 0:  # in the dtype rotary() forms them in
-            weight = self.out_proj.weight
-            work = torch.float64 if weight.dtype == torch.float64 else torch.float32
-            inv_freq = rotary_frequencies(self.rotary_emb_dim, self.rotary_emb_base, work, weight.device)
+            dtype, device = float_dtype_and_device(self.out_proj)
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            inv_freq = rotary_frequencies(self.rotary_emb_dim, self.rotary_emb_base, work, device)
         conv = self.d_conv > 0
         return AttentionBlockWeights(
             norm_weight=norm.weight,

@@ -47,6 +47,7 @@ class QuantLinear(nn.Module):
         check_scheme(scheme)
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         self.activations = check_activations(activations)  # what the weights multiply (ssm.ops.quant)
+        self.dtype = dtype or torch.get_default_dtype()  # the float dtype of the model around it
         nb = blocks_per_row(in_features)
         shape = (out_features, in_features) if scheme == "int8" else (out_features, nb * BLOCK // 2)
         kind = torch.int8 if scheme == "int8" else torch.uint8
@@ -59,7 +60,9 @@ class QuantLinear(nn.Module):
         w = linear.weight
         q = quantize_matrix(w, scheme)
         bias = linear.bias is not None
-        out = cls(linear.in_features, linear.out_features, scheme, bias, device="meta", activations=activations)
+        out = cls(
+            linear.in_features, linear.out_features, scheme, bias, device="meta", dtype=w.dtype, activations=activations
+        )
         out.qweight, out.scales = q.data, q.scales
         if linear.bias is not None:
             out.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
@@ -104,6 +107,8 @@ class QuantLinear(nn.Module):
         finally:
             self._buffers["scales"] = scales
         self._buffers["scales"] = scales.to(fn(torch.empty(0, device=scales.device)).device)
+        probe = fn(torch.empty(0, dtype=self.dtype))
+        self.dtype = probe.dtype if probe.is_floating_point() else self.dtype
         return self
 
     def extra_repr(self) -> str:
@@ -135,6 +140,14 @@ class QuantEmbedding(nn.Module):
         probe = fn(torch.empty(0, dtype=self.dtype))
         self.dtype = probe.dtype if probe.is_floating_point() else self.dtype
         return super()._apply(fn, recurse)
+
+
+def float_dtype_and_device(linear: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The float dtype and the device of a linear layer's weights: a QuantLinear's model dtype
+    (its integers are not float) and its integers' device."""
+    if isinstance(linear, QuantLinear):
+        return linear.dtype, linear.qweight.device
+    return linear.weight.dtype, linear.weight.device
 
 
 def decoding_matrix(linear: nn.Module):

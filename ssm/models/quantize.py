@@ -4,7 +4,7 @@ rebuilds the same layers and loads their integers as saved, without quantising a
 
 What is quantised: the matrices that a decoding step reads in bulk, each an ``nn.Linear``
 replaced by a ``ssm.layers.quant.QuantLinear`` — every Mamba-1 mixer's in_proj, x_proj and
-out_proj, every Mamba-2 and Mamba-3 mixer's in_proj and out_proj, every block MLP's fc1 and fc2,
+out_proj, every Mamba-2, Mamba-3 and attention (MHA) mixer's in_proj and out_proj, every block MLP's fc1 and fc2,
 and the LM head (with tied embeddings the embedding then reads the head's integers: ``QuantEmbedding``).
 They hold nearly all of a model's bytes (about 98% of mamba-130m's outside the embedding).
 
@@ -16,7 +16,6 @@ What stays in the model's float dtype, and why:
   - an untied embedding: decoding reads one row of it per token, so quantising it would save
     disk, not time;
   - Mamba-3's B / C norms and biases, its MIMO projections (mimo_x, mimo_z, mimo_o: vectors);
-  - attention layers (no fused step reads them yet; their linears stay float).
 The recurrent states and every sum of the fused step stay float32 (see ssm.ops.quant for the
 format and its block size).
 
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..layers import GatedMLP, Mamba, Mamba2, Mamba3
+from ..layers import MHA, GatedMLP, Mamba, Mamba2, Mamba3
 from ..layers.quant import QuantEmbedding, QuantLinear
 from ..ops.quant import BLOCK, check_activations, check_scheme
 
@@ -49,7 +48,7 @@ def quantizable(model) -> list[str]:
         prefix = f"backbone.layers.{i}."
         if isinstance(block.mixer, Mamba):
             names += [prefix + "mixer." + n for n in ("in_proj", "x_proj", "out_proj")]
-        elif isinstance(block.mixer, (Mamba2, Mamba3)):
+        elif isinstance(block.mixer, (Mamba2, Mamba3, MHA)):
             names += [prefix + "mixer." + n for n in ("in_proj", "out_proj")]
         if isinstance(block.mlp, GatedMLP):
             names += [prefix + "mlp.fc1", prefix + "mlp.fc2"]

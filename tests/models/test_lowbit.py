@@ -25,6 +25,11 @@ CONFIGS = {
     "mamba3-mimo": dict(
         ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "chunk_size": 4, "is_mimo": True, "mimo_rank": 2}
     ),
+    "hybrid": dict(  # an attention block (rotary, a conv, a fused MLP) after a Mamba-2 block
+        ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4},
+        attn_layer_idx=[1],
+        attn_cfg={"num_heads": 4, "num_heads_kv": 2, "rotary_emb_dim": 4, "d_conv": 4, "mlp_dim": 16, "causal": True},
+    ),
 }
 
 
@@ -144,10 +149,15 @@ def test_what_quantize_replaces_and_keeps():
     assert mixer.in_proj.scales.dtype == torch.float32  # the scales never narrow
     untied = tiny("mamba1-untied").quantize("int8")
     assert isinstance(untied.backbone.embedding, torch.nn.Embedding)
+    hybrid = tiny("hybrid").quantize("int8")  # the attention block's projections too
+    attention = hybrid.backbone.layers[1].mixer
+    assert isinstance(attention.in_proj, QuantLinear) and isinstance(attention.out_proj, QuantLinear)
+    hybrid.to(torch.bfloat16)
+    assert attention.allocate_inference_cache(1).key.dtype == torch.bfloat16  # the model's float dtype
 
 
 @pytest.mark.parametrize("safe", [True, False])
-@pytest.mark.parametrize("kind", ["mamba1", "mamba2+mlp", "mamba1-untied"])
+@pytest.mark.parametrize("kind", ["mamba1", "mamba2+mlp", "mamba1-untied", "hybrid"])
 def test_quantise_save_load_gives_the_same_tokens(kind, safe, tmp_path):
     model = tiny(kind).quantize("int8")
     ids = torch.randint(0, 45, (2, 4), generator=torch.Generator().manual_seed(3))
