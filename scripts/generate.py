@@ -12,7 +12,7 @@ repo id, or "bytes"), else the tokenizer.json beside the weights, else bytes for
 ids (this library's byte-level runs). One prompt streams its continuation token by token as it
 is decoded; several are generated together as one batch (left padding, an attention mask) and
 printed when done. A sequence ends at the tokenizer's eos token. The last line, on stderr, gives
-tokens per second and the weights' precision.
+tokens per second and the weights' precision (and a quantised model's activations).
 
 Precision: --dtype casts the weights as they are read (default: the checkpoint's dtype); --quantize
 int8 / int4 quantises them as they are read (MambaLM.quantize: blocks of 32 inputs, one float32
@@ -82,15 +82,17 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             dtype=args.dtype,
             quantize=args.quantize,
-            activations=args.activations,
         )
     except QuantizationMismatch as err:
         parser.error(f"--{err}")  # "--quantize int4: DIR is saved quantised as int8; ..."
-    except ValueError as err:
-        if args.activations is None or "activations" not in str(err):
-            raise
-        parser.error(f"--activations {args.activations}: {err}")
-    precision = model.quantization["scheme"] if model.quantization else str(model.lm_head.weight.dtype).split(".")[-1]
+    if args.activations is not None:
+        if model.quantization is None:
+            parser.error(f"--activations {args.activations}: applies to a quantised model (add --quantize)")
+        model.set_activations(args.activations)
+    if model.quantization:
+        precision = f"{model.quantization['scheme']} weights, {model.quantization['activations']} activations"
+    else:
+        precision = str(model.lm_head.weight.dtype).split(".")[-1] + " weights"
     encoded = [tokenizer.encode(p) for p in prompts]
     if any(not ids for ids in encoded):
         parser.error("every --prompt must encode to at least one token")
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{count} new token(s), {steps} step(s) x batch {len(prompts)} in {seconds:.2f} s: "
         f"{steps * len(prompts) / max(seconds, 1e-9):.1f} tokens/s "
-        f"(first token {to_first:.2f} s after start, loading {directory} included; {precision} weights)",
+        f"(first token {to_first:.2f} s after start, loading {directory} included; {precision})",
         file=sys.stderr,
     )
     return 0

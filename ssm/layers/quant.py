@@ -84,7 +84,7 @@ class QuantLinear(nn.Module):
         if self.activations == "int8" and x.dtype != torch.float64:  # as the fused step rounds them
             # (a float64 model is for checking: never rounded); in C where it applies: torch's
             # eight passes over a prompt's rows cost a fifth of a 512-token prefill (measured)
-            rounded = round_rows(xc) if reuse and xc.dtype == torch.float32 else None
+            rounded = round_rows(xc) if reuse else None  # (None where x is not a float32 CPU tensor)
             xc = (rounded if rounded is not None else round_activations(xc)).to(xc.dtype)
         buf, parts = None, []
         for lo in range(0, self.out_features, _ROWS):

@@ -4,9 +4,10 @@ rebuilds the same layers and loads their integers as saved, without quantising a
 
 What is quantised: the matrices that a decoding step reads in bulk, each an ``nn.Linear``
 replaced by a ``ssm.layers.quant.QuantLinear`` — every Mamba-1 mixer's in_proj, x_proj and
-out_proj, every Mamba-2, Mamba-3 and attention (MHA) mixer's in_proj and out_proj, every block MLP's fc1 and fc2,
-and the LM head (with tied embeddings the embedding then reads the head's integers: ``QuantEmbedding``).
-They hold nearly all of a model's bytes (about 98% of mamba-130m's outside the embedding).
+out_proj, every Mamba-2, Mamba-3 and attention (MHA) mixer's in_proj and out_proj, every block
+MLP's fc1 and fc2, and the LM head (with tied embeddings the embedding then reads the head's
+integers: ``QuantEmbedding``). They hold nearly all of a model's bytes (about 98% of
+mamba-130m's outside the embedding).
 
 What stays in the model's float dtype, and why:
   - dt_proj (the Δ projection, rank R = d_model / 16): 2% of a block's weights, and Δ enters

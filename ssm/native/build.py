@@ -224,7 +224,7 @@ def flushed_subnormals():
     mode comes back at the end. For stretches of torch ops whose weights decay through the
     subnormal range (the chunked scans' exp of strong decays): each subnormal read or made
     otherwise takes a microcode assist. Without the library, the block runs unchanged."""
-    lib = None if _off() else library()
+    lib = library()
     if lib is None:
         yield
         return

@@ -355,6 +355,11 @@ static TVNNI inline __m512i q4_pair_512(const uint8_t *b) {
                               _mm256_and_si256(_mm256_srli_epi16(v, 4), m), 1);
 }
 
+/* Two consecutive floats p[0], p[1] spread over the 16 lanes as `pick` (0 or 1 a lane) says. */
+static TVNNI inline __m512 pair_lanes(__m512i pick, const float *p) {
+    return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)p))));
+}
+
 static TVNNI void qdot4_vnni(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
     const i64 whole = whole_blocks(W, n), q4 = W->type == W_Q4, bb = q4 ? QBLOCK / 2 : QBLOCK;
     const uint8_t *w[4], *w0, *w1, *w2, *w3;
@@ -372,7 +377,7 @@ static TVNNI void qdot4_vnni(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *
         __m512i qv = _mm512_loadu_si512((const void *)(q + j * QBLOCK));
         if (q4) qv = _mm512_shuffle_i64x2(qv, qv, _MM_SHUFFLE(3, 1, 2, 0));
         const __m512i start = q4 ? _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, eights, qv)) : zero;
-        const __m512 dv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(d + j)))));
+        const __m512 dv = pair_lanes(pick, d + j);
         for (int r = 0; r < 4; r++) {
             __m512i isum;
             if (q4) {
@@ -382,8 +387,7 @@ static TVNNI void qdot4_vnni(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *
                 const __m512i sq = _mm512_mask_sub_epi8(qv, _mm512_movepi8_mask(wv), zero, qv);
                 isum = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), sq);
             }
-            const __m512 sv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(sc[r] + j)))));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sv, dv), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(pair_lanes(pick, sc[r] + j), dv), acc[r]);
         }
     }
     float s[4] = {_mm512_reduce_add_ps(acc[0]), _mm512_reduce_add_ps(acc[1]), _mm512_reduce_add_ps(acc[2]),
@@ -394,18 +398,12 @@ static TVNNI void qdot4_vnni(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *
         for (int r = 0; r < 4; r++) {
             __m256i isum;
             if (q4) {
-                const __m128i v = _mm_loadu_si128((const __m128i *)(w[r] + j * bb)), m = _mm_set1_epi8(15);
-                const __m256i nib = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, m)),
-                                                            _mm_and_si128(_mm_srli_epi16(v, 4), m), 1);
-                isum = _mm256_dpbusd_epi32(start, nib, qv);
+                isum = _mm256_dpbusd_epi32(start, q4_block_256(w[r] + j * bb), qv);
             } else {
                 const __m256i wv = _mm256_loadu_si256((const __m256i *)(w[r] + j * bb));
                 isum = _mm256_dpbusd_epi32(z, _mm256_abs_epi8(wv), _mm256_mask_sub_epi8(qv, _mm256_movepi8_mask(wv), z, qv));
             }
-            const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(sc[r][j] * d[j]));
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(p), _mm256_extractf128_ps(p, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            s[r] += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+            s[r] += hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(sc[r][j] * d[j])));
         }
     }
     qtail_rows(W, n, o, nr, q, d, s);

@@ -40,6 +40,7 @@ from .reference import (
     dequantize_ref,
     mamba2_blocks_step_ref,
     mamba_blocks_step_ref,
+    quantized_ints_ref,
     quantized_product_ref,
     rms_norm_ref,
     round_activations_ref,
@@ -72,5 +73,6 @@ __all__ = [
     "mamba2_blocks_step_ref",
     "dequantize_ref",
     "round_activations_ref",
+    "quantized_ints_ref",
     "quantized_product_ref",
 ]

@@ -397,10 +397,7 @@ def round_rows(x: Tensor) -> Tensor | None:
     if not (ready() and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() > 0):
         return None
     n = x.shape[-1]
-    try:
-        rows = x.view(-1, n)  # the rows as one strided matrix, if they are
-    except RuntimeError:
-        rows = x.contiguous().view(-1, n)
+    rows = x.reshape(-1, n)  # the rows as one strided matrix: a view where they are one, else a copy
     out = torch.empty(x.shape, dtype=torch.float32)
     kernel("decode_round_rows", torch.float32)(
         rows.data_ptr(), rows.shape[0], n, rows.stride(0), rows.stride(1), out.data_ptr(), threads()

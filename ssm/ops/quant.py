@@ -11,7 +11,12 @@ Schemes, for a matrix W (O, I) and nb = ceil(I / 32) blocks of 32 inputs per row
             q = round(W / s) in [-8, 7], s = max|W| over the block / 7 (a short last block is
             padded with q = 0).
 
-scales float32 (O, nb); W ≈ q · s.
+scales float32 (O, nb); W ≈ q · s. Blocks of 32 along the input dimension rather than one scale
+per output row: a scale then covers 32 weights, so one outlier costs the precision of 31
+others, not of the whole row (768 to 1536 weights in Mamba's projections); it is the layout of
+llama.cpp's q8_0 / q4_0 (so the two are compared like with like), and int4 needs it (one scale
+per row of 16 levels loses too much). The cost is 4 bytes of scale per 32 weights (1.125 bytes a
+weight for int8), and a multiply per block in the dot products.
 
 Activations (what a quantised layer multiplies its weights by), one of ACTIVATIONS:
 
@@ -19,15 +24,10 @@ Activations (what a quantised layer multiplies its weights by), one of ACTIVATIO
             (``round_activations``: d = max|x| / 127 per block), so that a block's products are
             integers summed exactly and scaled once, as llama.cpp's q8_0 / q4_0 compute them.
             The fused CPU step then runs integer instructions (AVX2's vpmaddubsw, AVX-512 VNNI's
-            vpdpbusd), 1.25x (int8) to 1.7x (int4) the tokens per second of float inputs at
-            mamba-130m's size (BENCHMARKS.md); the tensor path rounds the same way.
+            vpdpbusd): 1.24x to 1.73x the tokens per second of float inputs at mamba-130m's size
+            (BENCHMARKS.md, "int8 activations"); the tensor path rounds the same way.
     "float32": the input as it is (float32 products of the widened weights): exact to float32
-            rounding, slower. Blocks of 32 along the input dimension rather than one scale
-per output row: a scale then covers 32 weights, so one outlier costs the precision of 31
-others, not of the whole row (768 to 1536 weights in Mamba's projections); it is the layout of
-llama.cpp's q8_0 / q4_0 (so the two are compared like with like), and int4 needs it (one scale
-per row of 16 levels loses too much). The cost is 4 bytes of scale per 32 weights (1.125 bytes a
-weight for int8), and a multiply per block in the dot products.
+            rounding, slower.
 """
 
 from __future__ import annotations

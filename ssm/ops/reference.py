@@ -82,23 +82,27 @@ def _rms(v: list, w, eps: float) -> list:
     return [e * scale * float(wi) for e, wi in zip(v, w)]
 
 
-def dequantize_ref(q) -> Tensor:
-    """An ``ssm.ops.quant.QuantizedMatrix`` (read by field) as float64 (O, I), input by input:
-    w[r, i] = q[r, i]·scales[r, i // 32], q from int8 data, or for int4 from byte
-    16·(i // 32) + i % 16 of row r, its low nibble for i % 32 < 16 and its high one else, minus 8."""
+def quantized_ints_ref(q) -> Tensor:
+    """The integers an ``ssm.ops.quant.QuantizedMatrix`` (read by field) stores, as float64
+    (O, I), input by input: q[r, i] from int8 data, or for int4 from byte 16·(i // 32) + i % 16
+    of row r, its low nibble for i % 32 < 16 and its high one else, minus 8."""
     rows, cols = q.data.shape[0], q.in_features
     out = torch.empty(rows, cols, dtype=torch.float64)
-    data, scales = q.data.tolist(), q.scales.double().tolist()
+    data = q.data.tolist()
     for r in range(rows):
         for i in range(cols):
             j, t = divmod(i, 32)
             if q.scheme == "int8":
-                value = data[r][i]
+                out[r, i] = data[r][i]
             else:
                 byte = data[r][16 * j + t % 16]
-                value = (byte & 15 if t < 16 else byte >> 4) - 8
-            out[r, i] = value * scales[r][j]
+                out[r, i] = (byte & 15 if t < 16 else byte >> 4) - 8
     return out
+
+
+def dequantize_ref(q) -> Tensor:
+    """A QuantizedMatrix as float64 (O, I): w[r, i] = quantized_ints_ref(q)[r, i]·scales[r, i // 32]."""
+    return quantized_ints_ref(q) * torch.repeat_interleave(q.scales.double(), 32, 1)[:, : q.in_features]
 
 
 def _f32(v: float) -> float:
@@ -133,7 +137,7 @@ def quantized_product_ref(W, x) -> Tensor:
     dequantize_ref does) whose activations are "int8": x (I,) float32 rounded by
     round_activations_ref, then each block's integer sum times its weight scale and d_j."""
     q, d = round_activations_ref(x)
-    ints = (dequantize_ref(W) / torch.repeat_interleave(W.scales.double(), 32, 1)[:, : W.in_features]).round()
+    ints = quantized_ints_ref(W)
     out = torch.zeros(W.data.shape[0], dtype=torch.float64)
     qt = torch.tensor(q, dtype=torch.float64)
     for j, dj in enumerate(d):

@@ -221,10 +221,18 @@ def fused_spy(monkeypatch) -> list[bool]:
     return taken
 
 
-@pytest.mark.parametrize("flags", [["--quantize", "int8"], ["--quantize", "int4"], ["--dtype", "bfloat16"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--quantize", "int8"],
+        ["--quantize", "int4"],
+        ["--quantize", "int4", "--activations", "float32"],
+        ["--dtype", "bfloat16"],
+    ],
+)
 def test_generate_script_precision_flags_take_the_fused_step(tmp_path, capsys, monkeypatch, flags):
-    """--quantize / --dtype give the tokens of model.quantize(...) (or .to(dtype)) + generate,
-    decoded by the fused C step."""
+    """--quantize (with --activations) / --dtype give the tokens of model.quantize(...) (or
+    .to(dtype)) + generate, decoded by the fused C step."""
     from ssm.native import library
 
     if library() is None:
@@ -236,8 +244,11 @@ def test_generate_script_precision_flags_take_the_fused_step(tmp_path, capsys, m
     argv = [str(directory), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0", "--show-ids"]
     out, err = run_script("generate.py", argv + flags, capsys)
     assert taken and all(taken), f"{flags} did not decode through the fused step"
-    assert f"{flags[1]} weights" in err.strip().splitlines()[-1]
-    want = model.quantize(flags[1]) if flags[0] == "--quantize" else model.to(getattr(torch, flags[1]))
+    activations = flags[3] if len(flags) > 2 else "int8"
+    quantize = flags[0] == "--quantize"
+    last = err.strip().splitlines()[-1]
+    assert f"{flags[1]} weights" in last and (not quantize or f"{activations} activations" in last), last
+    want = model.quantize(flags[1], activations=activations) if quantize else model.to(getattr(torch, flags[1]))
     ids = torch.tensor([tok.encode(prompt)])
     expected = want.generate(ids, 12, temperature=0, eos_token_id=0)[0, ids.shape[1] :].tolist()
     assert new_ids(out) == [expected[: expected.index(0)] if 0 in expected else expected]
@@ -259,3 +270,6 @@ def test_generate_script_on_a_quantised_checkpoint(tmp_path, capsys, monkeypatch
     with pytest.raises(SystemExit):
         main(argv + ["--quantize", "int4"])
     assert "--quantize int4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --activations on a float checkpoint: an error naming the flag
+        main([str(directory), *argv[1:], "--activations", "float32"])
+    assert "--activations float32: applies to a quantised model" in capsys.readouterr().err

@@ -21,7 +21,14 @@ import torch
 
 from ssm import MambaConfig, MambaLM
 from ssm.native import ISA_LEVELS, cpu_isa, library
-from ssm.ops import decode, dequantize_ref, quantize_matrix, quantized_product_ref, round_activations_ref
+from ssm.ops import (
+    decode,
+    dequantize_ref,
+    quantize_matrix,
+    quantized_ints_ref,
+    quantized_product_ref,
+    round_activations_ref,
+)
 from ssm.ops.decode import decode_matvec
 
 
@@ -45,6 +52,18 @@ def stored(w: torch.Tensor, fmt: str):
     return narrow, narrow.double()
 
 
+def assert_every_level_within(found, mat, x, want, bound, what, monkeypatch):
+    """decode_matvec(mat, x) at each level in ``found`` is within ``bound`` of ``want`` (float64,
+    per output)."""
+    for level in found:
+        monkeypatch.setenv("SSM_CPU_ISA", level)
+        err = (decode_matvec(mat, x, nthreads=1).double() - want).abs()
+        assert (err <= bound).all(), (
+            f"{what} at {level}: error {err.max().item():.3g} above the bound "
+            f"{bound[err.argmax()].item():.3g} (row {err.argmax().item()})"
+        )
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_level_reads_every_format_as_the_float64_product(fmt, monkeypatch):
     g = torch.Generator().manual_seed(21)
@@ -56,14 +75,7 @@ def test_every_level_reads_every_format_as_the_float64_product(fmt, monkeypatch)
             mat, wide = stored(w, fmt)
             want = wide @ x.double()
             bound = (n + 4) * 2.0**-24 * (wide.abs() @ x.double().abs()) + 1e-30
-            for level in found:
-                monkeypatch.setenv("SSM_CPU_ISA", level)
-                got = decode_matvec(mat, x, nthreads=1).double()
-                err = (got - want).abs()
-                assert (err <= bound).all(), (
-                    f"{fmt} at {level}, {n_out}x{n}: error {err.max().item():.3g} above the bound "
-                    f"{bound[err.argmax()].item():.3g} (row {err.argmax().item()})"
-                )
+            assert_every_level_within(found, mat, x, want, bound, f"{fmt}, {n_out}x{n}", monkeypatch)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -84,19 +96,11 @@ def test_every_level_multiplies_int8_activations_as_the_float64_integer_product(
             mat = dataclasses.replace(quantize_matrix(w, scheme), activations="int8")
             want = quantized_product_ref(mat, x)
             q, d = round_activations_ref(x)
-            ints = (dequantize_ref(mat) / torch.repeat_interleave(mat.scales.double(), 32, 1)[:, :n]).round()
-            terms = ints.abs() * torch.tensor(q, dtype=torch.float64).abs()  # |w·q| per input
+            terms = quantized_ints_ref(mat).abs() * torch.tensor(q, dtype=torch.float64).abs()  # |w·q| per input
             blocks = torch.stack([terms[:, 32 * j : 32 * j + 32].sum(1) for j in range(len(d))], 1)
             mags = (blocks * mat.scales.double() * torch.tensor(d, dtype=torch.float64)).sum(1)
             bound = (len(d) + 20) * 2.0**-23 * mags + 1e-30
-            for level in found:
-                monkeypatch.setenv("SSM_CPU_ISA", level)
-                got = decode_matvec(mat, x, nthreads=1).double()
-                err = (got - want).abs()
-                assert (err <= bound).all(), (
-                    f"{scheme} at {level}, {n_out}x{n}: error {err.max().item():.3g} above the bound "
-                    f"{bound[err.argmax()].item():.3g} (row {err.argmax().item()})"
-                )
+            assert_every_level_within(found, mat, x, want, bound, f"{scheme}, {n_out}x{n}", monkeypatch)
 
 
 def test_int8_activations_of_a_non_finite_block_give_nan(monkeypatch):
