@@ -460,7 +460,7 @@ class MambaLM(nn.Module):
         float32 scale per block of 32 inputs; ssm.ops.quant), in place; returns the model. Which
         layers stay in the float dtype, and why: ssm/models/quantize.py. ``activations``: "int8"
         rounds each quantised layer's input to int8 per block of 32 (as llama.cpp's q8_0 / q4_0
-        do; the fused CPU step then multiplies integers, 1.24-1.73x faster), "float32" keeps it.
+        do; the fused CPU step then multiplies integers, 1.24-1.65x faster), "float32" keeps it.
         The fused step reads the integers as they are (states and sums in float32);
         ``save_pretrained`` stores them with a quantization_config.json, and ``from_pretrained``
         loads them back without quantising again. A model is quantised once (ValueError else)."""

@@ -24,7 +24,7 @@ Activations (what a quantised layer multiplies its weights by), one of ACTIVATIO
             (``round_activations``: d = max|x| / 127 per block), so that a block's products are
             integers summed exactly and scaled once, as llama.cpp's q8_0 / q4_0 compute them.
             The fused CPU step then runs integer instructions (AVX2's vpmaddubsw, AVX-512 VNNI's
-            vpdpbusd): 1.24x to 1.73x the tokens per second of float inputs at mamba-130m's size
+            vpdpbusd): 1.24x to 1.65x the tokens per second of float inputs at mamba-130m's size
             (BENCHMARKS.md, "int8 activations"); the tensor path rounds the same way.
     "float32": the input as it is (float32 products of the widened weights): exact to float32
             rounding, slower.
