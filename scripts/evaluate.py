@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate_text(parser, args) -> int:
     import torch
 
-    from ssm.models.hub import load_model_and_tokenizer
+    from ssm.models.text import load_model_and_tokenizer
     from ssm.models.scoring import score_ids, text_metrics
 
     if not args.text.is_file():

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ssm.models.hub import QuantizationMismatch, continuation, left_pad, load_model_and_tokenizer
+    from ssm.models.text import QuantizationMismatch, continuation, left_pad, load_model_and_tokenizer
     from ssm.models.tokenizer import TextStream
 
     started = time.perf_counter()

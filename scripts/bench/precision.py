@@ -69,7 +69,7 @@ def _variants() -> list[tuple[str, str, str | None, str | None]]:
 
 
 def run(args) -> tuple[int, dict]:
-    from ssm.models.hub import load_model_and_tokenizer
+    from ssm.models.text import load_model_and_tokenizer
     from ssm.models.scoring import score_ids, text_metrics
 
     text, source = held_out_text(args)

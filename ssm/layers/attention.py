@@ -273,9 +273,10 @@ class MHA(nn.Module):
         the cache has batch S: each sequence continues its own row."""
         check_sequence("hidden_states", hidden_states, self.embed_dim)
         batch, length, _ = hidden_states.shape
-        cu_seqlens = check_packing(cu_seqlens, hidden_states)
+        packed = check_packing(cu_seqlens, hidden_states)
+        cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
-            cache.check_batch(batch if cu_seqlens is None else cu_seqlens.numel() - 1)
+            cache.check_batch(batch if packed is None else packed.num_sequences)
         qkv, mlp = self._project(hidden_states)
         if self.d_conv > 0:
             conv, conv_state = causal_conv1d(

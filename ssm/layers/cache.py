@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..scan import PackedSequences, packed_sequences
+
 
 class _StateTensors:
     """What every layer cache offers the layers above it, whatever its fields: its tensors as a
@@ -61,14 +63,12 @@ class LayerCache(_StateTensors):
             )
 
 
-def check_packing(cu_seqlens, x: torch.Tensor) -> torch.Tensor | None:
-    """``cu_seqlens`` for x (1, L, d_model), validated (see ssm.scan.selective_scan) and as
-    int64, or None."""
+def check_packing(cu_seqlens, x: torch.Tensor) -> PackedSequences | None:
+    """``cu_seqlens`` (a tensor, or a ``PackedSequences`` a model validated already) for x
+    (1, L, d_model), validated once (``ssm.scan.packed_sequences``), or None."""
     if cu_seqlens is None:
         return None
-    from ..scan._checks import check_cu_seqlens
-
-    return check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
+    return packed_sequences(cu_seqlens, x.shape[1], x.shape[0], x.device)
 
 
 def check_sequence(name: str, x: torch.Tensor, d_model: int) -> None:

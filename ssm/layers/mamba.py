@@ -116,9 +116,10 @@ class Mamba(nn.Module):
         if last > 0 and cu_seqlens is not None:
             raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         check_sequence("hidden_states", hidden_states, self.d_model)
-        cu_seqlens = check_packing(cu_seqlens, hidden_states)
+        packed = check_packing(cu_seqlens, hidden_states)  # validated once; the ops take its tensor
+        cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
-            cache.check_batch(hidden_states.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1)
+            cache.check_batch(hidden_states.shape[0] if packed is None else packed.num_sequences)
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (b, l, d) each
         # x (b, l, d) for x_proj and u (b, d, l) for the scan
         (x, u), conv_state = causal_conv1d_silu(
@@ -147,7 +148,7 @@ class Mamba(nn.Module):
             delta_softplus=True,
             return_last_state=True,
             initial_state=None if cache is None else cache.ssm_state,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=packed,
             backend=self.backend,
         )
         if cache is not None:

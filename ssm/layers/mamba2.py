@@ -136,9 +136,10 @@ class Mamba2(nn.Module):
             raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         check_sequence("hidden_states", hidden_states, self.d_model)
         batch, length, _ = hidden_states.shape
-        cu_seqlens = check_packing(cu_seqlens, hidden_states)
+        packed = check_packing(cu_seqlens, hidden_states)  # validated once; the ops take its tensor
+        cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
-            cache.check_batch(batch if cu_seqlens is None else cu_seqlens.numel() - 1)
+            cache.check_batch(batch if packed is None else packed.num_sequences)
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
         xBC, conv_state = causal_conv1d_silu(
             xBC, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state, cu_seqlens
@@ -160,7 +161,7 @@ class Mamba2(nn.Module):
             initial_state=None if cache is None else cache.ssm_state,
             return_last_state=True,
             chunk_size=self.chunk_size,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=packed,
             backend=self.backend,
         )
         if cache is not None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..ops import GatedMLPWeights, Mamba3BlockWeights
 from ..scan import TrapezoidalState, trapezoidal_scan, trapezoidal_scan_step
-from .cache import Mamba3Cache, check_sequence, check_token
+from .cache import Mamba3Cache, check_packing, check_sequence, check_token
 from .linear import Linear
 from .mamba import dt_bias_init, no_weight_decay
 from .norm import RMSNorm, RMSNormGated, upcast
@@ -186,9 +186,9 @@ class Mamba3(nn.Module):
         leave the state after the last token in it (prefill). With ``cu_seqlens`` (S + 1,), the
         batch of one holds S sequences end to end (and a cache, if any, is for S sequences)."""
         check_sequence("hidden_states", hidden_states, self.d_model)
-        batch = hidden_states.shape[0]
+        packed = check_packing(cu_seqlens, hidden_states)
         if cache is not None:
-            cache.check_batch(batch if cu_seqlens is None else len(cu_seqlens) - 1)
+            cache.check_batch(hidden_states.shape[0] if packed is None else packed.num_sequences)
         z, x, B, C, dt, A, trap, theta = self._inputs(hidden_states)
         options, z_scan = self._scan_options(z)
         y, last = trapezoidal_scan(
@@ -205,7 +205,7 @@ class Mamba3(nn.Module):
             initial_state=None if cache is None else cache.state,
             return_last_state=True,
             chunk_size=self.chunk_size,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=packed,
             backend=self.backend,
         )
         if cache is not None:

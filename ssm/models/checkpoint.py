@@ -5,7 +5,7 @@ transformers:  config.json = hidden_size, state_size, num_hidden_layers, ... wit
                (Mamba-1) or "mamba2"; model.safetensors or pytorch_model.bin, or either split in
                shards listed by model.safetensors.index.json / pytorch_model.bin.index.json; keys
                backbone.embeddings.weight, ...; lm_head.weight may be absent when tied.
-Nothing here touches the network (hub.py turns a hub repo id into a local directory first), and
+Nothing here touches the network (resolve.py turns a hub repo id into a local directory first), and
 nothing read from a file runs code: safetensors files hold only tensors, and pytorch_model.bin
 files are unpickled with torch's weights-only unpickler.
 """
@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from ..ops.quant import BLOCK, check_scheme, quantize_matrix
 from .config import MambaConfig
 from .quantize import build_quantized, quantizable, read_quantization, save_quantization, set_activations
+from .resolve import resolve_model_dir
 
 CONFIG, BIN, SAFETENSORS = "config.json", "pytorch_model.bin", "model.safetensors"
 INDEX_SUFFIX = ".index.json"  # model.safetensors.index.json, pytorch_model.bin.index.json
@@ -49,8 +50,6 @@ def from_pretrained(
     """See MambaLM.from_pretrained. With ``dtype`` or ``quantize`` each tensor is converted (or
     quantised) as it is read, so that a float32 checkpoint never stands in memory whole beside
     its converted copy: the peak is the converted model plus one tensor of the file."""
-    from .hub import resolve_model_dir
-
     dtype = parse_dtype(dtype)
     directory = resolve_model_dir(name_or_path, revision=revision)
     config_path = directory / CONFIG

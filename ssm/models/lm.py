@@ -9,43 +9,20 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..layers import MHA, AttentionCache, Block, GatedMLP, LayerCache, Mamba, Mamba2, Mamba3, Mamba3Cache, RMSNorm
+from ..layers import MHA, Block, GatedMLP, Mamba, Mamba2, Mamba3, RMSNorm
 from ..layers.linear import Linear
-from ..layers.quant import decoding_matrix
-from ..ops import AttentionBlockWeights, LMHeadWeights, MambaBlocksStep, mamba_blocks_step
+from ..scan import PackedSequences, packed_sequences
+from . import checkpoint, generation
+from .cache import InferenceCache, check_cache
 from .config import MambaConfig
+from .fused_step import FusedStep, fused_step
+from .quantize import quantize_model, set_activations
 
 _MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}
-
-
-@dataclass
-class InferenceCache:
-    """The recurrent state of every layer plus the number of tokens seen. A Mamba layer's
-    tensors keep their size as decoding proceeds (each new token costs the same); an attention
-    layer's keys and values grow with the tokens seen."""
-
-    layers: list[LayerCache | Mamba3Cache | AttentionCache]
-    seqlen_offset: int = 0
-    batch_size: int = field(init=False)
-
-    def __post_init__(self):
-        self.batch_size = self.layers[0].batch_size if self.layers else 0
-
-    def map(self, fn) -> InferenceCache:
-        """A new cache holding ``fn(t)`` for each state tensor ``t`` of every layer (moved,
-        detached, some batch rows of it...), with the same ``seqlen_offset``; this one is
-        unchanged. What code above the model (training, serving) uses instead of a layer's fields."""
-        return InferenceCache([layer.map(fn) for layer in self.layers], self.seqlen_offset)
-
-    def tensors(self) -> list[list[torch.Tensor]]:
-        """Every layer's state tensors, e.g. to save them; ``MambaLM.inference_cache_from`` takes
-        them back."""
-        return [layer.tensors() for layer in self.layers]
 
 
 def _valid_keys(cls) -> list[str]:
@@ -121,111 +98,15 @@ class MambaBackbone(nn.Module):
         return self.norm_f(residual.to(self.norm_f.weight.dtype))
 
     def fused_step(self, input_ids, cache: InferenceCache, lm_head: nn.Linear):
-        """``lm_head(forward(input_ids, cache, step=True))`` with the blocks stepped in C
-        (``ssm.ops.mamba_blocks_step``): every run of consecutive Mamba blocks of one kind in one
-        call, the final norm and ``lm_head`` in the last run's call where it ends the stack, and
-        any other block (attention, a block the C step does not run) by its own tensor step
-        between them. None where no block can be stepped in C (not on the CPU, gradients to
-        keep, ...): the caller steps the blocks one by one. Same numbers either way, but for a
-        bfloat16 / float16 model, whose fused step keeps the stream in float32 where the tensor
-        path rounds each layer's output to 16 bits (the logits are float32 where the head runs
-        in C, in the model's dtype where the last block is stepped by its tensor code)."""
-        if input_ids.ndim != 1:
-            return None
-        runs = self._fused_runs(cache, input_ids.shape[0])
-        head = self._fused_head(lm_head)
-        if runs is not None and len(runs) == 1 and head is not None:  # every block and the head: one C call
-            return mamba_blocks_step(self.embedding(input_ids), runs[0][1], head)
-        run = None if runs is None else self._prepare_runs(runs, head, cache, lm_head, input_ids.shape[0])
-        return None if run is None else run(input_ids)
-
-    def _fused_head(self, lm_head: nn.Linear) -> LMHeadWeights | None:
-        """The final norm and ``lm_head`` for the C step, or None where it does not run them."""
-        if not isinstance(self.norm_f, RMSNorm) or lm_head.bias is not None:
-            return None
-        return LMHeadWeights(norm_weight=self.norm_f.weight, norm_eps=self.norm_f.eps, weight=decoding_matrix(lm_head))
+        """``lm_head(forward(input_ids, cache, step=True))`` with the blocks stepped in C, or None
+        where none can be (ssm/models/fused_step.py: the plan)."""
+        return fused_step(self, input_ids, cache, lm_head)
 
     def prepare_fused_step(self, cache: InferenceCache, lm_head: nn.Linear, batch: int | None = None):
         """``fused_step`` with its C arguments built once: a function input_ids (batch,) →
         logits, or None where the fused step does not apply. For a caller that changes neither
-        the model's parameters nor the cache's tensors between tokens (``MambaLM.generate``):
-        it does not look them up again. Its logits may be overwritten by the next call."""
-        batch = cache.batch_size if batch is None else batch
-        runs = self._fused_runs(cache, batch)
-        return None if runs is None else self._prepare_runs(runs, self._fused_head(lm_head), cache, lm_head, batch)
-
-    def _prepare_runs(self, runs: list, head, cache: InferenceCache, lm_head: nn.Linear, batch: int):
-        """``prepare_fused_step`` for the runs ``_fused_runs`` found and the head ``_fused_head``
-        gave (None: ``lm_head`` runs after the C calls)."""
-        norm = self.norm_f.weight  # the stream's width and dtype (the step widens a 16-bit one)
-        plan = []  # (first layer, MambaBlocksStep or None: that layer's own step)
-        for first, blocks in runs:
-            if blocks is None:
-                plan.append((first, None))
-                continue
-            ends = first + len(blocks) == len(self.layers)
-            step = MambaBlocksStep.prepare(
-                norm.new_empty(batch, norm.shape[0]), blocks, head if ends else None, residual=first > 0
-            )
-            if step is None:
-                return None
-            plan.append((first, step))
-        fused_head = plan[-1][1] is not None and head is not None
-        # The attention blocks' C step writes each new key and value into the cache in place:
-        # after as many tokens as the fullest row has room for, the cache grows (new tensors),
-        # so the steps are prepared again.
-        attention = [w for _, blocks in runs for w in blocks or () if isinstance(w, AttentionBlockWeights)]
-        room = [min((w.key.shape[1] - int(w.lengths.max()) for w in attention), default=-1)]  # -1: no limit
-        successor = []  # the steps prepared again, once the cache is full
-
-        def run(input_ids):
-            if room[0] == 0 and not successor:
-                again = self.prepare_fused_step(cache, lm_head, batch)
-                successor.append(again or (lambda ids: lm_head(self(ids, cache, step=True))))
-            if successor:
-                return successor[0](input_ids)
-            if room[0] > 0:
-                room[0] -= 1
-            hidden, residual = self.embedding(input_ids), None
-            for first, step in plan:
-                if step is None:
-                    hidden, residual = self.layers[first](hidden, residual, cache=cache.layers[first], step=True)
-                    continue
-                step.hidden.copy_(hidden)
-                if step.residual is not None:
-                    step.residual.copy_(residual)
-                out = step()
-                if step is plan[-1][1] and fused_head:
-                    return out
-                hidden, residual = out
-            residual = hidden + residual if residual is not None else hidden
-            return lm_head(self.norm_f(residual.to(norm.dtype)))
-
-        return run
-
-    def _fused_runs(self, cache: InferenceCache, batch: int):
-        """The stack as runs for ``prepare_fused_step``: (first layer index, the step weights of
-        a run of consecutive blocks of one kind that the C step runs), or (index, None) for a
-        block it does not; None where no block fits it."""
-        runs = []
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
-            # a packed prefill leaves the conv state strided; the C step reads it contiguous
-            # (one copy per cache: later calls find it so)
-            if isinstance(layer_cache, LayerCache) and not layer_cache.conv_state.is_contiguous():
-                layer_cache.conv_state = layer_cache.conv_state.contiguous()
-            # a 16-bit model's conv state is kept in float32 by the C step, as its SSM state
-            # (one copy per cache; the tensor path reads either)
-            if isinstance(layer_cache, LayerCache) and layer_cache.conv_state.dtype in (torch.bfloat16, torch.float16):
-                layer_cache.conv_state = layer_cache.conv_state.float()
-            weights = layer.step_weights(layer_cache)
-            if weights is not None:
-                layer_cache.check_batch(batch)
-            previous = runs[-1][1] if runs else None
-            if weights is not None and previous is not None and type(previous[0]) is type(weights):
-                previous.append(weights)
-            else:
-                runs.append((i, None if weights is None else [weights]))
-        return runs if any(blocks is not None for _, blocks in runs) else None
+        the model's parameters nor the cache's tensors between tokens (``MambaLM.generate``)."""
+        return FusedStep.prepare(self, cache, lm_head, batch)
 
 
 class MambaLM(nn.Module):
@@ -270,7 +151,7 @@ class MambaLM(nn.Module):
                 nn.init.kaiming_uniform_(p, a=math.sqrt(5))
                 p /= math.sqrt(branches * self.config.n_layer)
 
-    def _check_ids(self, input_ids, ndim: int, what: str, attention_mask=None) -> None:
+    def check_ids(self, input_ids, ndim: int, what: str, attention_mask=None) -> None:
         """``input_ids`` is an integer tensor of ``ndim`` dimensions whose ids (those that are
         not padding, with an ``attention_mask``) lie in the vocabulary."""
         if (
@@ -285,23 +166,13 @@ class MambaLM(nn.Module):
                 else type(input_ids).__name__
             )
             raise ValueError(f"input_ids must be an integer tensor of shape {what}, got a {got}")
-        tokens = input_ids if attention_mask is None else input_ids[_check_left_padding(attention_mask, input_ids)]
+        tokens = input_ids if attention_mask is None else input_ids[_left_padding(attention_mask, input_ids)]
         if tokens.numel():
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(
                     f"input_ids must lie in [0, vocab_size = {self.config.vocab_size}), got values in [{lo}, {hi}]"
                 )
-
-    def _check_cache(self, cache, batch: int, what: str = "input_ids") -> None:
-        if not isinstance(cache, InferenceCache):
-            raise ValueError(
-                f"cache must be an InferenceCache from allocate_inference_cache, got {type(cache).__name__}"
-            )
-        if cache.batch_size != batch:
-            raise ValueError(
-                f"cache was allocated for batch size {cache.batch_size}, but {what} has batch size {batch}"
-            )
 
     def inference_cache_from(self, tensors: list[list[torch.Tensor]], seqlen_offset: int = 0) -> InferenceCache:
         """A cache holding ``tensors`` (from ``InferenceCache.tensors()``, e.g. a checkpoint's),
@@ -330,7 +201,7 @@ class MambaLM(nn.Module):
         input_ids: torch.Tensor,
         cache: InferenceCache | None = None,
         num_last_tokens: int = 0,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | PackedSequences | None = None,
     ) -> torch.Tensor:
         """input_ids (batch, L) → logits (batch, L, V), or only the last ``num_last_tokens``
         positions when > 0. With ``cache``, continue from its state and leave the state after
@@ -340,40 +211,77 @@ class MambaLM(nn.Module):
         a batch of one, 0 = cu_seqlens[0] <= ... <= cu_seqlens[S] = L. No layer carries
         anything across a boundary: each sequence's logits are those it would get alone. With a
         cache, the cache has batch S, one state per sequence (prefill of several prompts in one
-        call; then ``step`` takes one token per sequence)."""
-        self._check_ids(input_ids, 2, "(batch, L)")
+        call; then ``step`` takes one token per sequence). It is validated once here (one host
+        sync; none for a ``ssm.scan.PackedSequences``) and handed to every layer validated."""
+        self.check_ids(input_ids, 2, "(batch, L)")
+        packed = None
         if cu_seqlens is not None:
-            from ..scan._checks import check_cu_seqlens
-
-            cu_seqlens = check_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0], input_ids.device)
+            packed = packed_sequences(cu_seqlens, input_ids.shape[1], input_ids.shape[0], input_ids.device)
         if cache is not None:
-            self._check_cache(
+            check_cache(
                 cache,
-                input_ids.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1,
-                "input_ids" if cu_seqlens is None else "cu_seqlens (sequences)",
+                input_ids.shape[0] if packed is None else packed.num_sequences,
+                "input_ids" if packed is None else "cu_seqlens (sequences)",
             )
         # only the positions read: the last block computes no others (no packing: there the
         # last positions of the batch are not every sequence's)
-        last = min(num_last_tokens, input_ids.shape[1]) if cu_seqlens is None else 0
-        hidden = self.backbone(input_ids, cache, cu_seqlens=cu_seqlens, last=last)
-        if cache is not None:
-            cache.seqlen_offset += input_ids.shape[1]
+        last = min(num_last_tokens, input_ids.shape[1]) if packed is None else 0
+        hidden = self._blocks(input_ids, cache, packed, last, input_ids.shape[1])
         if num_last_tokens > 0:
             hidden = hidden[:, -num_last_tokens:]
         return self.lm_head(hidden)
 
+    def _blocks(self, input_ids, cache, packed, last: int, tokens: int) -> torch.Tensor:
+        """The backbone over a sequence; the cache, if any, has seen ``tokens`` more positions."""
+        hidden = self.backbone(input_ids, cache, cu_seqlens=packed, last=last)
+        if cache is not None:
+            cache.seqlen_offset += tokens
+        return hidden
+
+    def prefill(
+        self, input_ids: torch.Tensor, cache: InferenceCache, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run prompts (batch, L) into ``cache``; return the logits (batch, V) after each one's last
+        token. ``attention_mask`` (batch, L): 1 for a token and 0 for padding, on the left (see
+        ``generate``): the prompts are packed without their padding and run in one call, so each
+        row's state is its prompt's alone. ``cache.seqlen_offset`` advances by L either way."""
+        self.check_ids(input_ids, 2, "(batch, L)", attention_mask)
+        check_cache(cache, input_ids.shape[0])
+        if attention_mask is None:
+            return self.lm_head(self._blocks(input_ids, cache, None, 1, input_ids.shape[1])[:, -1])
+        tokens = attention_mask.bool()
+        cu_seqlens = torch.nn.functional.pad(tokens.sum(1).cumsum(0), (1, 0))  # (batch + 1,)
+        packed_ids = input_ids[tokens][None]  # (1, tokens)
+        packed = packed_sequences(cu_seqlens, packed_ids.shape[1], 1, input_ids.device)
+        hidden = self._blocks(packed_ids, cache, packed, 0, input_ids.shape[1])  # (1, tokens, d)
+        return self.lm_head(hidden[0, packed.cu_seqlens[1:] - 1])  # (batch, V)
+
     def step(self, input_ids: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """One token per sequence: input_ids (batch,) → logits (batch, V); updates ``cache``.
         Costs the same at every position: it reads only the cache, never the earlier tokens."""
-        self._check_ids(input_ids, 1, "(batch,)")
-        self._check_cache(cache, input_ids.shape[0])
-        logits = self.backbone.fused_step(input_ids, cache, self.lm_head)
-        if logits is None:
-            logits = self.lm_head(self.backbone(input_ids, cache, step=True))
-        cache.seqlen_offset += 1
-        return logits
+        self.check_ids(input_ids, 1, "(batch,)")
+        check_cache(cache, input_ids.shape[0])
+        return self.decoding_step(cache, prepare=False)(input_ids)
 
-    @torch.no_grad()
+    def decoding_step(self, cache: InferenceCache, prepare: bool = True):
+        """A function token ids (batch,) → logits (batch, V) that steps ``cache`` by one token and
+        checks nothing (``generate``'s ids are drawn from the vocabulary). On the CPU without
+        gradients the blocks step in C (ssm/models/fused_step.py), its arguments built once with
+        ``prepare``: then nothing may change the model's parameters or the cache's tensors
+        between calls. Elsewhere each block steps by its tensor code."""
+        fused = self.backbone.prepare_fused_step(cache, self.lm_head) if prepare else None
+
+        def step(input_ids):
+            logits = None if prepare else self.backbone.fused_step(input_ids, cache, self.lm_head)
+            if fused is not None:
+                logits = fused(input_ids)
+            elif logits is None:
+                logits = self.lm_head(self.backbone(input_ids, cache, step=True))
+            cache.seqlen_offset += 1
+            return logits
+
+        return step
+
     def generate(
         self,
         input_ids: torch.Tensor,
@@ -387,15 +295,15 @@ class MambaLM(nn.Module):
         on_token=None,
     ) -> torch.Tensor:
         """Continue each prompt of ``input_ids`` (batch, L ≥ 1) by up to ``max_new_tokens``
-        tokens: one prefill, then one cached step per token.
+        tokens: one prefill, then one cached step per token (ssm/models/generation.py).
 
         Prompts of different lengths: ``attention_mask`` (batch, L), 1 for a token and 0 for
         padding, with the padding on the left (transformers' convention: every prompt ends at
         L). The model never sees the padding: the prompts are packed without it and prefilled
-        together in one call (``forward(..., cu_seqlens=...)``), so the state, convolution
-        window and (attention layers) keys and values each row decodes from are exactly those of
-        its prompt alone, at its own positions, and greedy decoding
-        gives each row the tokens of its prompt run alone. Padded positions may hold any id.
+        together in one call (``prefill``), so the state, convolution window and (attention
+        layers) keys and values each row decodes from are exactly those of its prompt alone, at
+        its own positions, and greedy decoding gives each row the tokens of its prompt run
+        alone. Padded positions may hold any id.
 
         ``temperature=0`` is greedy decoding; otherwise logits / temperature are sampled, from
         the ``top_k`` most likely tokens and/or the smallest set whose probability reaches
@@ -405,55 +313,18 @@ class MambaLM(nn.Module):
         ``generate``. ``on_token``: called with each new column of ids (batch,) as soon as it is
         drawn, before the next step runs (to stream text as it is decoded).
         """
-        self._check_ids(input_ids, 2, "(batch, L)", attention_mask)
-        if input_ids.shape[1] == 0:
-            raise ValueError("input_ids must hold at least one token per sequence, got L = 0")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        _check_sampling(temperature, top_k, top_p, eos_token_id, self.config.vocab_size)
-        if max_new_tokens == 0:
-            return input_ids.clone()
-        cache = self.allocate_inference_cache(
-            input_ids.shape[0], device=input_ids.device, max_seqlen=input_ids.shape[1] + max_new_tokens
+        return generation.generate(
+            self,
+            input_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            generator=generator,
+            attention_mask=attention_mask,
+            on_token=on_token,
         )
-        if attention_mask is None:
-            logits = self(input_ids, cache=cache, num_last_tokens=1)[:, -1]
-        else:  # one packed prefill of the unpadded prompts; each row's logits at its last token
-            tokens = attention_mask.bool()
-            cu_seqlens = torch.nn.functional.pad(tokens.sum(1).cumsum(0), (1, 0))  # (batch + 1,)
-            hidden = self.backbone(input_ids[tokens][None], cache, cu_seqlens=cu_seqlens)  # (1, tokens, d)
-            cache.seqlen_offset += input_ids.shape[1]
-            logits = self.lm_head(hidden[0, cu_seqlens[1:] - 1])  # (batch, V)
-        tokens = [input_ids]
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        step = self._decoding_step(cache)
-        for i in range(max_new_tokens):
-            next_ids = sample(logits[:, : self.config.vocab_size], temperature, top_k, top_p, generator)
-            if eos_token_id is not None:
-                next_ids = next_ids.masked_fill(done, eos_token_id)
-                done |= next_ids == eos_token_id
-            tokens.append(next_ids[:, None])
-            if on_token is not None:
-                on_token(next_ids)
-            if i + 1 == max_new_tokens or bool(done.all()):
-                break
-            logits = step(next_ids)
-        return torch.cat(tokens, dim=1)
-
-    def _decoding_step(self, cache: InferenceCache):
-        """``generate``'s step: token ids (batch,), drawn from the vocabulary, → logits. The
-        fused C step prepared once where it applies (nothing changes the model or the cache's
-        tensors between generate's tokens); else ``step``."""
-        fused = self.backbone.prepare_fused_step(cache, self.lm_head)
-        if fused is None:
-            return lambda input_ids: self.step(input_ids, cache)
-
-        def step(input_ids):
-            logits = fused(input_ids)
-            cache.seqlen_offset += 1
-            return logits
-
-        return step
 
     def quantize(self, scheme: str = "int8", activations: str = "int8") -> MambaLM:
         """Quantise the matrices that decoding reads in bulk to ``scheme`` ("int8" or "int4": a
@@ -464,16 +335,12 @@ class MambaLM(nn.Module):
         The fused step reads the integers as they are (states and sums in float32);
         ``save_pretrained`` stores them with a quantization_config.json, and ``from_pretrained``
         loads them back without quantising again. A model is quantised once (ValueError else)."""
-        from .quantize import quantize_model
-
         quantize_model(self, scheme, activations)
         return self
 
     def set_activations(self, activations: str) -> MambaLM:
         """What a quantised model's layers multiply their integers by: "int8" or "float32" (see
         ``quantize``); returns the model."""
-        from .quantize import set_activations
-
         set_activations(self, activations)
         return self
 
@@ -481,9 +348,7 @@ class MambaLM(nn.Module):
         """Write config.json and pytorch_model.bin (mamba-ssm's format; model.safetensors with
         ``safe_serialization``) into ``save_directory``; a quantised model's
         quantization_config.json too."""
-        from .checkpoint import save_pretrained
-
-        save_pretrained(self, save_directory, safe_serialization)
+        checkpoint.save_pretrained(self, save_directory, safe_serialization)
 
     @classmethod
     def from_pretrained(
@@ -512,9 +377,7 @@ class MambaLM(nn.Module):
         that the float model never stands in memory whole. ``activations`` ("int8", "float32";
         a quantised model only): what its layers multiply the integers by (``quantize``); None
         keeps the checkpoint's, "int8" when quantising here."""
-        from .checkpoint import from_pretrained
-
-        return from_pretrained(
+        return checkpoint.from_pretrained(
             cls,
             name_or_path,
             device=device,
@@ -526,7 +389,7 @@ class MambaLM(nn.Module):
         )
 
 
-def _check_left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:
+def _left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:
     """``attention_mask`` is (batch, L) of 0/1 with the zeros on the left and at least one 1
     per row; returned as bool."""
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
@@ -552,44 +415,3 @@ def _check_left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor
             f"rows {right} have a 0 after a 1"
         )
     return mask
-
-
-def _check_sampling(temperature, top_k, top_p, eos_token_id, vocab_size) -> None:
-    if (
-        not isinstance(temperature, (int, float))
-        or isinstance(temperature, bool)
-        or temperature < 0
-        or not math.isfinite(temperature)
-    ):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
-    if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < vocab_size):
-        raise ValueError(f"eos_token_id must be None or a token id in [0, {vocab_size}), got {eos_token_id!r}")
-
-
-def sample(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """One token id per row of logits (batch, V): greedy for temperature 0, else sampled from
-    softmax(logits / temperature) restricted to the top_k tokens and to the top_p nucleus."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the tokens before it already reach top_p (the first one always stays)
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -14,6 +14,8 @@ import importlib
 import json
 from pathlib import Path
 
+from .resolve import resolve_model_dir
+
 TOKENIZER_FILE = "tokenizer.json"
 _INSTALL = 'pip install "ssm-scan[hub]" (or pip install tokenizers)'
 BYTES_VOCAB = 256
@@ -153,8 +155,6 @@ def load_tokenizer(model_dir, override=None, vocab_size: int | None = None):
         elif Path(override).exists():
             tokenizer = read_tokenizer_json(override)
         else:
-            from .hub import resolve_model_dir
-
             tokenizer = read_tokenizer_json(resolve_model_dir(override, weights=False))
     elif model_dir is not None and (Path(model_dir) / TOKENIZER_FILE).is_file():
         tokenizer = read_tokenizer_json(model_dir)

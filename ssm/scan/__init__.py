@@ -10,6 +10,8 @@
 
 Every op also runs packed variable-length sequences (``cu_seqlens``, batch 1; ``ssd`` also
 mamba-ssm's ``seq_idx``), with one initial and one last state per sequence.
+``packed_sequences(cu_seqlens, L)`` validates the boundaries once; the ``PackedSequences`` it
+returns passes every later check without another host sync (what models and layers hand down).
 
 Each op's module owns its backend table (``BACKENDS``: the backends and the order ``"auto"``
 tries them on each device type); ``backends(op, device)`` lists them:
@@ -26,6 +28,7 @@ from . import linear as _linear
 from . import selective as _selective
 from . import ssd as _ssd
 from . import trapezoidal as _trapezoidal
+from ._checks import PackedSequences, packed_sequences
 from ._common_trapezoidal import TrapezoidalState
 from .generic import associative_scan, scan
 from .linear import linear_scan
@@ -67,6 +70,8 @@ __all__ = [
     "scan",
     "associative_scan",
     "backends",
+    "PackedSequences",
+    "packed_sequences",
     "selective_scan_ref",
     "linear_scan_ref",
     "ssd_ref",

@@ -7,6 +7,7 @@ what was given. Backends only ever see inputs that passed these checks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -47,40 +48,75 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float32
 
 
-def check_cu_seqlens(cu_seqlens, length: int, batch: int, device: torch.device) -> torch.Tensor:
-    """Validate packed-sequence boundaries and return them as int64 on ``device``.
+@dataclass(frozen=True)
+class PackedSequences:
+    """Packed-sequence boundaries that passed ``packed_sequences``: ``cu_seqlens`` (S + 1,) int64
+    on the inputs' device, and ``bounds``, the same numbers on the host. Hand it to a model, a
+    layer or a scan in place of the tensor, and nothing validates it again: a model checks its
+    ``cu_seqlens`` once per forward and passes this down to every layer and scan (on CUDA each
+    check of a tensor is a host sync)."""
+
+    cu_seqlens: torch.Tensor
+    bounds: tuple[int, ...]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def length(self) -> int:
+        """The packed length L."""
+        return self.bounds[-1]
+
+
+def packed_sequences(cu_seqlens, length: int, batch: int = 1, device: torch.device | None = None) -> PackedSequences:
+    """Validate packed-sequence boundaries for inputs (``batch``, ``length``, ...) on ``device``.
 
     ``cu_seqlens`` is a 1-D integer tensor (S + 1,) of cumulative lengths: it starts at 0, never
     decreases and ends at the packed length L; sequence s occupies positions
     cu_seqlens[s] .. cu_seqlens[s + 1] - 1 of a batch of one. Zero-length sequences are allowed
     (their last state is their initial state). The convention of flash-linear-attention and of
-    mamba-ssm's varlen Mamba-2."""
-    if not isinstance(cu_seqlens, torch.Tensor):
+    mamba-ssm's varlen Mamba-2. A ``PackedSequences`` is checked against ``length``, ``batch``
+    and ``device`` only, without reading its values again (no host sync)."""
+    if isinstance(cu_seqlens, PackedSequences):
+        packed, values = cu_seqlens, list(cu_seqlens.bounds)
+        cu_seqlens = packed.cu_seqlens
+    elif not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    else:
+        packed = None
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must have dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
             f"cu_seqlens must be 1-D with at least 2 entries (num_seqs + 1), got shape {tuple(cu_seqlens.shape)}"
         )
-    if cu_seqlens.device != device:
+    if device is not None and cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on device '{cu_seqlens.device}' but the inputs are on '{device}'")
     if batch != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed along L in a batch of 1, got batch = {batch}")
-    values = cu_seqlens.tolist()
+    if packed is None:
+        values = cu_seqlens.tolist()  # the one host sync
     if values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {values[0]} (cu_seqlens = {_shorten(values)})")
     if values[-1] != length:
         raise ValueError(
             f"cu_seqlens must end at the packed length L = {length}, got {values[-1]} (cu_seqlens = {_shorten(values)})"
         )
+    if packed is not None:
+        return packed
     drops = [i for i in range(len(values) - 1) if values[i + 1] < values[i]]
     if drops:
         i = drops[0]
         raise ValueError(
             f"cu_seqlens must not decrease, but cu_seqlens[{i + 1}] = {values[i + 1]} < cu_seqlens[{i}] = {values[i]}"
         )
-    return cu_seqlens.to(torch.int64)
+    return PackedSequences(cu_seqlens.to(torch.int64), tuple(values))
+
+
+def check_cu_seqlens(cu_seqlens, length: int, batch: int, device: torch.device) -> torch.Tensor:
+    """``packed_sequences(...).cu_seqlens``: the validated boundaries as an int64 tensor."""
+    return packed_sequences(cu_seqlens, length, batch, device).cu_seqlens
 
 
 def _shorten(values: list) -> str:

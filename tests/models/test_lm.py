@@ -243,7 +243,7 @@ def test_the_blocks_step_in_one_c_call_equals_the_tensor_path(kind, dtype, monke
     one-step kernel of the scan switched off too, so that nothing is shared), logits and both
     cache states of every layer. Three layers: the blocks' outputs alternate between two
     buffers."""
-    import ssm.models.lm as lm_module
+    import ssm.models.fused_step as fused_module
     import ssm.scan.step as step_module
     from ssm.native import library
 
@@ -258,7 +258,7 @@ def test_the_blocks_step_in_one_c_call_equals_the_tensor_path(kind, dtype, monke
                 p.normal_(generator=torch.Generator().manual_seed(len(name)))
     ids = torch.randint(0, 45, (3, 12), generator=torch.Generator().manual_seed(1))
     taken = []
-    fused_step, c_step = lm_module.mamba_blocks_step, step_module.selective_step_cpu
+    fused_step, c_step = fused_module.mamba_blocks_step, step_module.selective_step_cpu
 
     def spy(*args, **kwargs):
         out = fused_step(*args, **kwargs)
@@ -266,7 +266,7 @@ def test_the_blocks_step_in_one_c_call_equals_the_tensor_path(kind, dtype, monke
         return out
 
     def decode(fused: bool):
-        monkeypatch.setattr(lm_module, "mamba_blocks_step", spy if fused else lambda *a, **k: None)
+        monkeypatch.setattr(fused_module, "mamba_blocks_step", spy if fused else lambda *a, **k: None)
         monkeypatch.setattr(step_module, "selective_step_cpu", c_step if fused else lambda *a: None)
         cache = model.allocate_inference_cache(3, dtype=dtype)
         with torch.no_grad():
@@ -288,17 +288,17 @@ def test_the_blocks_step_in_one_c_call_equals_the_tensor_path(kind, dtype, monke
 
 def test_the_fused_blocks_step_is_not_taken_where_it_does_not_apply(monkeypatch):
     """LayerNorm blocks, a gradient to keep: the tensor path (and still prefill + steps = forward)."""
-    import ssm.models.lm as lm_module
+    import ssm.models.fused_step as fused_module
 
     calls = []
-    fused_step = lm_module.mamba_blocks_step
+    fused_step = fused_module.mamba_blocks_step
 
     def spy(*args, **kwargs):
         out = fused_step(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(lm_module, "mamba_blocks_step", spy)
+    monkeypatch.setattr(fused_module, "mamba_blocks_step", spy)
     ids = torch.randint(0, 45, (2, 6), generator=torch.Generator().manual_seed(1))
     for kind, grad in (("layernorm-fp16-residual", False), ("mamba1", True)):
         model = tiny(kind)

@@ -44,11 +44,11 @@ def test_the_fused_mamba2_step_equals_the_per_op_step_and_the_forward(kind, dtyp
     """Batch 3, a 5-token prefill, then 7 steps: fused (every step must take it) against the
     per-op Mamba2.step path (fused step switched off), logits and every layer's states; and the
     fused logits against the forward over the whole sequence."""
-    import ssm.models.lm as lm_module
+    import ssm.models.fused_step as fused_module
 
     model = model_of(kind, dtype)
     ids = torch.randint(0, 45, (3, 12), generator=torch.Generator().manual_seed(1))
-    fused_step, taken = lm_module.mamba_blocks_step, []
+    fused_step, taken = fused_module.mamba_blocks_step, []
 
     def spy(*args, **kwargs):
         out = fused_step(*args, **kwargs)
@@ -56,7 +56,7 @@ def test_the_fused_mamba2_step_equals_the_per_op_step_and_the_forward(kind, dtyp
         return out
 
     def decode(fused: bool):
-        monkeypatch.setattr(lm_module, "mamba_blocks_step", spy if fused else lambda *a, **k: None)
+        monkeypatch.setattr(fused_module, "mamba_blocks_step", spy if fused else lambda *a, **k: None)
         cache = model.allocate_inference_cache(3)
         with torch.no_grad():
             model(ids[:, :5], cache=cache)
@@ -85,16 +85,16 @@ def test_greedy_generation_gives_the_same_tokens_with_the_fused_step(kind, monke
 
 def test_the_fused_mamba2_step_is_declined_where_it_does_not_apply(monkeypatch):
     """A gradient to keep, LayerNorm blocks: the per-op path, still equal to the forward."""
-    import ssm.models.lm as lm_module
+    import ssm.models.fused_step as fused_module
 
-    calls, fused_step = [], lm_module.mamba_blocks_step
+    calls, fused_step = [], fused_module.mamba_blocks_step
 
     def spy(*args, **kwargs):
         out = fused_step(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(lm_module, "mamba_blocks_step", spy)
+    monkeypatch.setattr(fused_module, "mamba_blocks_step", spy)
     ids = torch.randint(0, 45, (2, 6), generator=torch.Generator().manual_seed(3))
     model = model_of("ngroups 2, biases")
     cache = model.allocate_inference_cache(2)

@@ -48,21 +48,21 @@ def model_of(kind: str, dtype=torch.float32, ssm_cfg=None) -> MambaLM:
 def decode(model, ids, monkeypatch, fused: bool, prefill: int = 5):
     """A prefill of ``prefill`` tokens, then one step per token: the step logits, the cache, and
     whether each step took the fused C call."""
-    import ssm.models.lm as lm_module
+    import ssm.models.fused_step as fused_module
 
-    fused_step, taken = lm_module.mamba_blocks_step, []
+    fused_step, taken = fused_module.mamba_blocks_step, []
 
     def spy(*args, **kwargs):
         out = fused_step(*args, **kwargs)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(lm_module, "mamba_blocks_step", spy if fused else lambda *a, **k: None)
+    monkeypatch.setattr(fused_module, "mamba_blocks_step", spy if fused else lambda *a, **k: None)
     cache = model.allocate_inference_cache(ids.shape[0])
     with torch.no_grad():
         model(ids[:, :prefill], cache=cache)
         logits = torch.stack([model.step(ids[:, t], cache) for t in range(prefill, ids.shape[1])], 1)
-    monkeypatch.setattr(lm_module, "mamba_blocks_step", fused_step)
+    monkeypatch.setattr(fused_module, "mamba_blocks_step", fused_step)
     return logits, cache, taken
 
 
@@ -115,14 +115,14 @@ def test_greedy_generation_gives_the_same_tokens_with_the_fused_step(monkeypatch
 def test_a_gradient_to_keep_takes_the_per_op_step(monkeypatch):
     """A step under autograd with parameters that want gradients declines the fused step (it
     keeps none); the per-op step's output equals the forward's."""
-    import ssm.models.lm as lm_module
+    import ssm.models.fused_step as fused_module
 
     ids = torch.randint(0, 45, (2, 8), generator=torch.Generator().manual_seed(3))
     model = model_of("MIMO rank 2")
     cache = model.allocate_inference_cache(2)
     model(ids[:, :5], cache=cache)
-    calls, fused_step = [], lm_module.mamba_blocks_step
-    monkeypatch.setattr(lm_module, "mamba_blocks_step", lambda *a, **k: calls.append(fused_step(*a, **k) is not None))
+    calls, fused_step = [], fused_module.mamba_blocks_step
+    monkeypatch.setattr(fused_module, "mamba_blocks_step", lambda *a, **k: calls.append(fused_step(*a, **k) is not None))
     step = model.step(ids[:, 5], cache)
     assert calls == [False] and step.requires_grad
     torch.testing.assert_close(step, model(ids[:, :6])[:, -1], rtol=1e-4, atol=1e-4)
