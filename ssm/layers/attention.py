@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import AttentionBlockWeights, GatedMLPWeights, causal_conv1d, causal_conv1d_step
+from ..scan import PackedSequences
 from .cache import AttentionCache, check_packing, check_sequence, check_token
 from .linear import Linear
 from .norm import RMSNorm
@@ -292,7 +293,7 @@ class MHA(nn.Module):
         if length == 0:
             context = qkv.new_zeros(batch, 0, self.num_heads, self.head_dim)
         elif cu_seqlens is not None:
-            context = self._packed(qkv, cu_seqlens, cache)
+            context = self._packed(qkv, packed, cache)
         elif cache is not None:
             context = self._attend_cached(*self._heads(qkv), cache)
         else:
@@ -301,14 +302,15 @@ class MHA(nn.Module):
             context = self._sdpa(self._rotate(q, positions), self._rotate(k, positions), v, is_causal=self.causal)
         return self._finish(context, mlp)
 
-    def _packed(self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, cache: AttentionCache | None) -> torch.Tensor:
+    def _packed(self, qkv: torch.Tensor, packed: PackedSequences, cache: AttentionCache | None) -> torch.Tensor:
         """Packed attention: qkv (1, L, (H + 2Hk)·P) → context (1, L, H, P). One call over the
         whole row with a block-diagonal mask when that is the cheaper (L² against S·Lmax²,
         Lmax the longest sequence), else the sequences as rows of a right-padded batch
         (S, Lmax), where causal attention needs no mask at all."""
         length = qkv.shape[1]
+        cu_seqlens, bounds = packed.cu_seqlens, packed.bounds
         starts, counts = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
-        num_seqs, longest = counts.numel(), int(counts.max())
+        num_seqs, longest = counts.numel(), max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
         seq = torch.repeat_interleave(torch.arange(num_seqs, device=qkv.device), counts, output_size=length)  # (L,)
         offset = torch.arange(length, device=qkv.device) - starts[seq]  # (L,) position in its sequence
         if cache is None and length * length < num_seqs * longest * longest:

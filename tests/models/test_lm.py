@@ -309,3 +309,69 @@ def test_the_fused_blocks_step_is_not_taken_where_it_does_not_apply(monkeypatch)
         assert step.requires_grad == grad
         torch.testing.assert_close(step, model(ids)[:, -1], rtol=1e-9, atol=1e-9)
     assert calls == [False]  # LayerNorm: never asked; with a gradient: declined
+
+
+class _CountingSyncs(torch.Tensor):
+    """A tensor that counts the host reads (tolist, item, int, bool) made of it and of every
+    tensor computed from it: on CUDA each one waits for the device."""
+
+    reads = 0
+    _READS = (
+        torch.Tensor.tolist,
+        torch.Tensor.item,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__index__,
+    )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._READS:
+            _CountingSyncs.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_cu_seqlens_is_read_once_per_forward():
+    """A hybrid (Mamba-1, attention, Mamba-1, Mamba-2 blocks) validates its packing where it enters,
+    once, and hands it down validated: one host read of cu_seqlens for the whole forward, and
+    the same logits as with a plain tensor. A layer called alone validates a tensor once, and a
+    ``PackedSequences`` not at all."""
+    from ssm import Mamba
+    from ssm.scan import PackedSequences, packed_sequences
+
+    torch.manual_seed(0)
+    config = MambaConfig(
+        d_model=32,
+        n_layer=3,
+        vocab_size=45,
+        ssm_cfg={"d_state": 8},
+        attn_layer_idx=[1],
+        attn_cfg={"num_heads": 4, "causal": True},
+    )
+    model = MambaLM(config).double().eval()
+    mamba2 = MambaLM(MambaConfig(d_model=32, n_layer=1, ssm_cfg={"layer": "Mamba2", "headdim": 8})).double()
+    model.backbone.layers.append(mamba2.backbone.layers[0])  # a Mamba-2 block last
+    ids = torch.randint(0, 45, (1, 20), generator=torch.Generator().manual_seed(1))
+    plain = torch.tensor([0, 5, 5, 12, 20])
+    counted = plain.clone().as_subclass(_CountingSyncs)
+    _CountingSyncs.reads = 0
+    with torch.no_grad():
+        logits = model(ids, cu_seqlens=counted)
+        assert _CountingSyncs.reads == 1
+        torch.testing.assert_close(logits.as_subclass(torch.Tensor), model(ids, cu_seqlens=plain), rtol=0, atol=0)
+
+    layer = Mamba(32, d_state=8).double()
+    x = torch.randn(1, 20, 32, dtype=torch.float64)
+    _CountingSyncs.reads = 0
+    layer(x, cu_seqlens=plain.clone().as_subclass(_CountingSyncs))
+    assert _CountingSyncs.reads == 1
+    packed = packed_sequences(plain, 20)
+    assert isinstance(packed, PackedSequences) and packed.bounds == (0, 5, 5, 12, 20) and packed.num_sequences == 4
+    packed = PackedSequences(plain.clone().as_subclass(_CountingSyncs), packed.bounds)
+    _CountingSyncs.reads = 0
+    torch.testing.assert_close(
+        layer(x, cu_seqlens=packed).as_subclass(torch.Tensor), layer(x, cu_seqlens=plain), rtol=0, atol=0
+    )
+    assert _CountingSyncs.reads == 0
+    with pytest.raises(ValueError, match="cu_seqlens must end at the packed length L = 19, got 20"):
+        layer(x[:, :19], cu_seqlens=packed)
