@@ -3,6 +3,7 @@
 config.py       MambaConfig: the model's sizes and mixers
 lm.py           MambaLM: the network (embedding → blocks → norm → head), forward, prefill, step
 cache.py        InferenceCache: every layer's recurrent state during inference
+inputs.py       the checks of the token ids and attention masks a user hands the model
 generation.py   generate's decoding loop and sampling
 fused_step.py   the plan of the fused C decoding step over a model's blocks
 checkpoint.py   save_pretrained / from_pretrained: mamba-ssm's and transformers' formats

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .inputs import check_ids
+
 
 def check_sampling(temperature, top_k, top_p, eos_token_id, vocab_size) -> None:
     if (
@@ -67,7 +69,7 @@ def generate(
     on_token=None,
 ) -> torch.Tensor:
     """See ``MambaLM.generate``."""
-    model.check_ids(input_ids, 2, "(batch, L)", attention_mask)
+    check_ids(model.config, input_ids, 2, "(batch, L)", attention_mask)
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids must hold at least one token per sequence, got L = 0")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:

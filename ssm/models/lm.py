@@ -20,6 +20,7 @@ from . import checkpoint, generation
 from .cache import InferenceCache, check_cache
 from .config import MambaConfig
 from .fused_step import FusedStep, fused_step
+from .inputs import check_ids
 from .quantize import quantize_model, set_activations
 
 _MIXERS = {"Mamba1": Mamba, "Mamba2": Mamba2, "Mamba3": Mamba3}
@@ -151,29 +152,6 @@ class MambaLM(nn.Module):
                 nn.init.kaiming_uniform_(p, a=math.sqrt(5))
                 p /= math.sqrt(branches * self.config.n_layer)
 
-    def check_ids(self, input_ids, ndim: int, what: str, attention_mask=None) -> None:
-        """``input_ids`` is an integer tensor of ``ndim`` dimensions whose ids (those that are
-        not padding, with an ``attention_mask``) lie in the vocabulary."""
-        if (
-            not isinstance(input_ids, torch.Tensor)
-            or input_ids.ndim != ndim
-            or input_ids.is_floating_point()
-            or input_ids.is_complex()
-        ):
-            got = (
-                f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}"
-                if isinstance(input_ids, torch.Tensor)
-                else type(input_ids).__name__
-            )
-            raise ValueError(f"input_ids must be an integer tensor of shape {what}, got a {got}")
-        tokens = input_ids if attention_mask is None else input_ids[_left_padding(attention_mask, input_ids)]
-        if tokens.numel():
-            lo, hi = int(tokens.min()), int(tokens.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                raise ValueError(
-                    f"input_ids must lie in [0, vocab_size = {self.config.vocab_size}), got values in [{lo}, {hi}]"
-                )
-
     def inference_cache_from(self, tensors: list[list[torch.Tensor]], seqlen_offset: int = 0) -> InferenceCache:
         """A cache holding ``tensors`` (from ``InferenceCache.tensors()``, e.g. a checkpoint's),
         each layer's in the kind of cache this model's layers use."""
@@ -213,7 +191,7 @@ class MambaLM(nn.Module):
         cache, the cache has batch S, one state per sequence (prefill of several prompts in one
         call; then ``step`` takes one token per sequence). It is validated once here (one host
         sync; none for a ``ssm.scan.PackedSequences``) and handed to every layer validated."""
-        self.check_ids(input_ids, 2, "(batch, L)")
+        check_ids(self.config, input_ids, 2, "(batch, L)")
         packed = None
         if cu_seqlens is not None:
             packed = packed_sequences(cu_seqlens, input_ids.shape[1], input_ids.shape[0], input_ids.device)
@@ -245,7 +223,7 @@ class MambaLM(nn.Module):
         token. ``attention_mask`` (batch, L): 1 for a token and 0 for padding, on the left (see
         ``generate``): the prompts are packed without their padding and run in one call, so each
         row's state is its prompt's alone. ``cache.seqlen_offset`` advances by L either way."""
-        self.check_ids(input_ids, 2, "(batch, L)", attention_mask)
+        check_ids(self.config, input_ids, 2, "(batch, L)", attention_mask)
         check_cache(cache, input_ids.shape[0])
         if attention_mask is None:
             return self.lm_head(self._blocks(input_ids, cache, None, 1, input_ids.shape[1])[:, -1])
@@ -259,7 +237,7 @@ class MambaLM(nn.Module):
     def step(self, input_ids: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
         """One token per sequence: input_ids (batch,) → logits (batch, V); updates ``cache``.
         Costs the same at every position: it reads only the cache, never the earlier tokens."""
-        self.check_ids(input_ids, 1, "(batch,)")
+        check_ids(self.config, input_ids, 1, "(batch,)")
         check_cache(cache, input_ids.shape[0])
         return self.decoding_step(cache, prepare=False)(input_ids)
 
@@ -387,31 +365,3 @@ class MambaLM(nn.Module):
             quantize=quantize,
             activations=activations,
         )
-
-
-def _left_padding(attention_mask, input_ids: torch.Tensor) -> torch.Tensor:
-    """``attention_mask`` is (batch, L) of 0/1 with the zeros on the left and at least one 1
-    per row; returned as bool."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got {got}")
-    if attention_mask.device != input_ids.device:
-        raise ValueError(f"attention_mask is on '{attention_mask.device}' but input_ids on '{input_ids.device}'")
-    if attention_mask.is_floating_point() or attention_mask.is_complex():
-        raise ValueError(f"attention_mask must have an integer or bool dtype, got {attention_mask.dtype}")
-    if not ((attention_mask == 0) | (attention_mask == 1)).all():
-        raise ValueError(
-            "attention_mask must hold only 0 (padding) and 1 (token), "
-            f"got the values {attention_mask.unique().tolist()}"
-        )
-    mask = attention_mask.bool()
-    empty = (~mask.any(1)).nonzero()[:, 0].tolist()
-    if empty:
-        raise ValueError(f"attention_mask must keep at least one token per row; rows {empty} are all padding")
-    right = (mask[:, :-1] & ~mask[:, 1:]).any(1).nonzero()[:, 0].tolist()
-    if right:
-        raise ValueError(
-            f"attention_mask must pad on the left (0s before the 1s, as transformers does for generation); "
-            f"rows {right} have a 0 after a 1"
-        )
-    return mask
