@@ -6,7 +6,7 @@
 # Each creates the virtual environment .venv/ on first use, installs torch and the package with
 # the extras it needs, then runs. Later calls reuse it: each install step leaves a stamp file in
 # .venv/ and is redone only when pyproject.toml (or TORCH_VERSION) changes. Remove .venv/ to start
-# afresh. With an environment of your own, use pip install -e ".[test]" instead (README, Install).
+# afresh. With an environment of your own, use pip install -e ".[test]" instead (docs/guide.md, "Install").
 
 PYTHON ?= python3
 VENV ?= .venv

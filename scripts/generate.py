@@ -20,7 +20,7 @@ scale each), or names the scheme of a checkpoint saved quantised (loaded as save
 is an error). --activations: what a quantised model's layers multiply their integers by, int8
 (the default: each input rounded per block of 32, as llama.cpp's q8_0 / q4_0 do) or float32. On
 the CPU, bfloat16 / float16 and int8 / int4 models decode through the fused C step, which reads
-each matrix as stored (README, "Low-precision decoding").
+each matrix as stored (docs/guide.md, "Low precision on the CPU").
 """
 
 from __future__ import annotations

@@ -220,3 +220,20 @@ def test_trapezoidal_op_checks_every_backend_against_ref(tmp_path):
         assert row["fwd_bwd_ms"] > 0 and not row["is_peer"]
         if name != "ref":
             assert row["max_grad_rel_diff"]["ref"] < 1e-4
+
+
+def test_decode_table_captions_say_which_batches_the_rows_hold():
+    """A run of batches 4 and 16 only is titled and captioned for those batches, never "Batch 1"
+    (BENCHMARKS.md once had a "Batch 1" caption over rows of batches 4 and 16); with batch 1 too,
+    both captions."""
+    markdown = bench("decode_table").markdown
+    cell = {"mixer": "mamba1", "precision": "float32", "llama.cpp": 10.0, "ssm": 20.0, "weight_read_limit": 50.0}
+    config = {"prompt_length": 16, "new_tokens": 128, "repeats": 3, "d_model": 768, "layers": 24, "peer": "llama.cpp"}
+    key, title, body = markdown({"config": {**config, "peer_batches": [4, 16]}, "cells": [cell]}, None)
+    assert key == "decode-table-b4-b16" and "batches of 4 and 16" in title and "batch 1" not in title
+    assert "Batch 1," not in body and "Batches of 4 and 16 prompts decoded together" in body
+    key, title, body = markdown({"config": {**config, "peer_batches": [1, 4]}, "cells": [cell]}, None)
+    assert key == "decode-table-b4" and "batch 1 and batches of 4" in title
+    assert "Batch 1, 16-token prompt" in body and "Batches of 4 prompts" in body
+    key, title, body = markdown({"config": {**config, "peer_batches": [1]}, "cells": [cell]}, None)
+    assert key == "decode-table" and title == "decoding per precision against llama.cpp, d_model 768, 24 layers, cpu"

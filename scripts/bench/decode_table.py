@@ -110,25 +110,35 @@ def markdown(result: dict, args) -> tuple[str, str, str]:
         if c.get("prefill_length") and c.get("peer")
         else ""
     )
-    body += (
-        f"\n\nBatch 1, {c['prompt_length']}-token prompt then {c['new_tokens']} greedy tokens, generation only "
-        f"(ssm: (n - 1) tokens over the time of n less that of 1; llama.cpp: llama-bench -n {c['new_tokens']} "
-        f"-d {c['prompt_length']}); {prefill}"
-        f"median of {c['repeats']} runs alternating the engines, the same weights "
-        "(random, transformers' layout, converted by llama.cpp's convert_hf_to_gguf.py; q4_0 by llama-quantize). "
-        "Mamba-3 has no llama.cpp or transformers implementation: its row is ssm's whole run, prompt included. "
-        "The weight-read limit: tokens/s if a token cost only reading its weights' bytes once at the rate "
-        "torch's float32 sum streams memory here."
+    engines = (
+        "median of {r} runs alternating the engines, the same weights (random, transformers' layout, converted by "
+        "llama.cpp's convert_hf_to_gguf.py; q4_0 by llama-quantize)."
+    ).format(r=c["repeats"])
+    limit = (
+        " The weight-read limit: tokens/s at batch 1 if a token cost only reading its weights' bytes once at the "
+        "rate torch's float32 sum streams memory here."
     )
+    if 1 in peer_batches:
+        body += (
+            f"\n\nBatch 1, {c['prompt_length']}-token prompt then {c['new_tokens']} greedy tokens, generation only "
+            f"(ssm: (n - 1) tokens over the time of n less that of 1; llama.cpp: llama-bench -n {c['new_tokens']} "
+            f"-d {c['prompt_length']}); {prefill}{engines} "
+            "Mamba-3 has no llama.cpp or transformers implementation: its row is ssm's whole run, prompt included."
+        )
     if batches:
         body += (
-            f" Batches {', '.join(map(str, batches))}: that many prompts decoded together, all their generated "
-            f"tokens over the generation's time (llama.cpp: llama-batched-bench -npp {c['prompt_length']} "
-            f"-ntg {c['new_tokens']} -npl B, its S_TG)."
+            f"\n\nBatches of {' and '.join(map(str, batches))} prompts decoded together: a {c['prompt_length']}-token "
+            f"prompt each, then {c['new_tokens']} greedy tokens each, generation only; tokens/s counts all the "
+            f"batch's generated tokens over the generation's time (llama.cpp: llama-batched-bench "
+            f"-npp {c['prompt_length']} -ntg {c['new_tokens']} -npl B, its S_TG); {engines}"
         )
+    body += limit
+    title = "decoding per precision against llama.cpp"
+    if batches:
+        title += f", {'batch 1 and ' if 1 in peer_batches else ''}batches of {' and '.join(map(str, batches))}"
     return (
         "decode-table" + "".join(f"-b{b}" for b in batches),
-        f"decoding per precision against llama.cpp, d_model {c['d_model']}, {c['layers']} layers, cpu",
+        f"{title}, d_model {c['d_model']}, {c['layers']} layers, cpu",
         body,
     )
 

@@ -120,7 +120,7 @@ def test_int8_activations_part_from_the_float_tokens_only_at_near_ties(kind):
     activations' rounding changes some greedy tokens. Where a row first parts from the float
     model's, the float model's logits of the two tokens differ by less than 0.02 (measured:
     at most 0.012 over these rows): a near tie. (What the rounding costs a trained model:
-    scripts/benchmark.py --op precision, BENCHMARKS.md.)"""
+    scripts/benchmark.py --op precision; docs/benchmarks-history/2026-11-cpu-decoding.md.)"""
     model = tiny(kind)
     ids = torch.randint(0, 45, (3, 4), generator=torch.Generator().manual_seed(2))
     want = model.generate(ids, 16, temperature=0)
