@@ -90,7 +90,7 @@ def config(u: Tensor, B: Tensor, C: Tensor) -> Config:
     # Warps from a sweep on an H200 (BENCHMARKS.md, "CUDA"): at batch 8, D 1536, N 16, L 2048,
     # the backward with 4 warps took half the time it took with 8 (forward+backward fp32 7.96
     # against 17.39 ms, bf16 8.86 against 18.02), and 8/16 warps were slower still at every tile;
-    # chunks of 16 or 64 steps were no faster than 32. tests/scan/compile_kernels.py prints the
+    # chunks of 16 or 64 steps were no faster than 32. scripts/dev/compile_kernels.py prints the
     # registers and spills of each variant.
     return Config(segment, block_d, block_n, CHUNK, 4, 4 if tile <= 2048 else 8)
 

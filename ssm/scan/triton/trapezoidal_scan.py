@@ -32,7 +32,7 @@ from ._trapezoidal_kernels import _trapezoidal_scan_bwd_kernel, _trapezoidal_sca
 # ----------------------------------------------------------------------------- launch heuristics
 # Pure functions of shapes, shared by the launchers and the fake implementations. The largest
 # live tiles are (BLOCK_R, BLOCK_P, BLOCK_N, CHUNK) products, at most TILE elements. Tuned on an
-# H200 (tests/scan/tune_trapezoidal.py; BENCHMARKS.md, "CUDA"): at batch 8, 24 heads of P 64,
+# H200 (scripts/dev/tune_trapezoidal.py; BENCHMARKS.md, "CUDA"): at batch 8, 24 heads of P 64,
 # L 2048, fp32, forward+backward went from 13.8 to 9.6 ms at N 16 and from 85.7 to 40.6 ms at
 # N 128 against the first guess (CHUNK 16, TILE 4096, 8 warps). Short chunks, at most 16
 # channels a program (more programs), and 4 warps (8 never won) are what mattered.
