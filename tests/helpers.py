@@ -589,3 +589,50 @@ def assert_generate_takes_the_fused_step_and_keeps_its_tokens(model, monkeypatch
     assert prepared == [True], "generate did not take the fused step"
     monkeypatch.setattr(model.backbone, "prepare_fused_step", lambda *args: None)
     assert torch.equal(fused, model.generate(ids, 20, temperature=0, attention_mask=mask))
+
+
+# ----------------------------------------------------------------------------- kernel custom ops
+
+
+def kernel_op_calls(monkeypatch, module, attributes, run) -> dict[str, tuple[tuple, dict]]:
+    """The arguments of the first call of each kernel op ``module.<attribute>`` (registered by
+    ``ssm._custom_op.kernel_op``) while ``run()`` runs, as the library passes them (a forward
+    op's from a public function, a backward op's from the forward's autograd formula), by the
+    op's name (``"ssm::..."``). Each tensor is a leaf copy, needing a gradient where a forward
+    op's argument did, so that ``opcheck`` tests the autograd formula too; a backward op's need
+    none (it has no autograd of its own)."""
+    from ssm._custom_op import KERNEL_OPS
+
+    calls = {}
+
+    def copy(t, grad: bool):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().clone().requires_grad_(grad and t.requires_grad)
+
+    for attribute in attributes:
+        op = getattr(module, attribute)
+        name = next(name for name, registered in KERNEL_OPS.items() if registered is op)
+
+        def spy(*args, _name=name, _op=op, **kwargs):
+            if _name not in calls:
+                grad = torch.is_grad_enabled()
+                calls[_name] = (tuple(copy(a, grad) for a in args), {k: copy(v, grad) for k, v in kwargs.items()})
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(module, attribute, spy)
+    run()
+    return calls
+
+
+def assert_kernel_ops_agree_with_their_fakes(calls: dict[str, tuple[tuple, dict]]) -> None:
+    """``torch.library.opcheck`` of each recorded call: the op's schema (no input written or
+    aliased by an output), its fake against the kernel (each output's shape, dtype, strides and
+    device), its autograd registration, and a trace through AOT autograd with dynamic shapes."""
+    from ssm._custom_op import KERNEL_OPS
+
+    for name, (args, kwargs) in calls.items():
+        try:
+            torch.library.opcheck(KERNEL_OPS[name], args, kwargs)
+        except Exception as e:
+            raise AssertionError(f"{name} fails torch.library.opcheck: {e}") from e

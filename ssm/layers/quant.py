@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.decode import round_rows, widen_rows
 from ..ops.quant import (
     BLOCK,
     QuantizedMatrix,
@@ -25,6 +24,7 @@ from ..ops.quant import (
     quantize_matrix,
     round_activations,
 )
+from ..ops.quant_cpu import round_rows, widen_rows
 
 _ROWS = 1024  # rows widened at a time on the tensor path
 

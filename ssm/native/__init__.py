@@ -9,6 +9,7 @@ and loads them (build.py).
     conv.c          the causal depthwise conv with SiLU                 (ssm/ops/cpu.py)
     norm.c          RMSNorm and the gated, grouped RMSNorm              (ssm/ops/cpu.py)
     decode_weights.c  the steps' matrices in f32, bf16, f16, int8, int4, int8 activations (portable C)
+                    (the matrix and its reads bound in ssm/ops/quant_cpu.py)
     decode_simd.c   the same products in AVX2 / AVX-512 (VNNI) intrinsics, chosen at run time (cpu_isa)
     decode.c        a stack of Mamba-1 blocks' decoding step            (ssm/ops/decode.py)
     decode_mamba2.c a stack of Mamba-2 blocks' decoding step            (ssm/ops/decode.py)

@@ -21,9 +21,9 @@ each op then takes its pure-PyTorch path (correct, slower). ``SSM_CPU_KERNEL=0``
 call) asks for those paths without building or warning. Nothing is decided once for the
 process: a call that finds the library built uses it.
 
-The modules that bind a kernel family (ssm/scan/cpu.py, ssm/ops/cpu.py, ssm/ops/decode.py)
-``declare`` each kernel's ctypes argument types; ``kernel(name, dtype)`` returns the function
-for that dtype (``name_f32`` or ``name_f64``) with them set.
+The modules that bind a kernel family (ssm/scan/cpu.py, ssm/ops/cpu.py, ssm/ops/decode.py,
+ssm/ops/quant_cpu.py) ``declare`` each kernel's ctypes argument types; ``kernel(name, dtype)``
+returns the function for that dtype (``name_f32`` or ``name_f64``) with them set.
 """
 
 from __future__ import annotations

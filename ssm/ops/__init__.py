@@ -10,28 +10,20 @@ error, never a silent fallback), and a plain reference that every backend is tes
                                                blocks' decoding step and the LM head in one
                                                C call, or None                              (decode.py)
     MambaBlockWeights, Mamba2BlockWeights,     what a layer, a block's MLP and a model hand
-    Mamba3BlockWeights, AttentionBlockWeights, that step                                    (decode.py)
+    Mamba3BlockWeights, AttentionBlockWeights, that step                                    (step_weights.py)
     GatedMLPWeights, LMHeadWeights
     quantize_matrix(weight, scheme)            a matrix as int8 / int4 with a scale per 32
                                                inputs (QuantizedMatrix), as that step reads it (quant.py)
 
-Backends: "cpu" (C kernels from ssm.native, bound in cpu.py and decode.py) and "torch" (tensor
-code, any device). References: reference.py.
+Backends: "cpu" (C kernels from ssm.native, bound in cpu.py, decode.py and quant_cpu.py, the
+last the C reads of a stored matrix that the step and a quantised layer's prefill share) and
+"torch" (tensor code, any device). References: reference.py.
 """
 
 from .._backends import lister
 from .conv import BACKENDS as _CONV
 from .conv import causal_conv1d, causal_conv1d_silu, causal_conv1d_step
-from .decode import (
-    AttentionBlockWeights,
-    GatedMLPWeights,
-    LMHeadWeights,
-    Mamba2BlockWeights,
-    Mamba3BlockWeights,
-    MambaBlocksStep,
-    MambaBlockWeights,
-    mamba_blocks_step,
-)
+from .decode import MambaBlocksStep, mamba_blocks_step
 from .norm import BACKENDS as _NORM
 from .norm import rms_norm
 from .quant import QuantizedMatrix, quantize_matrix
@@ -44,6 +36,14 @@ from .reference import (
     quantized_product_ref,
     rms_norm_ref,
     round_activations_ref,
+)
+from .step_weights import (
+    AttentionBlockWeights,
+    GatedMLPWeights,
+    LMHeadWeights,
+    Mamba2BlockWeights,
+    Mamba3BlockWeights,
+    MambaBlockWeights,
 )
 
 # backends(op, device=None): the names of the backends of "causal_conv1d_silu" or "rms_norm";

@@ -1,7 +1,8 @@
 """Backend "cpu" of the non-scan ops: the causal depthwise conv with its SiLU (ssm/native/conv.c)
 and RMSNorm / Mamba-2's gated, grouped RMSNorm (ssm/native/norm.c), bound as torch custom ops
 (``torch.ops.ssm.cpu_causal_conv_fwd`` / ``_bwd``, ``cpu_rms_norm_fwd`` / ``_bwd``) with fake
-implementations and an autograd formula, so ``torch.compile`` traces through them.
+implementations and an autograd formula (registered together by ssm._custom_op.kernel_op), so
+``torch.compile`` traces through them.
 
 Each public function here returns None where its kernel does not apply (another device or dtype,
 a layout it does not read, the library not built); the op in conv.py / norm.py then takes its
@@ -15,6 +16,7 @@ import ctypes
 import torch
 from torch import Tensor
 
+from .._custom_op import kernel_op
 from ..native import declare, empty, kernel, ptr, ready, threads
 
 
@@ -56,7 +58,33 @@ def _conv_args(x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | 
     return a
 
 
-@torch.library.custom_op("ssm::cpu_causal_conv_fwd", mutates_args=(), device_types="cpu")
+def _conv_fwd_fake(x, wt, bias, cu_seqlens, state, silu, transposed):
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[2], x.shape[1]) if transposed else x.new_empty(0)
+
+
+def _conv_setup(ctx, inputs, output):
+    x, wt, bias, cu_seqlens, state, silu, transposed = inputs
+    ctx.save_for_backward(x, wt, bias, cu_seqlens)
+    ctx.silu, ctx.transposed, ctx.with_state = silu, transposed, state is not None
+
+
+def _conv_backward(ctx, grad, gradT):
+    if ctx.with_state:  # causal_conv1d_cpu never records one; the kernel's backward reads no state
+        raise RuntimeError("the C convolution has no backward from a state; take the tensor path")
+    x, wt, bias, cu_seqlens = ctx.saved_tensors
+    grad = None if grad is None else grad.contiguous()
+    gradT = None if gradT is None or not ctx.transposed else gradT.contiguous()
+    d_x, d_wt, d_bias = _conv_bwd(grad, gradT, x, wt, bias, cu_seqlens, ctx.silu)
+    return d_x, d_wt, (d_bias if bias is not None else None), None, None, None, None
+
+
+@kernel_op(
+    "ssm::cpu_causal_conv_fwd",
+    fake=_conv_fwd_fake,
+    device_types="cpu",
+    backward=_conv_backward,
+    setup_context=_conv_setup,
+)
 def _conv_fwd(
     x: Tensor,
     wt: Tensor,
@@ -81,12 +109,11 @@ def _conv_fwd(
     return y, yT
 
 
-@_conv_fwd.register_fake
-def _(x, wt, bias, cu_seqlens, state, silu, transposed):
-    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[2], x.shape[1]) if transposed else x.new_empty(0)
+def _conv_bwd_fake(grad, gradT, x, wt, bias, cu_seqlens, silu):
+    return x.new_empty(x.shape), torch.empty_like(wt), x.new_empty(wt.shape[1] if bias is not None else 0)
 
 
-@torch.library.custom_op("ssm::cpu_causal_conv_bwd", mutates_args=(), device_types="cpu")
+@kernel_op("ssm::cpu_causal_conv_bwd", fake=_conv_bwd_fake, device_types="cpu")
 def _conv_bwd(
     grad: Tensor | None,
     gradT: Tensor | None,
@@ -106,30 +133,6 @@ def _conv_bwd(
     a.d_bias, a.part = (d_bias.data_ptr() if bias is not None else None), part.data_ptr()
     kernel("conv_bwd", x.dtype)(ctypes.byref(a))
     return d_x, d_wt, d_bias
-
-
-@_conv_bwd.register_fake
-def _(grad, gradT, x, wt, bias, cu_seqlens, silu):
-    return x.new_empty(x.shape), torch.empty_like(wt), x.new_empty(wt.shape[1] if bias is not None else 0)
-
-
-def _conv_setup(ctx, inputs, output):
-    x, wt, bias, cu_seqlens, state, silu, transposed = inputs
-    ctx.save_for_backward(x, wt, bias, cu_seqlens)
-    ctx.silu, ctx.transposed, ctx.with_state = silu, transposed, state is not None
-
-
-def _conv_backward(ctx, grad, gradT):
-    if ctx.with_state:  # causal_conv1d_cpu never records one; the kernel's backward reads no state
-        raise RuntimeError("the C convolution has no backward from a state; take the tensor path")
-    x, wt, bias, cu_seqlens = ctx.saved_tensors
-    grad = None if grad is None else grad.contiguous()
-    gradT = None if gradT is None or not ctx.transposed else gradT.contiguous()
-    d_x, d_wt, d_bias = _conv_bwd(grad, gradT, x, wt, bias, cu_seqlens, ctx.silu)
-    return d_x, d_wt, (d_bias if bias is not None else None), None, None, None, None
-
-
-_conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 
 def causal_conv1d_cpu(
@@ -193,7 +196,29 @@ def _norm_args(x: Tensor, z: Tensor | None, w: Tensor, eps: float, group: int, g
     return a
 
 
-@torch.library.custom_op("ssm::cpu_rms_norm_fwd", mutates_args=(), device_types="cpu")
+def _rms_norm_fwd_fake(x, z, w, eps, group, gate):
+    return torch.empty_like(x), x.new_empty(x.numel() // max(w.shape[0], 1), w.shape[0] // group)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, z, w, _, group, gate = inputs
+    ctx.save_for_backward(x, z, w, output[1])
+    ctx.group, ctx.gate = group, gate
+
+
+def _rms_norm_backward(ctx, grad, _grad_rstd):
+    x, z, w, rstd = ctx.saved_tensors
+    d_x, d_z, d_w = _rms_norm_bwd(grad.contiguous(), x, z, w, rstd, ctx.group, ctx.gate)
+    return d_x, (d_z if z is not None else None), d_w, None, None, None
+
+
+@kernel_op(
+    "ssm::cpu_rms_norm_fwd",
+    fake=_rms_norm_fwd_fake,
+    device_types="cpu",
+    backward=_rms_norm_backward,
+    setup_context=_rms_norm_setup,
+)
 def _rms_norm_fwd(x: Tensor, z: Tensor | None, w: Tensor, eps: float, group: int, gate: int) -> tuple[Tensor, Tensor]:
     """x (..., M) and w (M,) contiguous, z None or (rows, M) with its rows any stride apart, all
     of one dtype → (y like x, rstd (rows, M / group)). gate: 0 none, 1 norm(x·silu(z)), 2
@@ -205,12 +230,11 @@ def _rms_norm_fwd(x: Tensor, z: Tensor | None, w: Tensor, eps: float, group: int
     return y, rstd
 
 
-@_rms_norm_fwd.register_fake
-def _(x, z, w, eps, group, gate):
-    return torch.empty_like(x), x.new_empty(x.numel() // max(w.shape[0], 1), w.shape[0] // group)
+def _rms_norm_bwd_fake(grad, x, z, w, rstd, group, gate):
+    return torch.empty_like(x), torch.empty_like(z) if z is not None else x.new_empty(0), torch.empty_like(w)
 
 
-@torch.library.custom_op("ssm::cpu_rms_norm_bwd", mutates_args=(), device_types="cpu")
+@kernel_op("ssm::cpu_rms_norm_bwd", fake=_rms_norm_bwd_fake, device_types="cpu")
 def _rms_norm_bwd(
     grad: Tensor, x: Tensor, z: Tensor | None, w: Tensor, rstd: Tensor, group: int, gate: int
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -228,26 +252,6 @@ def _rms_norm_bwd(
     a.d_z = d_z.data_ptr() if z is not None else None
     kernel("rms_norm_bwd", x.dtype)(ctypes.byref(a))
     return d_x, d_z, d_w
-
-
-@_rms_norm_bwd.register_fake
-def _(grad, x, z, w, rstd, group, gate):
-    return torch.empty_like(x), torch.empty_like(z) if z is not None else x.new_empty(0), torch.empty_like(w)
-
-
-def _rms_norm_setup(ctx, inputs, output):
-    x, z, w, _, group, gate = inputs
-    ctx.save_for_backward(x, z, w, output[1])
-    ctx.group, ctx.gate = group, gate
-
-
-def _rms_norm_backward(ctx, grad, _grad_rstd):
-    x, z, w, rstd = ctx.saved_tensors
-    d_x, d_z, d_w = _rms_norm_bwd(grad.contiguous(), x, z, w, rstd, ctx.group, ctx.gate)
-    return d_x, (d_z if z is not None else None), d_w, None, None, None
-
-
-_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
 def rms_norm_cpu(

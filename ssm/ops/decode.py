@@ -1,236 +1,58 @@
 """The decoding step of a stack of Mamba-1, Mamba-2 or Mamba-3 blocks (or of a hybrid's
 attention blocks), and the LM head, in one C call per token (ssm/native/decode.c,
-decode_mamba2.c, decode_mamba3.c, decode_attention.c), for recurrent generation on the CPU.
+decode_mamba2.c, decode_mamba3.c, decode_attention.c), for recurrent generation on the CPU: the
+step and the ctypes mirrors of its C argument structs.
 
 A layer hands its tensors over as a ``MambaBlockWeights``, ``Mamba2BlockWeights``,
 ``Mamba3BlockWeights`` or ``AttentionBlockWeights`` (with a ``GatedMLPWeights`` for a block's
-MLP), and the model its head as
-``LMHeadWeights``: typed, documented fields, so that nothing here knows a module's parameter
-names. ``mamba_blocks_step`` runs one step; ``MambaBlocksStep.prepare`` builds the C arguments
-once for a caller that decodes many tokens with the same tensors (``MambaLM.generate``).
+MLP), and the model its head as ``LMHeadWeights`` (step_weights.py, which also states the dtypes
+and shape symbols). ``mamba_blocks_step`` runs one step; ``MambaBlocksStep.prepare`` builds the
+C arguments once for a caller that decodes many tokens with the same tensors
+(``MambaLM.generate``). Each tensor reaches the C code through quant_cpu.py's ``Feed`` (a matrix
+as a ``WMat``, read in its stored format).
 
 Both return None where the C step does not apply, and the caller steps its layers one by one
 (same numbers): every tensor on the CPU, contiguous, no gradient to keep, not inside
-torch.compile, the library built, every block of one kind, and the dtypes one of these:
+torch.compile, the library built, every block of one kind, and the dtypes those step_weights.py
+lists. ``mamba_blocks_step_ref`` and ``mamba2_blocks_step_ref`` (reference.py) compute the same
+steps in plain float64 loops.
 
-    float64 everything: the step computes in float64;
-    float32 (or a bfloat16 / float16 ``hidden``, copied into float32): the step computes in
-    float32, the two states float32, the other vectors float32 or bfloat16 / float16 (widened
-    once), each matrix (the projections, the MLP's, the head) float32, bfloat16, float16 or an
-    int8 / int4 ``QuantizedMatrix`` (ssm.ops.quant), read as stored and widened in registers
-    (ssm/native/decode_weights.c). The output (logits, or hidden and residual) is float32.
-``mamba_blocks_step_ref`` and ``mamba2_blocks_step_ref`` (reference.py) compute the same steps
-in plain float64 loops.
-
-Shape symbols: B batch, M d_model, D the mixer's channels (d_inner), N state size, R dt_rank,
-K the conv's width, V the vocabulary; for Mamba-2, H heads, P head dim, S = H·P (d_ssm),
-G groups, C = S + 2·G·N the conv's channels, Q = d_inner − S (the mixer's MLP branch, usually
-0), E = 2·Q + S + C + H in_proj's rows, F the block MLP's hidden size.
+The weight types and the matrix helpers that lived here (``decode_matvec``, ``widen_rows``,
+``round_rows``, now in quant_cpu.py) still import from this module.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-from ..native import cpu_isa, declare, kernel, ready, threads
-from .quant import QuantizedMatrix
+from ..native import declare, kernel, ready, threads
+from .quant_cpu import Feed, WMat, decode_matvec, round_rows, widen_rows
+from .step_weights import (
+    AttentionBlockWeights,
+    GatedMLPWeights,
+    LMHeadWeights,
+    Mamba2BlockWeights,
+    Mamba3BlockWeights,
+    MambaBlockWeights,
+)
 
-
-@dataclass(frozen=True)
-class MambaBlockWeights:
-    """One Mamba-1 block's decoding step: residual ← hidden + residual (the first block:
-    residual ← hidden); x = RMSNorm(residual); the mixer's step on x (in_proj, the causal conv's
-    step and SiLU, x_proj, dt_proj with softplus, the selective step gated by SiLU(z), out_proj).
-    Dtypes: see the module's docstring (a matrix may be narrower, or a QuantizedMatrix);
-    contiguous; a bias may be None. The two states are updated in
-    place."""
-
-    norm_weight: Tensor  # (M,)
-    norm_eps: float
-    in_proj_weight: Tensor | QuantizedMatrix  # (2·D, M): x rows then z rows
-    in_proj_bias: Tensor | None  # (2·D,)
-    conv_weight: Tensor  # (D, 1, K) or (D, K)
-    conv_bias: Tensor | None  # (D,)
-    conv_state: Tensor  # (B, D, K): the last K conv inputs, most recent last
-    x_proj_weight: Tensor | QuantizedMatrix  # (R + 2·N, D): dt rows, B rows, C rows
-    dt_proj_weight: Tensor | QuantizedMatrix  # (D, R)
-    dt_proj_bias: Tensor | None  # (D,)
-    A: Tensor  # (D, N) = -exp(A_log)
-    D: Tensor | None  # (D,): the skip
-    ssm_state: Tensor  # (B, D, N)
-    out_proj_weight: Tensor | QuantizedMatrix  # (M, D)
-    out_proj_bias: Tensor | None  # (M,)
-
-    def tensors(self) -> list[Tensor | None]:
-        return [getattr(self, f.name) for f in fields(self) if f.name != "norm_eps"]
-
-
-@dataclass(frozen=True)
-class GatedMLPWeights:
-    """A block's MLP after its mixer: residual ← hidden + residual;
-    (f, g) = fc1 · RMSNorm(residual); hidden = fc2 · (f·SiLU(g))."""
-
-    norm_weight: Tensor  # (M,)
-    norm_eps: float
-    fc1_weight: Tensor | QuantizedMatrix  # (2·F, M): f rows then g rows
-    fc2_weight: Tensor | QuantizedMatrix  # (M, F)
-
-
-def _tensors_and_mlp(weights) -> list:
-    """The tensors of a block's weights (Mamba2BlockWeights, Mamba3BlockWeights), then its MLP's."""
-    out = [getattr(weights, f.name) for f in fields(weights) if isinstance(getattr(weights, f.name), Tensor)]
-    if weights.mlp is not None:
-        out += [weights.mlp.norm_weight, weights.mlp.fc1_weight, weights.mlp.fc2_weight]
-    return out
-
-
-@dataclass(frozen=True)
-class Mamba2BlockWeights:
-    """One Mamba-2 block's decoding step: residual ← hidden + residual (the first block:
-    residual ← hidden); u = RMSNorm(residual); (z0, x0, z, xBC, dt) = in_proj u; the causal
-    conv's step and SiLU on xBC → (x, B, C); per head h (group h // (H/G)):
-    Δ = clamp(softplus(dt + dt_bias), *dt_limit), h ← exp(Δ·A)·h + Δ·B·xᵀ, y = C·h + D·x;
-    y = RMSNorm(y·SiLU(z)) per group of ``gate_norm_group`` channels (or RMSNorm(y)·SiLU(z) with
-    ``norm_before_gate``, or y·SiLU(z) without a gate norm); hidden = out_proj [SiLU(z0)·x0, y];
-    then the block's ``mlp`` if any. Dtypes: see the module's docstring; contiguous; a bias may
-    be None.
-    The two states are updated in place."""
-
-    norm_weight: Tensor  # (M,)
-    norm_eps: float
-    in_proj_weight: Tensor | QuantizedMatrix  # (E, M): z0, x0 (Q each), z (S), xBC (C), dt (H) rows
-    in_proj_bias: Tensor | None  # (E,)
-    conv_weight: Tensor  # (C, 1, K) or (C, K)
-    conv_bias: Tensor | None  # (C,)
-    conv_state: Tensor  # (B, C, K): the last K conv inputs, most recent last
-    dt_bias: Tensor  # (H,)
-    A: Tensor  # (H,) = -exp(A_log)
-    D: Tensor | None  # (H,), or (S,) per channel
-    ssm_state: Tensor  # (B, H, P, N)
-    ngroups: int  # G
-    dt_limit: tuple[float, float]  # Δ's clamp; (0, inf) clamps nothing
-    gate_norm_weight: Tensor | None  # (S,); None: no norm, y·SiLU(z)
-    gate_norm_eps: float
-    gate_norm_group: int  # channels per norm group: a multiple of P dividing S
-    norm_before_gate: bool
-    out_proj_weight: Tensor | QuantizedMatrix  # (M, Q + S)
-    out_proj_bias: Tensor | None  # (M,)
-    mlp: GatedMLPWeights | None = None
-
-    def tensors(self) -> list[Tensor | None]:
-        return _tensors_and_mlp(self)
-
-
-@dataclass(frozen=True)
-class Mamba3BlockWeights:
-    """One Mamba-3 block's decoding step, SISO or MIMO of rank R: residual ← hidden + residual
-    (the first block: residual ← hidden); u = RMSNorm(residual); (z, x, B, C, dt, a, λ, θ) =
-    in_proj u; B and C RMS-normalised per rank and group, plus their per-head biases; per head h
-    (group h // (H/G)): Δ = softplus(dt + dt_bias), A = min(−heavy_tail(a), −A_floor),
-    λ = sigmoid(λ), the phase φ ← φ + Δ·π·tanh(θ) turning the T rotary pairs of k_r = B_r + B_bias
-    and q_r = C_r + C_bias (``halved``: pairs (m, m + N/2), else (2m, 2m + 1)); with v_r =
-    x ⊙ mimo_x_r (SISO: x) the trapezoidal step h ← exp(Δ·A)·h + Σ_r ((1 − λ)·Δ·exp(Δ·A)·v'_r·key_rᵀ
-    + λ·Δ·v_r·k_rᵀ) (v'_r from the last step's x), y_r = h·q_r + D·v_r, key ← k, value ← x; each
-    y_r gated by SiLU(z ⊙ mimo_z_r) (or with ``gate_norm_weight`` RMSNorm(y_r) per head · weight ·
-    that), summed over the ranks with mimo_o; hidden = out_proj y; then the block's ``mlp`` if
-    any. Dtypes: see the module's docstring; contiguous. The four state tensors are updated in
-    place (the phase kept in [0, 2π))."""
-
-    norm_weight: Tensor  # (M,)
-    norm_eps: float
-    in_proj_weight: Tensor | QuantizedMatrix  # (E, M): z, x (S each), B, C (R·G·N each), dt, a, λ (H each), θ (T)
-    B_norm_weight: Tensor  # (N,)
-    C_norm_weight: Tensor  # (N,)
-    bc_norm_eps: float
-    B_bias: Tensor  # (H, R, N)
-    C_bias: Tensor  # (H, R, N)
-    dt_bias: Tensor  # (H,)
-    A_floor: float
-    D: Tensor | None  # (H,)
-    phase: Tensor  # (B, H, T)
-    ssm_state: Tensor  # (B, H, P, N)
-    key: Tensor  # (B, R, H, N), or (B, H, N) for SISO: the last step's rotated keys
-    value: Tensor  # (B, H, P): the last step's x
-    ngroups: int  # G
-    halved: bool
-    gate_norm_weight: Tensor | None  # (S,); None: y·SiLU(z)
-    gate_norm_eps: float
-    out_proj_weight: Tensor | QuantizedMatrix  # (M, S)
-    mimo_x: Tensor | None = None  # (H, R, P) each, MIMO only
-    mimo_z: Tensor | None = None
-    mimo_o: Tensor | None = None
-    mlp: GatedMLPWeights | None = None
-
-    def tensors(self) -> list[Tensor | None]:
-        return _tensors_and_mlp(self)
-
-
-@dataclass(frozen=True)
-class AttentionBlockWeights:
-    """A hybrid model's attention block (``ssm.layers.MHA`` in a Block), one token per row:
-    residual ← hidden + residual (the first block: residual ← hidden); u = RMSNorm(residual);
-    (qkv, up, gate) = in_proj u; with a conv, its step (no activation) on qkv; q (H heads of P),
-    k, v (Hk heads); the first ``rotary_dim`` channels of each q and k head rotated to the row's
-    position t = lengths[b] (pairs (i, i + R/2), or (2i, 2i + 1) with ``rotary_interleaved``, at
-    angle t·inv_freq[i]); k and v written into the cache at t, lengths[b] ← t + 1; each query
-    head h attends to the row's t + 1 keys and values of head h // (H / Hk) with softmax(scale·q·kᵀ);
-    hidden = out_proj [context, up·SiLU(gate)]; then the block's ``mlp`` if any. Dtypes: see the
-    module's docstring (the key/value cache and the conv state are states: the compute dtype).
-    The cache has room for one more token in every row (lengths[b] < capacity)."""
-
-    norm_weight: Tensor  # (M,)
-    norm_eps: float
-    in_proj_weight: Tensor | QuantizedMatrix  # (E, M): q (H·P), k, v (Hk·P each), up, gate (U each) rows
-    in_proj_bias: Tensor | None  # (E,)
-    conv_weight: Tensor | None  # (Z, 1, K) or (Z, K), Z = (H + 2·Hk)·P; None: no conv
-    conv_bias: Tensor | None  # (Z,)
-    conv_state: Tensor | None  # (B, Z, K)
-    num_heads: int  # H
-    num_heads_kv: int  # Hk
-    softmax_scale: float
-    inv_freq: Tensor | None  # (R/2,) the rotary frequencies; None: no rotary
-    rotary_interleaved: bool
-    key: Tensor  # (B, capacity, Hk, P)
-    value: Tensor  # (B, capacity, Hk, P)
-    lengths: Tensor  # (B,) int64: the tokens each row holds
-    out_proj_weight: Tensor | QuantizedMatrix  # (M, H·P + U)
-    out_proj_bias: Tensor | None  # (M,)
-    mlp: GatedMLPWeights | None = None
-
-    def tensors(self) -> list[Tensor | None]:
-        return _tensors_and_mlp(self)
-
-
-@dataclass(frozen=True)
-class LMHeadWeights:
-    """After the last block: residual ← hidden + residual; logits = weight · RMSNorm(residual)."""
-
-    norm_weight: Tensor  # (M,)
-    norm_eps: float
-    weight: Tensor | QuantizedMatrix  # (V, M)
-
-
-class _WMat(ctypes.Structure):
-    """WMat of ssm/native (decode_weights.c): a matrix's data, its scales, its format, the
-    instruction-set level of its products (ssm.native.cpu_isa, decode_simd.c), and whether its
-    products take int8 activations (a QuantizedMatrix's ``activations``)."""
-
-    _fields_ = [
-        ("w", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("type", ctypes.c_int64),
-        ("isa", ctypes.c_int64),
-        ("act", ctypes.c_int64),
-    ]
-
-
-# WMat.type for each storage of a matrix (W_REAL: the step's own dtype)
-_W_REAL, _W_TYPES = 0, {torch.bfloat16: 1, torch.float16: 2, "int8": 3, "int4": 4}
+__all__ = [
+    "mamba_blocks_step",
+    "MambaBlocksStep",
+    "MambaBlockWeights",
+    "Mamba2BlockWeights",
+    "Mamba3BlockWeights",
+    "AttentionBlockWeights",
+    "GatedMLPWeights",
+    "LMHeadWeights",
+    "decode_matvec",
+    "widen_rows",
+    "round_rows",
+]
 
 
 class _BlockStepArgs(ctypes.Structure):
@@ -246,7 +68,7 @@ class _BlockStepArgs(ctypes.Structure):
                 "dt_b", "A", "Dskip", "ssm_state", "out_b", "work", "new_hidden", "new_residual",
             )
         ]
-        + [(name, _WMat) for name in ("in_w", "x_w", "dt_w", "out_w")]
+        + [(name, WMat) for name in ("in_w", "x_w", "dt_w", "out_w")]
     )  # fmt: skip
 
 
@@ -256,7 +78,7 @@ class _HeadArgs(ctypes.Structure):
     _fields_ = [("vocab", ctypes.c_int64), ("eps", ctypes.c_double)] + [
         (name, ctypes.c_void_p) for name in ("norm_w", "logits")
     ]
-    _fields_ += [("weight", _WMat)]
+    _fields_ += [("weight", WMat)]
 
 
 class _Mamba2StepArgs(ctypes.Structure):
@@ -279,7 +101,7 @@ class _Mamba2StepArgs(ctypes.Structure):
                 "work", "new_hidden", "new_residual",
             )
         ]
-        + [(name, _WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
+        + [(name, WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
     )  # fmt: skip
 
 
@@ -300,7 +122,7 @@ class _Mamba3StepArgs(ctypes.Structure):
                 "work", "new_hidden", "new_residual",
             )
         ]
-        + [(name, _WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
+        + [(name, WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
     )  # fmt: skip
 
 
@@ -320,7 +142,7 @@ class _AttentionStepArgs(ctypes.Structure):
                 "key", "value", "lengths", "out_b", "norm2_w", "work", "new_hidden", "new_residual",
             )
         ]
-        + [(name, _WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
+        + [(name, WMat) for name in ("in_w", "out_w", "fc1_w", "fc2_w")]
     )  # fmt: skip
 
 
@@ -329,80 +151,6 @@ declare("mamba_blocks_step", [ctypes.POINTER(_BlockStepArgs), ctypes.c_int64, _H
 declare("mamba2_blocks_step", [ctypes.POINTER(_Mamba2StepArgs), ctypes.c_int64, _HEAD])
 declare("mamba3_blocks_step", [ctypes.POINTER(_Mamba3StepArgs), ctypes.c_int64, _HEAD])
 declare("attention_blocks_step", [ctypes.POINTER(_AttentionStepArgs), ctypes.c_int64, _HEAD])
-
-
-declare(
-    "decode_matvec",
-    [ctypes.POINTER(_WMat), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64],
-)
-
-
-def decode_matvec(weight: Tensor | QuantizedMatrix, x: Tensor, nthreads: int | None = None) -> Tensor:
-    """weight (O, I) · x (I,) as the fused steps compute their projections (the same C reads, at
-    ``cpu_isa()``'s level): for tests and benchmarks of the matrix reads alone. x float32 (any
-    stored format) or float64 (weight float64); raises ValueError where the step would decline."""
-    feed = _Feed(x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32)
-    m = feed.mat(weight)
-    out_features, in_features = weight.shape
-    if not (feed.ok and ready() and x.dtype == feed.compute and x.shape == (in_features,) and x.is_contiguous()):
-        raise ValueError(f"decode_matvec: weight {tuple(weight.shape)} and x {tuple(x.shape)} {x.dtype} do not fit")
-    y = x.new_empty(out_features)
-    kernel("decode_matvec", x.dtype)(ctypes.byref(m), in_features, out_features, x.data_ptr(), y.data_ptr(),
-                                     nthreads or threads())  # fmt: skip
-    return y
-
-
-declare(
-    "decode_widen_rows",
-    [ctypes.POINTER(_WMat), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64],
-)
-
-
-def widen_rows(weight: QuantizedMatrix, lo: int, hi: int, out: Tensor | None = None) -> Tensor | None:
-    """Rows lo .. hi-1 of a quantised matrix in float32 ((hi - lo, I), in ``out`` when given: a
-    float32 CPU tensor of at least that many elements), widened by the C reads of the fused steps
-    in one pass: the values of ``ops.quant.dequantize_rows``, several times faster. None where the
-    C library is not there or the matrix is not a contiguous CPU one."""
-    if not isinstance(weight, QuantizedMatrix):
-        raise ValueError(f"widen_rows: weight must be a QuantizedMatrix, got {type(weight).__name__}")
-    if not 0 <= lo <= hi <= weight.shape[0]:
-        raise ValueError(f"widen_rows: lo, hi must satisfy 0 <= lo <= hi <= {weight.shape[0]} (rows), got {lo}, {hi}")
-    if not ready():
-        return None
-    feed = _Feed(torch.float32)
-    m = feed.mat(weight)
-    if not feed.ok:
-        return None
-    rows, n = hi - lo, weight.shape[1]
-    if out is None:
-        out = torch.empty(rows, n)
-    elif out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() < rows * n:
-        raise ValueError(f"widen_rows: out must be a contiguous float32 CPU tensor of >= {rows * n} elements")
-    out = out.view(-1)[: rows * n].view(rows, n)
-    kernel("decode_widen_rows", torch.float32)(ctypes.byref(m), n, lo, hi, out.data_ptr(), threads())
-    return out
-
-
-declare(
-    "decode_round_rows",
-    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64],
-)
-
-
-def round_rows(x: Tensor) -> Tensor | None:
-    """x (..., I), a float32 CPU tensor, rounded to int8 activations per block of 32 and widened
-    back (the values of ``ops.quant.round_activations``; contiguous) by the C code the fused step
-    rounds with, on all threads; None where the C library is not there or x is not such a
-    tensor. x may be strided (a transposed (B, D, L) tensor) where its rows have one stride."""
-    if not (ready() and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() > 0):
-        return None
-    n = x.shape[-1]
-    rows = x.reshape(-1, n)  # the rows as one strided matrix: a view where they are one, else a copy
-    out = torch.empty(x.shape, dtype=torch.float32)
-    kernel("decode_round_rows", torch.float32)(
-        rows.data_ptr(), rows.shape[0], n, rows.stride(0), rows.stride(1), out.data_ptr(), threads()
-    )
-    return out
 
 
 def mamba_blocks_step(
@@ -419,58 +167,7 @@ def mamba_blocks_step(
     return None if step is None else step()
 
 
-class _Feed:
-    """The C view of a step's tensors in one compute dtype (float32 or float64): each one's
-    pointer, a 16-bit vector widened once into a copy kept alive here, a matrix as a WMat in its
-    own format. ``ok`` turns False, and the step is declined, at the first tensor that does not
-    fit (not on the CPU, not contiguous, a dtype the step cannot read, a gradient to keep)."""
-
-    def __init__(self, compute: torch.dtype):
-        self.compute, self.keep, self.ok = compute, [], True
-        self.isa = cpu_isa() if compute == torch.float32 else 0  # the float64 step is portable C
-        self.grad = torch.is_grad_enabled()
-
-    def _fits(self, t: Tensor) -> bool:
-        fits = t.device.type == "cpu" and t.is_contiguous() and not (self.grad and t.requires_grad)
-        self.ok &= fits
-        return fits
-
-    def vec(self, t: Tensor | None) -> int | None:
-        """A read-only tensor other than a matrix (norm, bias, conv, A, D): the compute dtype, or
-        bfloat16 / float16 widened to it."""
-        if t is None or not self._fits(t):
-            return None
-        if t.dtype != self.compute:
-            if t.dtype not in (torch.bfloat16, torch.float16):
-                self.ok = False
-                return None
-            t = t.to(self.compute)
-            self.keep.append(t)
-        return t.data_ptr()
-
-    def state(self, t: Tensor) -> int | None:
-        """A tensor the step updates in place: in the compute dtype (the states stay wide)."""
-        self.ok &= t.dtype == self.compute
-        return t.data_ptr() if self._fits(t) else None
-
-    def mat(self, t) -> _WMat:
-        """A matrix: the compute dtype, bfloat16 or float16, or a QuantizedMatrix."""
-        m = _WMat()
-        m.isa = self.isa
-        if isinstance(t, QuantizedMatrix):
-            if self._fits(t.data) and self._fits(t.scales) and t.scales.dtype == torch.float32:
-                m.w, m.scale, m.type = t.data.data_ptr(), t.scales.data_ptr(), _W_TYPES[t.scheme]
-                m.act = int(t.activations == "int8" and self.compute == torch.float32)
-            else:
-                self.ok = False
-        elif self._fits(t) and (t.dtype == self.compute or t.dtype in _W_TYPES):
-            m.w, m.type = t.data_ptr(), _W_REAL if t.dtype == self.compute else _W_TYPES[t.dtype]
-        else:
-            self.ok = False
-        return m
-
-
-def _mamba1_args(a: _BlockStepArgs, block: MambaBlockWeights, batch: int, d_model: int, feed: _Feed) -> int:
+def _mamba1_args(a: _BlockStepArgs, block: MambaBlockWeights, batch: int, d_model: int, feed: Feed) -> int:
     """Fill a's sizes and weights; return the scratch the block needs (elements)."""
     dim, N = block.A.shape
     R = block.dt_proj_weight.shape[1]
@@ -486,7 +183,7 @@ def _mamba1_args(a: _BlockStepArgs, block: MambaBlockWeights, batch: int, d_mode
     return batch * (d_model + 5 * dim + R + 2 * N)
 
 
-def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_model: int, feed: _Feed) -> int:
+def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_model: int, feed: Feed) -> int:
     """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
     them); return the scratch the block needs (elements)."""
     if block.ssm_state.ndim != 4:
@@ -536,7 +233,7 @@ def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_mo
     return batch * (d_model + E + C + Q + S + H + 3 * F)
 
 
-def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_model: int, feed: _Feed) -> int:
+def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_model: int, feed: Feed) -> int:
     """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
     them); return the scratch the block needs (elements)."""
     if block.ssm_state.ndim != 4 or block.B_bias.ndim != 3:
@@ -591,7 +288,7 @@ def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_mo
     return batch * (d_model + E + 2 * R * G * N + 2 * H * R * N + H * R * P + S + 3 * F)
 
 
-def _attention_args(a: _AttentionStepArgs, block: AttentionBlockWeights, batch: int, d_model: int, feed: _Feed) -> int:
+def _attention_args(a: _AttentionStepArgs, block: AttentionBlockWeights, batch: int, d_model: int, feed: Feed) -> int:
     """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
     them); return the scratch the block needs (elements)."""
     H, Hk = block.num_heads, block.num_heads_kv
@@ -704,7 +401,7 @@ class MambaBlocksStep:
             hidden = hidden.to(compute).contiguous()
         struct, fill, name = kind
         batch, d_model = hidden.shape
-        feed = _Feed(compute)
+        feed = Feed(compute)
         args = (struct * len(blocks))()
         # outputs alternate between two (hidden, residual) pairs: block l reads block l - 1's pair
         pairs = hidden.new_empty(2, 2, batch, d_model)

@@ -18,9 +18,10 @@ Without it (no compiler, or ``SSM_CPU_KERNEL=0``) these functions run ``pscan``'
 path instead: correct, several times slower.
 
 The kernels are torch custom ops (``torch.ops.ssm.cpu_selective_scan_fwd`` / ``_bwd``,
-``cpu_linear_scan_fwd`` / ``_bwd``) with fake implementations and an autograd formula, so a
-user's ``torch.compile`` traces through them without graph breaks and calls the same kernels.
-No shape, dtype or option recompiles anything: one library serves every input.
+``cpu_linear_scan_fwd`` / ``_bwd``) with fake implementations and an autograd formula
+(registered together by ssm._custom_op.kernel_op), so a user's ``torch.compile`` traces
+through them without graph breaks and calls the same kernels. No shape, dtype or option
+recompiles anything: one library serves every input.
 
 Backward memory: the forward keeps the state at the start of every chunk of ``CHUNK`` steps,
 (B, L / CHUNK, D, N), beside its inputs; the backward recomputes a chunk's states from it and runs
@@ -41,6 +42,7 @@ import math
 import torch
 from torch import Tensor
 
+from .._custom_op import kernel_op
 from ..native import declare, empty, flushed_subnormals, kernel, ptr, ready, strides3, threads
 from ._checks import compute_dtype
 from ._common import ssd_delta
@@ -167,98 +169,11 @@ def _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlen
     return a
 
 
-@torch.library.custom_op("ssm::cpu_selective_scan_fwd", mutates_args=(), device_types="cpu")
-def _selective_fwd(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    softplus: bool,
-    h0: Tensor | None,
-    cu_seqlens: Tensor | None,
-    keep_states: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """u, delta, z (B, D, L), any strides; A (D, N), D and delta_bias (D,), h0 (S, D, N)
-    contiguous; B, C as above; all of one dtype (float32 or float64).
-    Returns out (B, D, L), the last states (S, D, N), and the state entering each chunk
-    (B, ceil(L / T), D, N) when ``keep_states`` (else an empty tensor)."""
-    batch, dim, length = u.shape
-    a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
-    out = empty((batch, dim, length), u)
-    last = empty((a.nseq, dim, A.shape[1]), u)
-    ckpt = empty((batch, -(-length // CHUNK), dim, A.shape[1]) if keep_states else (0,), u)
-    a.out, a.last, a.ckpt = out.data_ptr(), last.data_ptr(), (ckpt.data_ptr() if keep_states else None)
-    kernel("selective_fwd", u.dtype)(ctypes.byref(a))
-    return out, last, ckpt
-
-
-@_selective_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, keep_states):
+def _selective_fwd_fake(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, keep_states):
     batch, dim, length = u.shape
     S = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ckpt = u.new_empty(batch, -(-length // CHUNK), dim, A.shape[1]) if keep_states else u.new_empty(0)
     return u.new_empty(batch, dim, length), u.new_empty(S, dim, A.shape[1]), ckpt
-
-
-@torch.library.custom_op("ssm::cpu_selective_scan_bwd", mutates_args=(), device_types="cpu")
-def _selective_bwd(
-    grad_out: Tensor,
-    grad_last: Tensor | None,
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    softplus: bool,
-    h0: Tensor | None,
-    cu_seqlens: Tensor | None,
-    ckpt: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The gradients of u, delta, A, B, C, D, z, delta_bias, h0 (an empty tensor for each absent
-    one) from those of out (any strides) and of the last states (contiguous, or None)."""
-    batch, dim, length = u.shape
-    if grad_out.stride(-1) != 1:
-        # e.g. out_proj's gradient, (B, L, D) seen as (B, D, L): one transposing copy costs less
-        # than the sweeps' reading it a step apart (a cache line a step and channel).
-        grad_out = empty(grad_out.shape, u).copy_(grad_out)
-    a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
-    a.ckpt, a.grad_out, a.grad_last, a.sgo = ckpt.data_ptr(), grad_out.data_ptr(), ptr(grad_last), grad_out.stride()
-    d_u, d_delta = empty(u.shape, u), empty(u.shape, u)
-    d_z = empty(u.shape if z is not None else (0,), u)  # (an empty tensor stands for an absent input's)
-    d_A, d_B, d_C = torch.empty_like(A), empty(B.shape, u), empty(C.shape, u)
-    d_D, d_bias = (u.new_empty(dim if x is not None else 0) for x in (D, delta_bias))
-    d_h0 = u.new_empty(h0.shape if h0 is not None else 0)
-    a.nparts = min(dim, 4 * a.nthreads)  # channel blocks: 4 per thread, to share out under load
-    parts = [empty((a.nparts, *M.shape), u) if M.ndim == 4 else None for M in (B, C)]
-    a.d_u, a.d_delta, a.d_A, a.d_B, a.d_C = (x.data_ptr() for x in (d_u, d_delta, d_A, d_B, d_C))
-    a.d_z, a.d_D, a.d_delta_bias, a.d_h0 = (
-        x.data_ptr() if p is not None else None for x, p in ((d_z, z), (d_D, D), (d_bias, delta_bias), (d_h0, h0))
-    )
-    a.part_B, a.part_C = (ptr(p) for p in parts)
-    kernel("selective_bwd", u.dtype)(ctypes.byref(a))
-    return d_u, d_delta, d_A, d_B, d_C, d_D, d_z, d_bias, d_h0
-
-
-@_selective_bwd.register_fake
-def _(grad_out, grad_last, u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, ckpt):
-    return (
-        u.new_empty(u.shape),
-        u.new_empty(u.shape),
-        u.new_empty(A.shape),
-        u.new_empty(B.shape),
-        u.new_empty(C.shape),
-        u.new_empty(u.shape[1] if D is not None else 0),
-        u.new_empty(u.shape if z is not None else 0),
-        u.new_empty(u.shape[1] if delta_bias is not None else 0),
-        u.new_empty(h0.shape if h0 is not None else 0),
-    )
 
 
 def _selective_setup(ctx, inputs, output):
@@ -305,7 +220,95 @@ def _selective_backward(ctx, grad_out, grad_last, _grad_ckpt):
     )
 
 
-_selective_fwd.register_autograd(_selective_backward, setup_context=_selective_setup)
+@kernel_op(
+    "ssm::cpu_selective_scan_fwd",
+    fake=_selective_fwd_fake,
+    device_types="cpu",
+    backward=_selective_backward,
+    setup_context=_selective_setup,
+)
+def _selective_fwd(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    softplus: bool,
+    h0: Tensor | None,
+    cu_seqlens: Tensor | None,
+    keep_states: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """u, delta, z (B, D, L), any strides; A (D, N), D and delta_bias (D,), h0 (S, D, N)
+    contiguous; B, C as above; all of one dtype (float32 or float64).
+    Returns out (B, D, L), the last states (S, D, N), and the state entering each chunk
+    (B, ceil(L / T), D, N) when ``keep_states`` (else an empty tensor)."""
+    batch, dim, length = u.shape
+    a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
+    out = empty((batch, dim, length), u)
+    last = empty((a.nseq, dim, A.shape[1]), u)
+    ckpt = empty((batch, -(-length // CHUNK), dim, A.shape[1]) if keep_states else (0,), u)
+    a.out, a.last, a.ckpt = out.data_ptr(), last.data_ptr(), (ckpt.data_ptr() if keep_states else None)
+    kernel("selective_fwd", u.dtype)(ctypes.byref(a))
+    return out, last, ckpt
+
+
+def _selective_bwd_fake(grad_out, grad_last, u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, ckpt):
+    return (
+        u.new_empty(u.shape),
+        u.new_empty(u.shape),
+        u.new_empty(A.shape),
+        u.new_empty(B.shape),
+        u.new_empty(C.shape),
+        u.new_empty(u.shape[1] if D is not None else 0),
+        u.new_empty(u.shape if z is not None else 0),
+        u.new_empty(u.shape[1] if delta_bias is not None else 0),
+        u.new_empty(h0.shape if h0 is not None else 0),
+    )
+
+
+@kernel_op("ssm::cpu_selective_scan_bwd", fake=_selective_bwd_fake, device_types="cpu")
+def _selective_bwd(
+    grad_out: Tensor,
+    grad_last: Tensor | None,
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    softplus: bool,
+    h0: Tensor | None,
+    cu_seqlens: Tensor | None,
+    ckpt: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of u, delta, A, B, C, D, z, delta_bias, h0 (an empty tensor for each absent
+    one) from those of out (any strides) and of the last states (contiguous, or None)."""
+    batch, dim, length = u.shape
+    if grad_out.stride(-1) != 1:
+        # e.g. out_proj's gradient, (B, L, D) seen as (B, D, L): one transposing copy costs less
+        # than the sweeps' reading it a step apart (a cache line a step and channel).
+        grad_out = empty(grad_out.shape, u).copy_(grad_out)
+    a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
+    a.ckpt, a.grad_out, a.grad_last, a.sgo = ckpt.data_ptr(), grad_out.data_ptr(), ptr(grad_last), grad_out.stride()
+    d_u, d_delta = empty(u.shape, u), empty(u.shape, u)
+    d_z = empty(u.shape if z is not None else (0,), u)  # (an empty tensor stands for an absent input's)
+    d_A, d_B, d_C = torch.empty_like(A), empty(B.shape, u), empty(C.shape, u)
+    d_D, d_bias = (u.new_empty(dim if x is not None else 0) for x in (D, delta_bias))
+    d_h0 = u.new_empty(h0.shape if h0 is not None else 0)
+    a.nparts = min(dim, 4 * a.nthreads)  # channel blocks: 4 per thread, to share out under load
+    parts = [empty((a.nparts, *M.shape), u) if M.ndim == 4 else None for M in (B, C)]
+    a.d_u, a.d_delta, a.d_A, a.d_B, a.d_C = (x.data_ptr() for x in (d_u, d_delta, d_A, d_B, d_C))
+    a.d_z, a.d_D, a.d_delta_bias, a.d_h0 = (
+        x.data_ptr() if p is not None else None for x, p in ((d_z, z), (d_D, D), (d_bias, delta_bias), (d_h0, h0))
+    )
+    a.part_B, a.part_C = (ptr(p) for p in parts)
+    kernel("selective_bwd", u.dtype)(ctypes.byref(a))
+    return d_u, d_delta, d_A, d_B, d_C, d_D, d_z, d_bias, d_h0
 
 
 def _kernel_layout(M: Tensor, dtype: torch.dtype) -> Tensor:
@@ -377,7 +380,29 @@ def _linear_args(gates, inputs, h0, cu_seqlens, reverse) -> _LinearArgs:
     return p
 
 
-@torch.library.custom_op("ssm::cpu_linear_scan_fwd", mutates_args=(), device_types="cpu")
+def _linear_fwd_fake(gates, inputs, h0, cu_seqlens, reverse):
+    return torch.empty_like(inputs)
+
+
+def _linear_setup(ctx, inputs, output):
+    gates, _, h0, cu_seqlens, reverse = inputs
+    ctx.save_for_backward(gates, output, h0, cu_seqlens)
+    ctx.reverse = reverse
+
+
+def _linear_backward(ctx, grad):
+    gates, states, h0, cu_seqlens = ctx.saved_tensors
+    d_gates, d_inputs, d_h0 = _linear_bwd(grad, gates, states, h0, cu_seqlens, ctx.reverse)
+    return d_gates, d_inputs, (d_h0 if h0 is not None else None), None, None
+
+
+@kernel_op(
+    "ssm::cpu_linear_scan_fwd",
+    fake=_linear_fwd_fake,
+    device_types="cpu",
+    backward=_linear_backward,
+    setup_context=_linear_setup,
+)
 def _linear_fwd(gates: Tensor, inputs: Tensor, h0: Tensor | None, cu_seqlens: Tensor | None, reverse: bool) -> Tensor:
     """gates, inputs (E, L, F) contiguous, one dtype; h0 (E, F), or (S, F) with cu_seqlens
     (E = 1). Returns every state, (E, L, F)."""
@@ -388,12 +413,15 @@ def _linear_fwd(gates: Tensor, inputs: Tensor, h0: Tensor | None, cu_seqlens: Te
     return states
 
 
-@_linear_fwd.register_fake
-def _(gates, inputs, h0, cu_seqlens, reverse):
-    return torch.empty_like(inputs)
+def _linear_bwd_fake(grad, gates, states, h0, cu_seqlens, reverse):
+    return (
+        torch.empty_like(gates),
+        torch.empty_like(gates),
+        torch.empty_like(h0) if h0 is not None else gates.new_empty(0),
+    )
 
 
-@torch.library.custom_op("ssm::cpu_linear_scan_bwd", mutates_args=(), device_types="cpu")
+@kernel_op("ssm::cpu_linear_scan_bwd", fake=_linear_bwd_fake, device_types="cpu")
 def _linear_bwd(
     grad: Tensor, gates: Tensor, states: Tensor, h0: Tensor | None, cu_seqlens: Tensor | None, reverse: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -411,30 +439,6 @@ def _linear_bwd(
     p.d_h0 = d_h0.data_ptr() if h0 is not None else None
     kernel("linear_bwd", gates.dtype)(ctypes.byref(p))
     return d_gates, d_inputs, d_h0
-
-
-@_linear_bwd.register_fake
-def _(grad, gates, states, h0, cu_seqlens, reverse):
-    return (
-        torch.empty_like(gates),
-        torch.empty_like(gates),
-        torch.empty_like(h0) if h0 is not None else gates.new_empty(0),
-    )
-
-
-def _linear_setup(ctx, inputs, output):
-    gates, _, h0, cu_seqlens, reverse = inputs
-    ctx.save_for_backward(gates, output, h0, cu_seqlens)
-    ctx.reverse = reverse
-
-
-def _linear_backward(ctx, grad):
-    gates, states, h0, cu_seqlens = ctx.saved_tensors
-    d_gates, d_inputs, d_h0 = _linear_bwd(grad, gates, states, h0, cu_seqlens, ctx.reverse)
-    return d_gates, d_inputs, (d_h0 if h0 is not None else None), None, None
-
-
-_linear_fwd.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def linear_scan_cpu(

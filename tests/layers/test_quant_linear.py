@@ -1,5 +1,5 @@
 """QuantLinear's tensor path (a prompt's prefill through a quantised layer): the C widening of
-its rows (``ops.decode.widen_rows``) against ``dequantize_ref``, the float64 reading of the
+its rows (``ops.quant_cpu.widen_rows``) against ``dequantize_ref``, the float64 reading of the
 stored integers and scales that shares no code with it; the layer's output and gradient against
 float64 products of those weights, over several chunks of rows and for float32 and bfloat16
 inputs, with float32 activations and rounded to int8 (round_activations, against its reference
@@ -14,8 +14,8 @@ import ssm.layers.quant as quant
 from ssm.layers.quant import QuantLinear
 from ssm.native import library
 from ssm.ops import dequantize_ref, quantize_matrix, quantized_product_ref, round_activations_ref
-from ssm.ops.decode import round_rows, widen_rows
 from ssm.ops.quant import round_activations
+from ssm.ops.quant_cpu import round_rows, widen_rows
 
 
 def needs_library():
@@ -88,7 +88,7 @@ def test_forward_and_input_gradient_against_float64_over_several_chunks(scheme, 
 
 
 def test_round_activations_equals_the_reference_one_input_at_a_time():
-    """The tensor path's rounding (ssm.ops.quant.round_activations, and in C ops.decode.round_rows)
+    """The tensor path's rounding (ssm.ops.quant.round_activations, and in C ops.quant_cpu.round_rows)
     against round_activations_ref: exactly, for blocks of zeros, partial last blocks, ties
     (x = (k + 1/2)·d) and non-finite values (NaN over their block only)."""
     g = torch.Generator().manual_seed(4)

@@ -29,7 +29,7 @@ from ssm.ops import (
     quantized_product_ref,
     round_activations_ref,
 )
-from ssm.ops.decode import decode_matvec
+from ssm.ops.quant_cpu import decode_matvec
 
 
 def levels() -> list[str]:

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..._custom_op import kernel_op
 from ._jit import (
     NONE,
     check_launchable,
@@ -242,38 +243,8 @@ def _linear_scan_bwd(grad, gates, states, initial_state, reverse: bool, cu_seqle
 # ----------------------------------------------------------------------------- custom ops
 
 
-@torch.library.custom_op("ssm::linear_scan_fwd", mutates_args=())
-def linear_scan_fwd(
-    gates: Tensor, inputs: Tensor, initial_state: Tensor | None, reverse: bool, cu_seqlens: Tensor | None = None
-) -> Tensor:
-    return _linear_scan_fwd(gates, inputs, initial_state, reverse, cu_seqlens)
-
-
-@linear_scan_fwd.register_fake
-def _(gates, inputs, initial_state, reverse, cu_seqlens=None):
+def _fwd_fake(gates, inputs, initial_state, reverse, cu_seqlens=None):
     return torch.empty_like(inputs, dtype=torch.promote_types(gates.dtype, inputs.dtype))
-
-
-@torch.library.custom_op("ssm::linear_scan_bwd", mutates_args=())
-def linear_scan_bwd(
-    grad: Tensor,
-    gates: Tensor,
-    states: Tensor,
-    initial_state: Tensor | None,
-    reverse: bool,
-    cu_seqlens: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    dgates, dinputs, dinitial_state = _linear_scan_bwd(grad, gates, states, initial_state, reverse, cu_seqlens)
-    if dinitial_state is None:
-        dinitial_state = states.new_empty(NONE, dtype=dgates.dtype)
-    return dgates, dinputs, dinitial_state
-
-
-@linear_scan_bwd.register_fake
-def _(grad, gates, states, initial_state, reverse, cu_seqlens=None):
-    dtype = compute_dtype(gates, states, initial_state)
-    dinitial_state = states.new_empty(NONE if initial_state is None else initial_state.shape, dtype=dtype)
-    return states.new_empty(states.shape, dtype=dtype), states.new_empty(states.shape, dtype=dtype), dinitial_state
 
 
 def _setup_context(ctx, inputs, output):
@@ -296,7 +267,32 @@ def _backward(ctx, grad):
     )
 
 
-linear_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+@kernel_op("ssm::linear_scan_fwd", fake=_fwd_fake, backward=_backward, setup_context=_setup_context)
+def linear_scan_fwd(
+    gates: Tensor, inputs: Tensor, initial_state: Tensor | None, reverse: bool, cu_seqlens: Tensor | None = None
+) -> Tensor:
+    return _linear_scan_fwd(gates, inputs, initial_state, reverse, cu_seqlens)
+
+
+def _bwd_fake(grad, gates, states, initial_state, reverse, cu_seqlens=None):
+    dtype = compute_dtype(gates, states, initial_state)
+    dinitial_state = states.new_empty(NONE if initial_state is None else initial_state.shape, dtype=dtype)
+    return states.new_empty(states.shape, dtype=dtype), states.new_empty(states.shape, dtype=dtype), dinitial_state
+
+
+@kernel_op("ssm::linear_scan_bwd", fake=_bwd_fake)
+def linear_scan_bwd(
+    grad: Tensor,
+    gates: Tensor,
+    states: Tensor,
+    initial_state: Tensor | None,
+    reverse: bool,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dgates, dinputs, dinitial_state = _linear_scan_bwd(grad, gates, states, initial_state, reverse, cu_seqlens)
+    if dinitial_state is None:
+        dinitial_state = states.new_empty(NONE, dtype=dgates.dtype)
+    return dgates, dinputs, dinitial_state
 
 
 # ----------------------------------------------------------------------------- backend entry point

@@ -7,9 +7,10 @@ and how packed sequences restart the scan, is said there).
     _selective_scan_bwd_kernel  →  _selective_scan_bwd  →  ssm::selective_scan_bwd     (its autograd formula)
 
 torch.compile sees each custom op as one opaque node whose output shapes come from its fake
-implementation, and whose backward is another custom op: a model calling them traces with
-``fullgraph=True``. Custom ops cannot return None: the backward returns an empty tensor for an
-absent input, and the autograd formula turns it back into None.
+implementation, and whose backward is another custom op (each registered with its fake and
+formula by ssm._custom_op.kernel_op): a model calling them traces with ``fullgraph=True``.
+Custom ops cannot return None: the backward returns an empty tensor for an absent input, and
+the autograd formula turns it back into None.
 
 Packed sequences (cu_seqlens, batch 1): initial and last states are (S, D, N), and the
 launchers give the kernels the sequence of each step.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..._custom_op import kernel_op
 from ._jit import (
     check_launchable,
     compute_dtype,
@@ -88,7 +90,7 @@ def config(u: Tensor, B: Tensor, C: Tensor) -> Config:
     # Warps from a sweep on an H200 (BENCHMARKS.md, "CUDA"): at batch 8, D 1536, N 16, L 2048,
     # the backward with 4 warps took half the time it took with 8 (forward+backward fp32 7.96
     # against 17.39 ms, bf16 8.86 against 18.02), and 8/16 warps were slower still at every tile;
-    # chunks of 16 or 64 steps were no faster than 32. tests/scan/compile_kernels.py prints the
+    # chunks of 16 or 64 steps were no faster than 32. scripts/dev/compile_kernels.py prints the
     # registers and spills of each variant.
     return Config(segment, block_d, block_n, CHUNK, 4, 4 if tile <= 2048 else 8)
 
@@ -286,29 +288,9 @@ def _selective_scan_bwd(
 # ----------------------------------------------------------------------------- custom ops
 
 
-@torch.library.custom_op("ssm::selective_scan_fwd", mutates_args=())
-def selective_scan_fwd(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    delta_softplus: bool,
-    initial_state: Tensor | None,
-    save_chunk_states: bool = True,
-    cu_seqlens: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """out, last state, chunk-start states (what the backward needs)."""
-    return _selective_scan_fwd(
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_chunk_states, cu_seqlens
-    )
-
-
-@selective_scan_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_chunk_states=True, cu_seqlens=None):
+def _fwd_fake(
+    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_chunk_states=True, cu_seqlens=None
+):
     batch, dim, length = u.shape
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     n_chunks = config(u, B, C).n_chunks(length) if save_chunk_states else 0
@@ -319,43 +301,6 @@ def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_c
         u.new_empty(states, dim, N, dtype=dtype),
         u.new_empty(batch, dim, n_chunks, N, dtype=dtype),
     )
-
-
-@torch.library.custom_op("ssm::selective_scan_bwd", mutates_args=())
-def selective_scan_bwd(
-    dout: Tensor,
-    dlast: Tensor | None,
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    delta_softplus: bool,
-    chunk_states: Tensor,
-    initial_state: Tensor | None = None,
-    cu_seqlens: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state (empty for absent inputs).
-    ``initial_state`` is read only when packed (``cu_seqlens``)."""
-    grads = _selective_scan_bwd(
-        dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, initial_state, cu_seqlens
-    )
-    return placeholders(grads, u)
-
-
-@selective_scan_bwd.register_fake
-def _(
-    dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, initial_state=None, cu_seqlens=None
-):
-    def like(x):
-        return fake_like(x, u)
-
-    states = u.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    dinitial_state = chunk_states.new_empty(states, u.shape[1], A.shape[1])
-    return like(u), like(delta), like(A), like(B), like(C), like(D), like(z), like(delta_bias), dinitial_state
 
 
 def _setup_context(ctx, inputs, output):
@@ -391,7 +336,61 @@ def _backward(ctx, dout, dlast, _dchunk_states):
     )
 
 
-selective_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+@kernel_op("ssm::selective_scan_fwd", fake=_fwd_fake, backward=_backward, setup_context=_setup_context)
+def selective_scan_fwd(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    delta_softplus: bool,
+    initial_state: Tensor | None,
+    save_chunk_states: bool = True,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """out, last state, chunk-start states (what the backward needs)."""
+    return _selective_scan_fwd(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, save_chunk_states, cu_seqlens
+    )
+
+
+def _bwd_fake(
+    dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, initial_state=None, cu_seqlens=None
+):
+    def like(x):
+        return fake_like(x, u)
+
+    states = u.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dinitial_state = chunk_states.new_empty(states, u.shape[1], A.shape[1])
+    return like(u), like(delta), like(A), like(B), like(C), like(D), like(z), like(delta_bias), dinitial_state
+
+
+@kernel_op("ssm::selective_scan_bwd", fake=_bwd_fake)
+def selective_scan_bwd(
+    dout: Tensor,
+    dlast: Tensor | None,
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    delta_softplus: bool,
+    chunk_states: Tensor,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state (empty for absent inputs).
+    ``initial_state`` is read only when packed (``cu_seqlens``)."""
+    grads = _selective_scan_bwd(
+        dout, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, initial_state, cu_seqlens
+    )
+    return placeholders(grads, u)
 
 
 # ----------------------------------------------------------------------------- backend entry point

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..._custom_op import kernel_op
 from .. import _common_trapezoidal as common
 from .._checks import compute_dtype as state_dtype
 from ._jit import check_launchable, contiguous, fake_like, needs_backward, next_power_of_2, placeholders
@@ -31,7 +32,7 @@ from ._trapezoidal_kernels import _trapezoidal_scan_bwd_kernel, _trapezoidal_sca
 # ----------------------------------------------------------------------------- launch heuristics
 # Pure functions of shapes, shared by the launchers and the fake implementations. The largest
 # live tiles are (BLOCK_R, BLOCK_P, BLOCK_N, CHUNK) products, at most TILE elements. Tuned on an
-# H200 (tests/scan/tune_trapezoidal.py; BENCHMARKS.md, "CUDA"): at batch 8, 24 heads of P 64,
+# H200 (scripts/dev/tune_trapezoidal.py; BENCHMARKS.md, "CUDA"): at batch 8, 24 heads of P 64,
 # L 2048, fp32, forward+backward went from 13.8 to 9.6 ms at N 16 and from 85.7 to 40.6 ms at
 # N 128 against the first guess (CHUNK 16, TILE 4096, 8 warps). Short chunks, at most 16
 # channels a program (more programs), and 4 warps (8 never won) are what mattered.
@@ -220,7 +221,8 @@ def _trapezoidal_scan_bwd(
         dw, dcos_, dsin_ = common.rotate_backward(part.sum(0), w, cos5, sin5, rotary)
         dcos, dsin = dcos + dcos_.sum(2), dsin + dsin_.sum(2)
         dM = dw.unflatten(3, (groups, heads // groups)).sum(4)  # heads → their group
-        dbias = None if bias is None else dw.sum((0, 1)).transpose(0, 1).to(bias.dtype)  # (H, R, N)
+        # (H, R, N) contiguous, as the fake says: torch.compile lays out its graph by the fake's strides
+        dbias = None if bias is None else dw.sum((0, 1)).transpose(0, 1).contiguous().to(bias.dtype)
         grads_BC.append((dM.to(M_.dtype), dbias))
     (dB, dB_bias), (dC, dC_bias) = grads_BC
     dmimo = [None if t is None else dmimo_part[i].sum(0).to(t.dtype) for i, t in enumerate((mimo_x, mimo_z, mimo_o))]
@@ -247,7 +249,57 @@ def _trapezoidal_scan_bwd(
 # ----------------------------------------------------------------------------- custom ops
 
 
-@torch.library.custom_op("ssm::trapezoidal_scan_fwd", mutates_args=())
+def _fwd_fake(
+    x,
+    B,
+    C,
+    B_bias,
+    C_bias,
+    mimo_x,
+    z,
+    mimo_z,
+    mimo_o,
+    D,
+    a,
+    sigma,
+    c,
+    cos,
+    sin,
+    H_init,
+    cu_seqlens,
+    halved,
+    save_chunk_states=True,
+):
+    batch, length, heads, P = x.shape
+    ranks, _, N = B.shape[2:]
+    rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    cfg = config(P, N, ranks)
+    n_saved = cfg.max_chunks(rows, length, cu_seqlens is not None) if save_chunk_states else 0
+    out = x.new_empty(batch, length, heads, P) if mimo_o is not None else x.new_empty(batch, length, ranks, heads, P)
+    return out, a.new_empty(rows, heads, P, N), a.new_empty(n_saved, heads, P, N)
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, H_init, cu_seqlens, halved, _save = inputs  # tensors: the forward's inputs, _INPUTS
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(*tensors, cu_seqlens, output[2])
+    ctx.halved = halved
+    ctx.H_init_dtype = None if H_init is None else H_init.dtype
+
+
+def _backward(ctx, dout, dH_last, _dchunk_states):
+    *inputs, cu_seqlens, chunk_states = ctx.saved_tensors
+    x, B, mimo_o = inputs[0], inputs[1], inputs[_INPUTS.index("mimo_o")]
+    if dout is None:
+        rank_shape = () if mimo_o is not None else (B.shape[2],)
+        dout = x.new_zeros(*x.shape[:2], *rank_shape, *x.shape[2:])
+    grads = trapezoidal_scan_bwd(dout, dH_last, *inputs, cu_seqlens, ctx.halved, chunk_states)
+    result = [None if t is None else g for t, g in zip(inputs, grads)]
+    dH_init = None if ctx.H_init_dtype is None else grads[-1].to(ctx.H_init_dtype)
+    return (*result, dH_init, None, None, None)  # cu_seqlens, halved, save_chunk_states
+
+
+@kernel_op("ssm::trapezoidal_scan_fwd", fake=_fwd_fake, backward=_backward, setup_context=_setup_context)
 def trapezoidal_scan_fwd(
     x: Tensor,
     B: Tensor,
@@ -293,8 +345,9 @@ def trapezoidal_scan_fwd(
     )
 
 
-@trapezoidal_scan_fwd.register_fake
-def _(
+def _bwd_fake(
+    dout,
+    dH_last,
     x,
     B,
     C,
@@ -310,21 +363,17 @@ def _(
     c,
     cos,
     sin,
-    H_init,
     cu_seqlens,
     halved,
-    save_chunk_states=True,
+    chunk_states,
 ):
-    batch, length, heads, P = x.shape
-    ranks, _, N = B.shape[2:]
-    rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    cfg = config(P, N, ranks)
-    n_saved = cfg.max_chunks(rows, length, cu_seqlens is not None) if save_chunk_states else 0
-    out = x.new_empty(batch, length, heads, P) if mimo_o is not None else x.new_empty(batch, length, ranks, heads, P)
-    return out, a.new_empty(rows, heads, P, N), a.new_empty(n_saved, heads, P, N)
+    rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dH_init = a.new_empty(rows, x.shape[2], x.shape[3], B.shape[4])
+    inputs = (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
+    return (*(fake_like(t, x) for t in inputs), dH_init)
 
 
-@torch.library.custom_op("ssm::trapezoidal_scan_bwd", mutates_args=())
+@kernel_op("ssm::trapezoidal_scan_bwd", fake=_bwd_fake)
 def trapezoidal_scan_bwd(
     dout: Tensor,
     dH_last: Tensor | None,
@@ -389,58 +438,6 @@ def trapezoidal_scan_bwd(
         chunk_states,
     )
     return placeholders(grads, x)
-
-
-@trapezoidal_scan_bwd.register_fake
-def _(
-    dout,
-    dH_last,
-    x,
-    B,
-    C,
-    B_bias,
-    C_bias,
-    mimo_x,
-    z,
-    mimo_z,
-    mimo_o,
-    D,
-    a,
-    sigma,
-    c,
-    cos,
-    sin,
-    cu_seqlens,
-    halved,
-    chunk_states,
-):
-    rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    dH_init = a.new_empty(rows, x.shape[2], x.shape[3], B.shape[4])
-    inputs = (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
-    return (*(fake_like(t, x) for t in inputs), dH_init)
-
-
-def _setup_context(ctx, inputs, output):
-    *tensors, H_init, cu_seqlens, halved, _save = inputs  # tensors: the forward's inputs, _INPUTS
-    ctx.mark_non_differentiable(output[2])
-    ctx.save_for_backward(*tensors, cu_seqlens, output[2])
-    ctx.halved = halved
-    ctx.H_init_dtype = None if H_init is None else H_init.dtype
-
-
-def _backward(ctx, dout, dH_last, _dchunk_states):
-    *inputs, cu_seqlens, chunk_states = ctx.saved_tensors
-    x, B, mimo_o = inputs[0], inputs[1], inputs[_INPUTS.index("mimo_o")]
-    if dout is None:
-        rank_shape = () if mimo_o is not None else (B.shape[2],)
-        dout = x.new_zeros(*x.shape[:2], *rank_shape, *x.shape[2:])
-    grads = trapezoidal_scan_bwd(dout, dH_last, *inputs, cu_seqlens, ctx.halved, chunk_states)
-    result = [None if t is None else g for t, g in zip(inputs, grads)]
-    dH_init = None if ctx.H_init_dtype is None else grads[-1].to(ctx.H_init_dtype)
-    return (*result, dH_init, None, None, None)  # cu_seqlens, halved, save_chunk_states
-
-
-trapezoidal_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------- backend entry point

@@ -2,14 +2,15 @@
 compile_kernels.py beside it): forward and forward+backward ms of each (CHUNK, TILE, warps),
 by replacing selective_scan.config, at mamba-ssm's benchmark shape (SHAPE="B,D,N,L").
 
-    python -m tests.scan.tune_selective 120          # time each config until 120 s have passed
-    python -m tests.scan.tune_selective 70 3/8       # only every 8th config from the 3rd: run 8
+    python scripts/dev/tune_selective.py 120         # time each config until 120 s have passed
+    python scripts/dev/tune_selective.py 70 3/8      # only every 8th config from the 3rd: run 8
                                                      # of these at once to compile in parallel,
                                                      # then time them all in one process
 
 Writes $OUT/sweep.json (default /tmp); REPS timed calls per figure (median; default 10). Without
 CUDA it runs on the CPU in Triton's interpreter (tiny SHAPE only; checks the script). The H200
-run behind selective_scan.config's warps is in BENCHMARKS.md ("CUDA").
+run behind selective_scan.config's warps is in BENCHMARKS.md ("CUDA"). Imports this checkout's
+ssm, whichever one is installed; tests/scan/test_tune_scripts.py runs main().
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's ssm
 if not torch.cuda.is_available():  # before the kernels are defined (see tests/conftest.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

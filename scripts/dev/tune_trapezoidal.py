@@ -3,15 +3,16 @@ tool, as tune_selective.py beside it): forward and forward+backward ms of each (
 forward warps, backward warps), by replacing trapezoidal_scan.config, with each configuration's
 output and gradients checked against the PyTorch chunked backend's.
 
-    python -m tests.scan.tune_trapezoidal 120         # time each config until 120 s have passed
-    python -m tests.scan.tune_trapezoidal 70 3/8      # only every 8th config from the 3rd: run 8
+    python scripts/dev/tune_trapezoidal.py 120        # time each config until 120 s have passed
+    python scripts/dev/tune_trapezoidal.py 70 3/8     # only every 8th config from the 3rd: run 8
                                                       # at once to compile in parallel, then time
                                                       # them all in one process
 
 SHAPES="B,H,P,N,L;..." (default: batch 8, 24 heads of 64 channels, N 16 and N 128, L 2048: the
 benchmark's shape and Mamba-3's d_state). Writes $OUT/sweep_trapezoidal.json (default /tmp);
 REPS timed calls per figure (median; default 10). Without CUDA it runs in Triton's interpreter
-(tiny SHAPES only; checks the script).
+(tiny SHAPES only; checks the script). Imports this checkout's ssm, whichever one is installed;
+tests/scan/test_tune_scripts.py runs main().
 """
 
 from __future__ import annotations
@@ -20,16 +21,21 @@ import itertools
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))  # this checkout's ssm
+sys.path.insert(0, str(HERE))  # tune_selective beside it, also under runpy
 if not torch.cuda.is_available():  # before the kernels are defined (see tests/conftest.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tune_selective import DEVICE, record  # noqa: E402
 
 import ssm.scan.triton.trapezoidal_scan as T  # noqa: E402
 from ssm.scan import trapezoidal_scan  # noqa: E402
 from ssm.scan.triton._jit import next_power_of_2  # noqa: E402
-from tests.scan.tune_selective import DEVICE, record  # noqa: E402
 
 WARPS = ((2, 4), (4, 4), (4, 8), (8, 8))  # (forward, backward)
 MAX_TILE = 16384  # elements of one (BLOCK_P, BLOCK_N, CHUNK) tile

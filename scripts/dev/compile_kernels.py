@@ -6,8 +6,10 @@ sm_90 (Hopper) instead, through ptxas shipped with triton, and prints each kerne
 registers and local (spill) memory. Run without TRITON_INTERPRET (the kernels must be
 JIT functions):
 
-    python -m tests.scan.compile_kernels            # inputs in bf16 and in fp32
-    python -m tests.scan.compile_kernels bf16       # what tests/scan/test_triton.py runs
+    python scripts/dev/compile_kernels.py           # inputs in bf16 and in fp32
+    python scripts/dev/compile_kernels.py bf16      # what tests/scan/test_triton.py runs
+
+Imports this checkout's ssm, whichever one is installed.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ssm.scan.triton import linear_scan, selective_scan, trapezoidal_scan
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's ssm
+from ssm.scan.triton import linear_scan, selective_scan, trapezoidal_scan  # noqa: E402
 
 IO = {"u_ptr", "delta_ptr", "z_ptr", "out_ptr", "B_ptr", "C_ptr", "dout_ptr", "du_ptr", "ddelta_ptr", "dz_ptr", "x_ptr"}
 INT64 = {"bounds_ptr", "chunk_first_ptr"}
