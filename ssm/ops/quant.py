@@ -25,7 +25,8 @@ Activations (what a quantised layer multiplies its weights by), one of ACTIVATIO
             integers summed exactly and scaled once, as llama.cpp's q8_0 / q4_0 compute them.
             The fused CPU step then runs integer instructions (AVX2's vpmaddubsw, AVX-512 VNNI's
             vpdpbusd): 1.24x to 1.65x the tokens per second of float inputs at mamba-130m's size
-            (BENCHMARKS.md, "int8 activations"); the tensor path rounds the same way.
+            (docs/benchmarks-history/2026-11-cpu-decoding.md, "int8 activations"); the tensor path
+            rounds the same way.
     "float32": the input as it is (float32 products of the widened weights): exact to float32
             rounding, slower.
 """
