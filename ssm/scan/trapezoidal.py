@@ -13,17 +13,23 @@ import torch
 from .._backends import BackendTable
 from . import triton
 from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
-from ._common_trapezoidal import TrapezoidalState
+from ._common_trapezoidal import TrapezoidalArgs, TrapezoidalState
 from .cpu import subnormals_flushed
 from .reference import trapezoidal_scan_ref
 from .trapezoidal_chunked import trapezoidal_scan_chunked
 
-# Backends take the public arguments less return_last_state, in the same order (cu_seqlens
-# last: None, or validated int64 (S + 1,) on the inputs' device), with B and C as
-# (batch, L, R, G, N), the biases (H, R, N) and the key state (·, R, H, N), and return
-# (out, last_state) with out (batch, L, H, P), or (batch, L, R, H, P) without mimo_o.
+
+def _reference(args: TrapezoidalArgs):
+    """Backend "ref": the reference, which imports nothing of the fast paths and so takes plain
+    arguments, not their TrapezoidalArgs."""
+    return trapezoidal_scan_ref(**args.keywords())
+
+
+# Backends take one TrapezoidalArgs (validated; B and C (batch, L, R, G, N), the biases
+# (H, R, N), the key state (·, R, H, N)) and return (out, last_state) with out (batch, L, H, P),
+# or (batch, L, R, H, P) without mimo_o.
 BACKENDS = BackendTable("trapezoidal_scan", auto={"cuda": ("triton", "chunked"), "*": ("chunked",)})
-BACKENDS.add("ref", trapezoidal_scan_ref)
+BACKENDS.add("ref", _reference)
 BACKENDS.add("chunked", subnormals_flushed(trapezoidal_scan_chunked))
 BACKENDS.add("triton", triton.trapezoidal_scan_triton, devices=triton.devices, hint=triton.hint)
 
@@ -212,26 +218,28 @@ def trapezoidal_scan(
         else:
             last = TrapezoidalState(*(t.to(dtype, copy=True) for t in initial_state))
     else:
-        out, last = impl.fn(
-            x,
-            dt,
-            A,
-            B,
-            C,
-            trap,
-            angles,
-            D,
-            z,
-            B_bias,
-            C_bias,
-            mimo_x,
-            mimo_z,
-            mimo_o,
-            rotary,
-            initial_state,
-            chunk_size,
-            cu_seqlens,
+        args = TrapezoidalArgs(
+            x=x,
+            dt=dt,
+            A=A,
+            B=B,
+            C=C,
+            trap=trap,
+            angles=angles,
+            D=D,
+            z=z,
+            B_bias=B_bias,
+            C_bias=C_bias,
+            mimo_x=mimo_x,
+            mimo_z=mimo_z,
+            mimo_o=mimo_o,
+            rotary=rotary,
+            initial_state=initial_state,
+            chunk_size=chunk_size,
+            cu_seqlens=cu_seqlens,
+            dtype=dtype,
         )
+        out, last = impl.fn(args)
         if not rank_axis:
             out = out.squeeze(2)  # (batch, L, 1, H, P): the backends' one output per rank
         out = out.contiguous()
