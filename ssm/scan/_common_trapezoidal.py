@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ._checks import compute_dtype
 
 TWO_PI = 2 * math.pi
 
@@ -50,12 +52,16 @@ class TrapezoidalState(NamedTuple):
     value: torch.Tensor
 
 
+# TrapezoidalArgs' tensor fields that hold values (not cu_seqlens, an index; the state apart)
+_FLOAT_TENSORS = "x dt A B C trap angles D z B_bias C_bias mimo_x mimo_z mimo_o".split()
+
+
 @dataclass(frozen=True)
 class TrapezoidalArgs:
-    """``trapezoidal_scan``'s arguments as its backends take them: validated, on one device, in
-    one form whatever the caller's (a rank axis always, R = 1 without one), with the dtype the
-    state is computed in. The public function builds it once; each backend reads the fields it
-    needs. (The reference takes plain arguments: ``keywords()``.)"""
+    """``trapezoidal_scan``'s arguments as its backends take them: validated, in one form
+    whatever the caller's (a rank axis always, R = 1 without one), with the dtype the state is
+    computed in (from the tensors). The public function builds it once; each backend reads the
+    fields it needs. (The reference takes plain arguments: ``keywords()``.)"""
 
     x: Tensor  # (B, L, H, P)
     dt: Tensor  # (B, L, H)
@@ -75,16 +81,27 @@ class TrapezoidalArgs:
     initial_state: TrapezoidalState | None  # phase (B, H, M), ssm (B, H, P, N), key (B, R, H, N), value (B, H, P)
     chunk_size: int  # the chunked backend's block length
     cu_seqlens: Tensor | None  # (S + 1,) int64 on x's device; then every B of the state is S
-    dtype: torch.dtype  # of the state: float32, or float64 for float64 inputs
+    dtype: torch.dtype = field(init=False)  # of the state: float32, or float64 for float64 inputs
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", compute_dtype(*self.tensors().values()))  # (frozen)
 
     @property
     def device(self) -> torch.device:
         return self.x.device
 
+    def tensors(self) -> dict[str, Tensor | None]:
+        """The float tensors by name, the initial state's parts as ``initial_state.<part>``: what
+        sets the dtype, and what must share x's device (cu_seqlens, an index, is not one)."""
+        named = {name: getattr(self, name) for name in _FLOAT_TENSORS}
+        if self.initial_state is not None:
+            named.update((f"initial_state.{n}", t) for n, t in zip(TrapezoidalState._fields, self.initial_state))
+        return named
+
     def keywords(self) -> dict:
         """The arguments by the public function's names (all but ``dtype``), for a backend with
         a plain signature."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "dtype"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
 
 def rotate(w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: str) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from .._backends import BackendTable
 from . import triton
-from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
+from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor
 from ._common_trapezoidal import TrapezoidalArgs, TrapezoidalState
 from .cpu import subnormals_flushed
 from .reference import trapezoidal_scan_ref
@@ -170,9 +170,14 @@ def trapezoidal_scan(
         )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    check_same_device(
-        "x",
-        x,
+    if not rank_axis:  # one form for the backends: a rank axis of 1
+        B, C = B.unsqueeze(2), C.unsqueeze(2)
+        B_bias = None if B_bias is None else B_bias.unsqueeze(1)
+        C_bias = None if C_bias is None else C_bias.unsqueeze(1)
+        if initial_state is not None:
+            initial_state = initial_state._replace(key=initial_state.key.unsqueeze(1))
+    args = TrapezoidalArgs(
+        x=x,
         dt=dt,
         A=A,
         B=B,
@@ -186,28 +191,24 @@ def trapezoidal_scan(
         mimo_x=mimo_x,
         mimo_z=mimo_z,
         mimo_o=mimo_o,
-        **{f"initial_state.{n}": t for n, t in zip(TrapezoidalState._fields, initial_state or ())},
+        rotary=rotary,
+        initial_state=initial_state,
+        chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens,
     )
+    check_same_device("x", x, **args.tensors())
     impl = BACKENDS.resolve(backend, x.device)
     # (under torch.compile the choice stays Triton's: the traced graph asks no device properties)
     if impl.name == "triton" and backend == "auto" and cu_seqlens is None and not torch.compiler.is_compiling():
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         impl = BACKENDS.resolve(auto_on_cuda(batch, heads, sms), x.device)
 
-    dtype = compute_dtype(
-        x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, *(initial_state or ())
-    )
-    if not rank_axis:  # one canonical form for the backends: a rank axis of 1
-        B, C = B.unsqueeze(2), C.unsqueeze(2)
-        B_bias = None if B_bias is None else B_bias.unsqueeze(1)
-        C_bias = None if C_bias is None else C_bias.unsqueeze(1)
-        if initial_state is not None:
-            initial_state = initial_state._replace(key=initial_state.key.unsqueeze(1))
     per_rank = rank_axis and mimo_o is None
     if length == 0:
         out = x.new_empty(batch, 0, *((ranks,) if per_rank else ()), heads, head_dim)
         if not return_last_state:
             return out
+        dtype = args.dtype
         if initial_state is None:
             last = TrapezoidalState(
                 x.new_zeros(state_batch, heads, M, dtype=dtype),
@@ -218,27 +219,6 @@ def trapezoidal_scan(
         else:
             last = TrapezoidalState(*(t.to(dtype, copy=True) for t in initial_state))
     else:
-        args = TrapezoidalArgs(
-            x=x,
-            dt=dt,
-            A=A,
-            B=B,
-            C=C,
-            trap=trap,
-            angles=angles,
-            D=D,
-            z=z,
-            B_bias=B_bias,
-            C_bias=C_bias,
-            mimo_x=mimo_x,
-            mimo_z=mimo_z,
-            mimo_o=mimo_o,
-            rotary=rotary,
-            initial_state=initial_state,
-            chunk_size=chunk_size,
-            cu_seqlens=cu_seqlens,
-            dtype=dtype,
-        )
         out, last = impl.fn(args)
         if not rank_axis:
             out = out.squeeze(2)  # (batch, L, 1, H, P): the backends' one output per rank
