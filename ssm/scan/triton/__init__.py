@@ -12,10 +12,10 @@
 triton is optional: importing ``ssm`` does not import it. An op module (and with it triton) is
 imported on the first call of its backend, inside the function of that name here (the op
 modules import nothing from this one, so that is no import loop); without triton the backend is
-not offered for any device. The backend runs on CUDA (and ROCm) tensors, and on CPU tensors in Triton's interpreter
-when ``TRITON_INTERPRET=1`` (slow, for tests). Both are read when a call asks where the backend
-runs, not frozen at import; but Triton defines a process's kernels for one mode when they are
-first launched, so set TRITON_INTERPRET before then.
+not offered for any device. The backend runs on CUDA (and ROCm) tensors, and on CPU tensors in
+Triton's interpreter when ``TRITON_INTERPRET=1`` (slow, for tests). Both are read when a call
+asks where the backend runs, not frozen at import; but Triton defines a process's kernels for
+one mode when they are first launched, so set TRITON_INTERPRET before then.
 """
 
 from __future__ import annotations
