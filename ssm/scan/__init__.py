@@ -23,6 +23,8 @@ tries them on each device type); ``backends(op, device)`` lists them:
     "auto"     the best one for the inputs' device
 """
 
+import warnings
+
 from .._backends import lister
 from . import linear as _linear
 from . import selective as _selective
@@ -44,17 +46,17 @@ _MOVED = {"mamba_blocks_step_cpu": "ssm.ops.mamba_blocks_step"}
 def __getattr__(name: str):
     """Names that moved out of the scan core: a warning, then the new one."""
     if name in _MOVED:
-        import warnings
-
-        from .. import ops
+        # imported here: the scan core needs ssm.ops for this deprecated name alone (ops imports no scan)
+        from ..ops import mamba_blocks_step
 
         warnings.warn(f"ssm.scan.{name} moved to {_MOVED[name]}", DeprecationWarning, stacklevel=2)
-        return ops.mamba_blocks_step
+        return mamba_blocks_step
     raise AttributeError(f"module 'ssm.scan' has no attribute {name!r}")
 
 
 # backends(op, device=None): the names of the backends of "selective_scan", "linear_scan", "ssd"
 # or "trapezoidal_scan"; with a device, only those that run there now ("auto" is always accepted).
+# (the op modules under private names: ``from .ssd import ssd`` below rebinds ``ssd`` to the function)
 backends = lister((_selective.BACKENDS, _linear.BACKENDS, _ssd.BACKENDS, _trapezoidal.BACKENDS))
 
 

@@ -1,6 +1,7 @@
-"""Pieces of arithmetic shared by the fast paths (pscan, cpu, chunked, triton's wrappers, the
-one-step functions). The references in reference.py do not import them: each writes its own
-plain version, so that a bug here shows up as a difference against the reference.
+"""Pieces of arithmetic shared by the fast paths (pscan, cpu, chunked, the one-step functions).
+The references in reference.py do not import them: each writes its own plain version, so that a
+bug here shows up as a difference against the reference. It imports no scan: the backends that
+linear_scan dispatches to (cpu.py, pscan.py) import it.
 
 Shape symbols: B batch, L length, D channels, N state size, G groups, H heads, P head dim.
 """
@@ -95,21 +96,3 @@ def linear_per_sequence(fn, gates, inputs, dim, initial_state, reverse, cu_seqle
                 fn(gates.narrow(dim, start, end - start), inputs.narrow(dim, start, end - start), dim, h0, reverse)
             )
     return torch.cat(parts, dim=dim)
-
-
-def entering_states(
-    decay: torch.Tensor, inputs: torch.Tensor, state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Across the chunks of the chunked algorithms, S_k = decay_k·S_{k−1} + inputs_k from S_{−1} =
-    ``state``: (the state entering each chunk, stacked along dim 1, and the state after the last).
-    decay (B, c, ...) broadcasts against inputs (B, c, ...); state: inputs without dim 1.
-
-    One call of the library's linear scan (its ``auto`` backend: the C sweeps on the CPU, Triton
-    on CUDA). It was a loop over the chunks, two ops each and more in the backward: on an H100
-    at L 2^18 in chunks of 32 (8192 chunks) ``ssd`` spent 939 ms of its forward+backward
-    launching them, 12.9 ms now; on the CPU the loop took 44 / 62-97 ms forward / backward at
-    2048 chunks of 5120 columns, the scan 28 / 47."""
-    from .linear import linear_scan  # imported here: linear.py's backends (cpu.py, pscan.py) import this module
-
-    states = linear_scan(decay.expand_as(inputs), inputs, dim=1, initial_state=state)
-    return torch.cat([state.unsqueeze(1), states[:, :-1]], dim=1), states[:, -1].contiguous()

@@ -1,5 +1,6 @@
 """The arithmetic the fast paths of ``trapezoidal_scan`` share (the chunked and Triton backends,
-and the one-step form). The reference (reference.py) imports none of it: it runs the recurrence
+and the one-step form), and the typed value they take the scan's arguments in
+(``TrapezoidalArgs``). The reference (reference.py) imports none of it: it runs the recurrence
 on complex numbers, where these run it on rotated real vectors, so that a slip in either shows
 up as a difference between them.
 
@@ -27,10 +28,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
+from ._checks import compute_dtype
 
 TWO_PI = 2 * math.pi
 
@@ -45,6 +50,58 @@ class TrapezoidalState(NamedTuple):
     ssm: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
+
+
+# TrapezoidalArgs' tensor fields that hold values (not cu_seqlens, an index; the state apart)
+_FLOAT_TENSORS = "x dt A B C trap angles D z B_bias C_bias mimo_x mimo_z mimo_o".split()
+
+
+@dataclass(frozen=True)
+class TrapezoidalArgs:
+    """``trapezoidal_scan``'s arguments as its backends take them: validated, in one form
+    whatever the caller's (a rank axis always, R = 1 without one), with the dtype the state is
+    computed in (from the tensors). The public function builds it once; each backend reads the
+    fields it needs. (The reference takes plain arguments: ``keywords()``.)"""
+
+    x: Tensor  # (B, L, H, P)
+    dt: Tensor  # (B, L, H)
+    A: Tensor  # (B, L, H)
+    B: Tensor  # (B, L, R, G, N)
+    C: Tensor  # (B, L, R, G, N)
+    trap: Tensor  # (B, L, H)
+    angles: Tensor  # (B, L, H, M)
+    D: Tensor | None  # (H,)
+    z: Tensor | None  # (B, L, H, P)
+    B_bias: Tensor | None  # (H, R, N)
+    C_bias: Tensor | None  # (H, R, N)
+    mimo_x: Tensor | None  # (H, R, P)
+    mimo_z: Tensor | None  # (H, R, P)
+    mimo_o: Tensor | None  # (H, R, P)
+    rotary: str  # "interleaved" or "halved"
+    initial_state: TrapezoidalState | None  # phase (B, H, M), ssm (B, H, P, N), key (B, R, H, N), value (B, H, P)
+    chunk_size: int  # the chunked backend's block length
+    cu_seqlens: Tensor | None  # (S + 1,) int64 on x's device; then every B of the state is S
+    dtype: torch.dtype = field(init=False)  # of the state: float32, or float64 for float64 inputs
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", compute_dtype(*self.tensors().values()))  # (frozen)
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def tensors(self) -> dict[str, Tensor | None]:
+        """The float tensors by name, the initial state's parts as ``initial_state.<part>``: what
+        sets the dtype, and what must share x's device (cu_seqlens, an index, is not one)."""
+        named = {name: getattr(self, name) for name in _FLOAT_TENSORS}
+        if self.initial_state is not None:
+            named.update((f"initial_state.{n}", t) for n, t in zip(TrapezoidalState._fields, self.initial_state))
+        return named
+
+    def keywords(self) -> dict:
+        """The arguments by the public function's names (all but ``dtype``), for a backend with
+        a plain signature."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
 
 def rotate(w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: str) -> torch.Tensor:
@@ -114,12 +171,13 @@ class Prepared(NamedTuple):
     H_init: torch.Tensor | None  # (B or S, H, P, N)
 
 
-def prologue(x, dt, A, B, trap, angles, mimo_x, initial_state, cu_seqlens, dtype) -> Prepared:
+def prologue(args: TrapezoidalArgs) -> Prepared:
     """a, s, c, the phase and H_{-1} (see the module docstring)."""
+    x, initial_state, cu_seqlens, dtype = args.x, args.initial_state, args.cu_seqlens, args.dtype
     batch, length, heads, _ = x.shape
-    ranks = B.shape[2]
-    delta, lam = dt.to(dtype), trap.to(dtype)
-    a = delta * A.to(dtype)
+    ranks = args.B.shape[2]
+    delta, lam = args.dt.to(dtype), args.trap.to(dtype)
+    a = delta * args.A.to(dtype)
     carried = (1 - lam) * delta  # (1 − λ_t)·Δ_t: the weight step t gives to step t - 1's input
     c = F.pad(carried[:, 1:], (0, 0, 0, 1))  # c_t = carried_{t+1}; 0 after the last step
     if cu_seqlens is not None:
@@ -130,8 +188,8 @@ def prologue(x, dt, A, B, trap, angles, mimo_x, initial_state, cu_seqlens, dtype
 
     # φ_t = φ_{-1} + Σ_{s ≤ t} Δ_s·θ_s per sequence, summed in float64 so that long sequences
     # keep their precision; cos and sin of it reduced modulo 2π.
-    increments = delta.double()[..., None] * angles.double()  # (B, L, H, M)
-    phase0 = None if initial_state is None else initial_state[0].double()
+    increments = delta.double()[..., None] * args.angles.double()  # (B, L, H, M)
+    phase0 = None if initial_state is None else initial_state.phase.double()
     summed = increments.cumsum(1)
     if cu_seqlens is None:
         phase64 = summed if phase0 is None else summed + phase0[:, None]
@@ -146,21 +204,21 @@ def prologue(x, dt, A, B, trap, angles, mimo_x, initial_state, cu_seqlens, dtype
 
     H_init = None
     if initial_state is not None:
-        _, h0, key0, value0 = initial_state
         # the first step's β-term: (1 − λ_0)·Δ_0 times the previous step's input U_{-1}
         if cu_seqlens is None:
             first = carried[:, 0] if length else carried.new_zeros(batch, heads)  # (B, H)
         else:
             first = torch.where(nonempty[:, None], carried[0, starts.clamp(max=max(length - 1, 0))], 0.0)
-        v0 = values(value0, mimo_x, ranks, dtype)  # (S, R, H, P)
-        U0 = torch.einsum("srhp,srhn->shpn", v0, key0.to(dtype))
-        H_init = h0.to(dtype) + first[..., None, None] * U0
+        v0 = values(initial_state.value, args.mimo_x, ranks, dtype)  # (S, R, H, P)
+        U0 = torch.einsum("srhp,srhn->shpn", v0, initial_state.key.to(dtype))
+        H_init = initial_state.ssm.to(dtype) + first[..., None, None] * U0
     return Prepared(a, s, c, phase, cos, sin, H_init)
 
 
-def epilogue(prepared: Prepared, H_last, x, B, B_bias, rotary, initial_state, cu_seqlens, dtype) -> TrapezoidalState:
+def epilogue(args: TrapezoidalArgs, prepared: Prepared, H_last: Tensor) -> TrapezoidalState:
     """The last state from the core's H_{L-1}: the phase, the rotated key and the value of each
     sequence's last step (its initial state's, or zeros, when it has none)."""
+    x, B, initial_state, cu_seqlens, dtype = args.x, args.B, args.initial_state, args.cu_seqlens, args.dtype
     batch, length, heads, head_dim = x.shape
     ranks, N = B.shape[2], B.shape[4]
     M = prepared.phase.shape[-1]
@@ -178,13 +236,13 @@ def epilogue(prepared: Prepared, H_last, x, B, B_bias, rotary, initial_state, cu
         value = x.new_zeros(len(rows), heads, head_dim, dtype=dtype)
     else:
         phase = prepared.phase[rows, last]  # (S, H, M)
-        k = per_head(B[rows, last], heads, B_bias, dtype)  # (S, R, H, N)
-        key = rotate(k, prepared.cos[rows, last][:, None], prepared.sin[rows, last][:, None], rotary)
+        k = per_head(B[rows, last], heads, args.B_bias, dtype)  # (S, R, H, N)
+        key = rotate(k, prepared.cos[rows, last][:, None], prepared.sin[rows, last][:, None], args.rotary)
         value = x[rows, last].to(dtype)
     if initial_state is None:
         empty = (x.new_zeros(1, dtype=dtype),) * 3
     else:
-        empty = tuple(s.to(dtype) for s in (initial_state[0], initial_state[2], initial_state[3]))
+        empty = tuple(s.to(dtype) for s in (initial_state.phase, initial_state.key, initial_state.value))
 
     def pick(found, fallback):
         keep = nonempty.reshape(-1, *[1] * (found.ndim - 1))
@@ -193,50 +251,9 @@ def epilogue(prepared: Prepared, H_last, x, B, B_bias, rotary, initial_state, cu
     return TrapezoidalState(pick(phase, empty[0]), H_last, pick(key, empty[1]), pick(value, empty[2]))
 
 
-def run(
-    core: Callable,
-    x,
-    dt,
-    A,
-    B,
-    C,
-    trap,
-    angles,
-    D,
-    z,
-    B_bias,
-    C_bias,
-    mimo_x,
-    mimo_z,
-    mimo_o,
-    rotary,
-    initial_state,
-    chunk_size,
-    cu_seqlens,
-    dtype,
-):
-    """A fast backend: prologue, ``core`` (which returns the output and H_{L-1}), epilogue.
-    B, C are (B, L, R, G, N), the biases (H, R, N), the key state (·, R, H, N)."""
-    p = prologue(x, dt, A, B, trap, angles, mimo_x, initial_state, cu_seqlens, dtype)
-    out, H_last = core(
-        x,
-        B,
-        C,
-        B_bias,
-        C_bias,
-        mimo_x,
-        z,
-        mimo_z,
-        mimo_o,
-        D,
-        p.a,
-        p.s,
-        p.c,
-        p.cos,
-        p.sin,
-        p.H_init,
-        rotary,
-        chunk_size,
-        cu_seqlens,
-    )
-    return out, epilogue(p, H_last, x, B, B_bias, rotary, initial_state, cu_seqlens, dtype)
+def run_core(core: Callable[[TrapezoidalArgs, Prepared], tuple[Tensor, Tensor]], args: TrapezoidalArgs):
+    """A fast backend: the prologue, ``core`` (which returns the output and H_{L-1}), the
+    epilogue. Returns (out, last state)."""
+    prepared = prologue(args)
+    out, H_last = core(args, prepared)
+    return out, epilogue(args, prepared, H_last)

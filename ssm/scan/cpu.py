@@ -46,6 +46,7 @@ from .._custom_op import kernel_op
 from ..native import declare, empty, flushed_subnormals, kernel, ptr, ready, strides3, threads
 from ._checks import compute_dtype
 from ._common import ssd_delta
+from .pscan import linear_scan_pscan, selective_scan_pscan
 
 CHUNK = 64  # T: steps between the states the forward keeps for the backward
 
@@ -350,7 +351,7 @@ def selective_scan_cpu(
     Returns out (B, D, L) in u's dtype and the last state (B or S, D, N) in float32 (float64
     for float64 inputs)."""
     if not ready():
-        return _pscan_selective(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
+        return selective_scan_pscan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     args = (
         _steps_adjacent(u, dtype),
@@ -453,7 +454,7 @@ def linear_scan_cpu(
     viewed as (E, L, F) around the scanned dimension (no copy when contiguous) and scanned in
     place along it. With cu_seqlens (validated; E = 1), initial_state is (S, *shape after dim)."""
     if not ready():
-        return _pscan_linear(gates, inputs, dim, initial_state, reverse, cu_seqlens)
+        return linear_scan_pscan(gates, inputs, dim, initial_state, reverse, cu_seqlens)
     dtype = compute_dtype(gates, inputs, initial_state)
     out_dtype = torch.promote_types(gates.dtype, inputs.dtype)
     shape = inputs.shape
@@ -464,21 +465,6 @@ def linear_scan_cpu(
     rows = E if cu_seqlens is None else cu_seqlens.numel() - 1  # E, or S packed sequences
     h0 = None if initial_state is None else initial_state.to(dtype).reshape(rows, F).contiguous()
     return _linear_fwd(a, x, h0, cu_seqlens, bool(reverse)).view(shape).to(out_dtype)
-
-
-# ----------------------------------------------------------------------------- without kernels
-
-
-def _pscan_selective(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens):
-    from .pscan import selective_scan_pscan
-
-    return selective_scan_pscan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
-
-
-def _pscan_linear(gates, inputs, dim, initial_state, reverse, cu_seqlens):
-    from .pscan import linear_scan_pscan
-
-    return linear_scan_pscan(gates, inputs, dim, initial_state, reverse, cu_seqlens)
 
 
 # ----------------------------------------------------------------------------- SSD (Mamba-2)
@@ -580,18 +566,19 @@ def selective_step_cpu(state, u, delta, A, B, C, D, z, delta_bias, delta_softplu
 
 
 def subnormals_flushed(fn):
-    """Backend ``fn`` (a chunked PyTorch form, its first argument a tensor) with, on the CPU,
-    torch's threads flushing subnormals to zero while its forward runs (ssm.native.
-    flushed_subnormals): the exps of strong decays make weights in the subnormal range, and each
-    product that reads one takes a microcode assist. Measured: a 512-token prefill of a 24-layer
-    Mamba-2 with transformers' initialisation (A up to -24), 527-582 -> 769-842 tokens/s. The
-    backward (run later by autograd) is not covered; nor is a traced function (torch.compile)."""
+    """Backend ``fn`` (a chunked PyTorch form; its first argument has the inputs' ``.device``: a
+    tensor, or trapezoidal_scan's TrapezoidalArgs) with, on the CPU, torch's threads flushing
+    subnormals to zero while its forward runs (ssm.native.flushed_subnormals): the exps of strong
+    decays make weights in the subnormal range, and each product that reads one takes a microcode
+    assist. Measured: a 512-token prefill of a 24-layer Mamba-2 with transformers'
+    initialisation (A up to -24), 527-582 -> 769-842 tokens/s. The backward (run later by
+    autograd) is not covered; nor is a traced function (torch.compile)."""
 
     @functools.wraps(fn)
-    def run(x, *args, **kwargs):
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
-            return fn(x, *args, **kwargs)
+    def run(first, *args, **kwargs):
+        if first.device.type != "cpu" or torch.compiler.is_compiling():
+            return fn(first, *args, **kwargs)
         with flushed_subnormals():
-            return fn(x, *args, **kwargs)
+            return fn(first, *args, **kwargs)
 
     return run

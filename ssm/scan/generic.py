@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils.checkpoint import checkpoint as _checkpoint
+import torch.utils.checkpoint
 
 __all__ = ["scan", "associative_scan"]
 
@@ -273,7 +273,7 @@ def _run_checkpointed(step: _Step, init_leaves: list, xs_leaves: list, L: int, k
     carry, pieces = init_leaves, [None] * len(starts)
     for j in reversed(range(len(starts))) if reverse else range(len(starts)):
         start = starts[j]
-        carry, pieces[j] = _checkpoint(
+        carry, pieces[j] = torch.utils.checkpoint.checkpoint(
             segment, start, min(k, L - start), *carry, *[c[j] for c in chunks],
             use_reentrant=False, preserve_rng_state=True,
         )  # fmt: skip

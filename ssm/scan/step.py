@@ -13,9 +13,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import _common_trapezoidal as trapezoidal
 from ._checks import check_shape, check_tensor, compute_dtype
 from ._common import ssd_delta, ssd_skip_and_gate
+from ._common_trapezoidal import TrapezoidalState, gate_and_contract, per_head, rotate, values
 from .cpu import selective_step_cpu
 
 
@@ -155,7 +155,7 @@ def trapezoidal_scan_step(
     mimo_z: torch.Tensor | None = None,
     mimo_o: torch.Tensor | None = None,
     rotary: str = "interleaved",
-) -> tuple[torch.Tensor, trapezoidal.TrapezoidalState]:
+) -> tuple[torch.Tensor, TrapezoidalState]:
     """One step of ``trapezoidal_scan`` (Mamba-3), in the direct form of its recurrence.
 
     Shapes: state a TrapezoidalState (phase (batch, H, M), ssm (batch, H, P, N), key
@@ -204,10 +204,10 @@ def trapezoidal_scan_step(
     delta, lam = dt.to(dtype), trap.to(dtype)
     new_phase = phase.to(dtype) + delta[..., None] * angles.to(dtype)  # (batch, H, M)
     cos, sin = torch.cos(new_phase)[:, None], torch.sin(new_phase)[:, None]  # (batch, 1, H, M)
-    k = trapezoidal.rotate(trapezoidal.per_head(B, heads, B_bias, dtype), cos, sin, rotary)  # (batch, R, H, N)
-    q = trapezoidal.rotate(trapezoidal.per_head(C, heads, C_bias, dtype), cos, sin, rotary)
-    v = trapezoidal.values(x, mimo_x, ranks, dtype)  # (batch, R, H, P)
-    v_prev = trapezoidal.values(value, mimo_x, ranks, dtype)
+    k = rotate(per_head(B, heads, B_bias, dtype), cos, sin, rotary)  # (batch, R, H, N)
+    q = rotate(per_head(C, heads, C_bias, dtype), cos, sin, rotary)
+    v = values(x, mimo_x, ranks, dtype)  # (batch, R, H, P)
+    v_prev = values(value, mimo_x, ranks, dtype)
     alpha = torch.exp(delta * A.to(dtype))[..., None, None]  # (batch, H, 1, 1)
     beta = ((1 - lam) * delta)[..., None, None] * alpha
     gamma = (lam * delta)[..., None, None]
@@ -217,10 +217,8 @@ def trapezoidal_scan_step(
         + gamma * torch.einsum("brhp,brhn->bhpn", v, k)
     )
     y = torch.einsum("bhpn,brhn->brhp", new_h, q)  # (batch, R, H, P)
-    out = trapezoidal.gate_and_contract(
-        y[:, None], v[:, None], D, None if z is None else z[:, None], mimo_z, mimo_o, dtype
-    )[:, 0]
+    out = gate_and_contract(y[:, None], v[:, None], D, None if z is None else z[:, None], mimo_z, mimo_o, dtype)[:, 0]
     if mimo_o is None and not rank_axis:
         out = out[:, 0]
     new_key = k if rank_axis else k[:, 0]
-    return out.to(x.dtype), trapezoidal.TrapezoidalState(new_phase, new_h, new_key, x.to(dtype))
+    return out.to(x.dtype), TrapezoidalState(new_phase, new_h, new_key, x.to(dtype))

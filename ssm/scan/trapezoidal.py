@@ -12,18 +12,24 @@ import torch
 
 from .._backends import BackendTable
 from . import triton
-from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
-from ._common_trapezoidal import TrapezoidalState
+from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor
+from ._common_trapezoidal import TrapezoidalArgs, TrapezoidalState
 from .cpu import subnormals_flushed
 from .reference import trapezoidal_scan_ref
 from .trapezoidal_chunked import trapezoidal_scan_chunked
 
-# Backends take the public arguments less return_last_state, in the same order (cu_seqlens
-# last: None, or validated int64 (S + 1,) on the inputs' device), with B and C as
-# (batch, L, R, G, N), the biases (H, R, N) and the key state (·, R, H, N), and return
-# (out, last_state) with out (batch, L, H, P), or (batch, L, R, H, P) without mimo_o.
+
+def _reference(args: TrapezoidalArgs):
+    """Backend "ref": the reference, which imports nothing of the fast paths and so takes plain
+    arguments, not their TrapezoidalArgs."""
+    return trapezoidal_scan_ref(**args.keywords())
+
+
+# Backends take one TrapezoidalArgs (validated; B and C (batch, L, R, G, N), the biases
+# (H, R, N), the key state (·, R, H, N)) and return (out, last_state) with out (batch, L, H, P),
+# or (batch, L, R, H, P) without mimo_o.
 BACKENDS = BackendTable("trapezoidal_scan", auto={"cuda": ("triton", "chunked"), "*": ("chunked",)})
-BACKENDS.add("ref", trapezoidal_scan_ref)
+BACKENDS.add("ref", _reference)
 BACKENDS.add("chunked", subnormals_flushed(trapezoidal_scan_chunked))
 BACKENDS.add("triton", triton.trapezoidal_scan_triton, devices=triton.devices, hint=triton.hint)
 
@@ -164,9 +170,14 @@ def trapezoidal_scan(
         )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    check_same_device(
-        "x",
-        x,
+    if not rank_axis:  # one form for the backends: a rank axis of 1
+        B, C = B.unsqueeze(2), C.unsqueeze(2)
+        B_bias = None if B_bias is None else B_bias.unsqueeze(1)
+        C_bias = None if C_bias is None else C_bias.unsqueeze(1)
+        if initial_state is not None:
+            initial_state = initial_state._replace(key=initial_state.key.unsqueeze(1))
+    args = TrapezoidalArgs(
+        x=x,
         dt=dt,
         A=A,
         B=B,
@@ -180,28 +191,24 @@ def trapezoidal_scan(
         mimo_x=mimo_x,
         mimo_z=mimo_z,
         mimo_o=mimo_o,
-        **{f"initial_state.{n}": t for n, t in zip(TrapezoidalState._fields, initial_state or ())},
+        rotary=rotary,
+        initial_state=initial_state,
+        chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens,
     )
+    check_same_device("x", x, **args.tensors())
     impl = BACKENDS.resolve(backend, x.device)
     # (under torch.compile the choice stays Triton's: the traced graph asks no device properties)
     if impl.name == "triton" and backend == "auto" and cu_seqlens is None and not torch.compiler.is_compiling():
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         impl = BACKENDS.resolve(auto_on_cuda(batch, heads, sms), x.device)
 
-    dtype = compute_dtype(
-        x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, *(initial_state or ())
-    )
-    if not rank_axis:  # one canonical form for the backends: a rank axis of 1
-        B, C = B.unsqueeze(2), C.unsqueeze(2)
-        B_bias = None if B_bias is None else B_bias.unsqueeze(1)
-        C_bias = None if C_bias is None else C_bias.unsqueeze(1)
-        if initial_state is not None:
-            initial_state = initial_state._replace(key=initial_state.key.unsqueeze(1))
     per_rank = rank_axis and mimo_o is None
     if length == 0:
         out = x.new_empty(batch, 0, *((ranks,) if per_rank else ()), heads, head_dim)
         if not return_last_state:
             return out
+        dtype = args.dtype
         if initial_state is None:
             last = TrapezoidalState(
                 x.new_zeros(state_batch, heads, M, dtype=dtype),
@@ -212,26 +219,7 @@ def trapezoidal_scan(
         else:
             last = TrapezoidalState(*(t.to(dtype, copy=True) for t in initial_state))
     else:
-        out, last = impl.fn(
-            x,
-            dt,
-            A,
-            B,
-            C,
-            trap,
-            angles,
-            D,
-            z,
-            B_bias,
-            C_bias,
-            mimo_x,
-            mimo_z,
-            mimo_o,
-            rotary,
-            initial_state,
-            chunk_size,
-            cu_seqlens,
-        )
+        out, last = impl.fn(args)
         if not rank_axis:
             out = out.squeeze(2)  # (batch, L, 1, H, P): the backends' one output per rank
         out = out.contiguous()

@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _common_trapezoidal as common
-from ._checks import compute_dtype
-from ._common import entering_states
+from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, per_head, rotate, run_core, values
+from .chunked import entering_states
 
 
 def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
@@ -61,79 +60,36 @@ def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
     return y.reshape(batch, nc * T, ranks, heads, P)[:, :length], state
 
 
-def _core(
-    x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init, rotary, chunk_size, cu_seqlens
-):
-    dtype = a.dtype
-    heads, ranks = x.shape[2], B.shape[2]
-    cos, sin = cos[:, :, None], sin[:, :, None]  # (B, L, 1, H, M): the same for every rank
-    k = common.rotate(common.per_head(B, heads, B_bias, dtype), cos, sin, rotary)  # (B, L, R, H, N)
-    q = common.rotate(common.per_head(C, heads, C_bias, dtype), cos, sin, rotary)
-    v = common.values(x, mimo_x, ranks, dtype)  # (B, L, R, H, P)
+def _core(args: TrapezoidalArgs, p: Prepared):
+    """The core (see _common_trapezoidal.py) by chunks: out in x's dtype and H_{L-1}; packed
+    sequences one after another."""
+    x, cu_seqlens, dtype = args.x, args.cu_seqlens, args.dtype
+    heads, ranks = x.shape[2], args.B.shape[2]
+    cos, sin = p.cos[:, :, None], p.sin[:, :, None]  # (B, L, 1, H, M): the same for every rank
+    k = rotate(per_head(args.B, heads, args.B_bias, dtype), cos, sin, args.rotary)  # (B, L, R, H, N)
+    q = rotate(per_head(args.C, heads, args.C_bias, dtype), cos, sin, args.rotary)
+    v = values(x, args.mimo_x, ranks, dtype)  # (B, L, R, H, P)
+    a, sigma, c = p.a, p.s, p.c
     if cu_seqlens is None:
-        y, H_last = _chunks(k, q, v, a, sigma, c, H_init, chunk_size)
+        y, H_last = _chunks(k, q, v, a, sigma, c, p.H_init, args.chunk_size)
     else:
         ys, lasts = [], []
         for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
-            H0 = None if H_init is None else H_init[i : i + 1]
+            H0 = None if p.H_init is None else p.H_init[i : i + 1]
             if end == start:
                 lasts.append(H0 if H0 is not None else v.new_zeros(1, heads, v.shape[-1], k.shape[-1]))
                 continue
             part = slice(start, end)
             y_i, last_i = _chunks(
-                k[:, part], q[:, part], v[:, part], a[:, part], sigma[:, part], c[:, part], H0, chunk_size
+                k[:, part], q[:, part], v[:, part], a[:, part], sigma[:, part], c[:, part], H0, args.chunk_size
             )
             ys.append(y_i)
             lasts.append(last_i)
         y, H_last = torch.cat(ys, dim=1), torch.cat(lasts)
-    out = common.gate_and_contract(y, v, D, z, mimo_z, mimo_o, dtype)
+    out = gate_and_contract(y, v, args.D, args.z, args.mimo_z, args.mimo_o, dtype)
     return out.to(x.dtype), H_last
 
 
-def trapezoidal_scan_chunked(
-    x,
-    dt,
-    A,
-    B,
-    C,
-    trap,
-    angles,
-    D,
-    z,
-    B_bias,
-    C_bias,
-    mimo_x,
-    mimo_z,
-    mimo_o,
-    rotary,
-    initial_state,
-    chunk_size,
-    cu_seqlens,
-):
-    """Backend "chunked" of :func:`ssm.scan.trapezoidal_scan` (inputs validated, B and C
-    (B, L, R, G, N), biases (H, R, N), the key state (·, R, H, N))."""
-    dtype = compute_dtype(
-        x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, *(initial_state or ())
-    )
-    return common.run(
-        _core,
-        x,
-        dt,
-        A,
-        B,
-        C,
-        trap,
-        angles,
-        D,
-        z,
-        B_bias,
-        C_bias,
-        mimo_x,
-        mimo_z,
-        mimo_o,
-        rotary,
-        initial_state,
-        chunk_size,
-        cu_seqlens,
-        dtype,
-    )
+def trapezoidal_scan_chunked(args: TrapezoidalArgs):
+    """Backend "chunked" of :func:`ssm.scan.trapezoidal_scan`: (out, last state)."""
+    return run_core(_core, args)

@@ -220,8 +220,8 @@ def test_every_input_variant_runs_the_compiled_kernels(monkeypatch):
     def no_fallback(*args):
         raise AssertionError("the cpu backend left its kernels")
 
-    monkeypatch.setattr(cpu, "_pscan_selective", no_fallback)
-    monkeypatch.setattr(cpu, "_pscan_linear", no_fallback)
+    monkeypatch.setattr(cpu, "selective_scan_pscan", no_fallback)
+    monkeypatch.setattr(cpu, "linear_scan_pscan", no_fallback)
     variants = [
         dict(B_form="fixed"),
         dict(B_form="varying"),
@@ -328,13 +328,13 @@ def test_without_a_compiler_warns_once_and_runs_pscan(monkeypatch, tmp_path):
 def test_kernel_switch_off_runs_pscan_silently(monkeypatch):
     monkeypatch.setenv("SSM_CPU_KERNEL", "0")
     calls = []
-    original = cpu._pscan_selective
+    original = cpu.selective_scan_pscan
 
     def spy(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(cpu, "_pscan_selective", spy)
+    monkeypatch.setattr(cpu, "selective_scan_pscan", spy)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         check_selective(selective_inputs(T + 3), "cpu")

@@ -220,11 +220,11 @@ def test_auto_on_the_cpu_runs_the_chunked_form_in_blocks_of_at_most_64(monkeypat
 
 
 def test_entering_states_matches_a_loop_and_keeps_the_backward_linear():
-    """The inter-chunk recurrence of the chunked backends (ssm.scan._common.entering_states)
+    """The inter-chunk recurrence of the chunked backends (ssm.scan.chunked.entering_states)
     against a float64 loop written here, values and gradients (decay, inputs, initial state);
     and its backward holds no per-chunk index (whose gradients are each the size of the whole
     input: O(chunks²) work, what made Mamba-3's backward at L 16384 25x that at 2048)."""
-    from ssm.scan._common import entering_states
+    from ssm.scan.chunked import entering_states
 
     g = torch.Generator().manual_seed(0)
     decay = torch.rand(2, 7, 3, 1, 1, generator=g, dtype=torch.float64).requires_grad_()

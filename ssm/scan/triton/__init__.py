@@ -7,21 +7,24 @@
     _trapezoidal_kernels.py  its forward and backward kernels
     _trapezoidal_jit.py      the @triton.jit helpers those two kernels share
     _jit.py                  what the ops share: @triton.jit helpers, launcher checks, custom-op plumbing
+    _interpreter.py          interpreting(): whether TRITON_INTERPRET is on (no triton import)
 
 triton is optional: importing ``ssm`` does not import it. An op module (and with it triton) is
-imported on the first call of its backend; without triton the backend is not offered for any
-device. The backend runs on CUDA (and ROCm) tensors, and on CPU tensors in Triton's interpreter
-when ``TRITON_INTERPRET=1`` (slow, for tests). Both are read when a call asks where the backend
-runs, not frozen at import; but Triton defines a process's kernels for one mode when they are
-first launched, so set TRITON_INTERPRET before then.
+imported on the first call of its backend, inside the function of that name here (the op
+modules import nothing from this one, so that is no import loop); without triton the backend is
+not offered for any device. The backend runs on CUDA (and ROCm) tensors, and on CPU tensors in
+Triton's interpreter when ``TRITON_INTERPRET=1`` (slow, for tests). Both are read when a call
+asks where the backend runs, not frozen at import; but Triton defines a process's kernels for
+one mode when they are first launched, so set TRITON_INTERPRET before then.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
+
+from ._interpreter import interpreting
 
 # Looked up once, here (finding the package does not import it): torch.compile in torch 2.11
 # refuses to trace importlib's find_spec, and backend resolution runs inside compiled code.
@@ -31,11 +34,6 @@ _INSTALLED = importlib.util.find_spec("triton") is not None
 def available() -> bool:
     """Whether the triton package is installed."""
     return _INSTALLED
-
-
-def interpreting() -> bool:
-    """Whether Triton's interpreter is on (TRITON_INTERPRET=1): kernels then run on the CPU."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def devices() -> tuple[str, ...]:

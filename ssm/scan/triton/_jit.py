@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from ._interpreter import interpreting
 
 # Whether this process defined its kernels for Triton's interpreter: triton.jit reads
 # TRITON_INTERPRET when a kernel is defined, i.e. when an op module is first imported.

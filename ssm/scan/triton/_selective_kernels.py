@@ -30,9 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import at_time as _at_time
-from ._jit import first_order_combine, softplus, tl_dtype
-from ._jit import flip_time as _flip_time
+from ._jit import at_time, first_order_combine, flip_time, softplus, tl_dtype
 
 # Compile-time flags of both kernels, from their arguments.
 _FLAGS = {
@@ -256,7 +254,7 @@ def _selective_scan_fwd_kernel(
             COMPUTE, SOFTPLUS, B_VARYING, C_VARYING, HAS_INITIAL_STATE, PACKED, BLOCK_D, BLOCK_N, CHUNK,
         )  # fmt: skip
         y = tl.sum(hs * Ct, axis=1)  # (BLOCK_D, CHUNK)
-        h = _at_time(hs, t_local, CHUNK - 1)
+        h = at_time(hs, t_local, CHUNK - 1)
         if PACKED:  # each sequence's state after its last step
             last_ptrs, last_mask = _per_sequence(last_state_ptr, seq, d, n, dn_mask, ends, dim, N)
             tl.store(last_ptrs, hs, mask=last_mask)
@@ -381,8 +379,8 @@ def _selective_scan_bwd_kernel(
                 dlast_ptrs, dlast_mask = _per_sequence(dlast_ptr, seq_rev, d, n, dn_mask, ends_rev, dim, N)
                 g_rev += tl.load(dlast_ptrs, mask=dlast_mask, other=0.0).to(COMPUTE)
         lam_prod, lam_sum = tl.associative_scan((gate_next, g_rev), 2, first_order_combine)
-        lam = _flip_time(lam_sum + lam_prod * carry[:, :, None], BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)
-        carry = _at_time(scan_gate * lam, t_local, 0)  # dLoss/dh before the chunk
+        lam = flip_time(lam_sum + lam_prod * carry[:, :, None], BLOCK_D, BLOCK_N, LOG2_CHUNK, INT)
+        carry = at_time(scan_gate * lam, t_local, 0)  # dLoss/dh before the chunk
         if PACKED:  # dLoss/dh0[s] at each sequence's first step
             dh0_ptrs, dh0_mask = _per_sequence(dinitial_state_ptr, seq, d, n, dn_mask, starts, dim, N)
             tl.store(dh0_ptrs, gate * lam, mask=dh0_mask)

@@ -7,10 +7,13 @@ the @triton.jit helpers they share in _trapezoidal_jit.py.
     _trapezoidal_scan_bwd_kernel  →  _trapezoidal_scan_bwd  →  ssm::trapezoidal_scan_bwd     (its autograd formula)
 
 The kernels run the core of the shifted form (_common_trapezoidal.py) on a = Δ·A, σ, c, cos φ,
-sin φ and H_{-1}, which the shared prologue (common.run) computes in PyTorch. Sums over
-programs come back from the backward kernel as partial sums, one per program, and the launcher
-adds them in a fixed order: the gradients are reproducible, no atomics. The rotation's own
-backward (to B, C, the biases and cos, sin) is elementwise, in PyTorch, in the launcher.
+sin φ and H_{-1}, which the shared prologue (run_core) computes in PyTorch. The backend takes
+the scan's arguments as one TrapezoidalArgs; ``_core`` turns them, with the prologue's, into the
+KernelInputs the kernels read, which the custom ops take flat (an op's schema is a list of
+tensors). Sums over programs come back from the backward kernel as partial sums, one per
+program, and the launcher adds them in a fixed order: the gradients are reproducible, no
+atomics. The rotation's own backward (to B, C, the biases and cos, sin) is elementwise, in
+PyTorch, in the launcher.
 
 Shape symbols: B batch, L length, H heads, P head dim, G groups, N state size, R MIMO rank,
 M rotary pairs, S packed sequences, T chunk length (CHUNK).
@@ -19,20 +22,20 @@ M rotary pairs, S packed sequences, T chunk length (CHUNK).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..._custom_op import kernel_op
-from .. import _common_trapezoidal as common
-from .._checks import compute_dtype as state_dtype
+from .._common_trapezoidal import Prepared, TrapezoidalArgs, per_head, rotate_backward, run_core
 from ._jit import check_launchable, contiguous, fake_like, needs_backward, next_power_of_2, placeholders
 from ._trapezoidal_kernels import _trapezoidal_scan_bwd_kernel, _trapezoidal_scan_fwd_kernel
 
 # ----------------------------------------------------------------------------- launch heuristics
 # Pure functions of shapes, shared by the launchers and the fake implementations. The largest
 # live tiles are (BLOCK_R, BLOCK_P, BLOCK_N, CHUNK) products, at most TILE elements. Tuned on an
-# H200 (scripts/dev/tune_trapezoidal.py; BENCHMARKS.md, "CUDA"): at batch 8, 24 heads of P 64,
+# H200 (tests/scan/tune_trapezoidal.py; BENCHMARKS.md, "CUDA"): at batch 8, 24 heads of P 64,
 # L 2048, fp32, forward+backward went from 13.8 to 9.6 ms at N 16 and from 85.7 to 40.6 ms at
 # N 128 against the first guess (CHUNK 16, TILE 4096, 8 warps). Short chunks, at most 16
 # channels a program (more programs), and 4 warps (8 never won) are what mattered.
@@ -84,61 +87,70 @@ def _bounds(batch: int, length: int, cu_seqlens: Tensor | None, cfg: Config, dev
     return bounds.contiguous(), (torch.cumsum(chunks, 0) - chunks).contiguous()
 
 
-# The forward's inputs, which both kernels read, as the launchers pass them: ``{name}_ptr``.
-_INPUTS = ("x", "B", "C", "B_bias", "C_bias", "mimo_x", "z", "mimo_z", "mimo_o", "D", "a", "sigma", "c", "cos", "sin")
+class KernelInputs(NamedTuple):
+    """The forward's inputs, which both kernels read (as ``{name}_ptr``): the scan's tensors and
+    the core's, from the prologue. The custom ops take them flat, in this order; a backward
+    returns their gradients in it too."""
+
+    x: Tensor  # (B, L, H, P)
+    B: Tensor  # (B, L, R, G, N)
+    C: Tensor  # (B, L, R, G, N)
+    B_bias: Tensor | None  # (H, R, N)
+    C_bias: Tensor | None  # (H, R, N)
+    mimo_x: Tensor | None  # (H, R, P)
+    z: Tensor | None  # (B, L, H, P)
+    mimo_z: Tensor | None  # (H, R, P)
+    mimo_o: Tensor | None  # (H, R, P)
+    D: Tensor | None  # (H,)
+    a: Tensor  # (B, L, H) Δ·A
+    sigma: Tensor  # (B, L, H)
+    c: Tensor  # (B, L, H)
+    cos: Tensor  # (B, L, H, M)
+    sin: Tensor  # (B, L, H, M)
 
 
-def _kernel_args(inputs: list, cu_seqlens: Tensor | None, halved: bool) -> tuple[Config, int, dict]:
-    """What both kernels are launched with, from the forward's inputs (contiguous, in _INPUTS
-    order): the launch config, the number of program rows (sequences), and the arguments both
-    take: the inputs, each row's bounds and first chunk, sizes, HALVED, block sizes."""
-    x, B, cos = inputs[0], inputs[1], inputs[-2]
-    batch, length, heads, P = x.shape
-    ranks, groups, N = B.shape[2:]
+def _kernel_args(inputs: KernelInputs, cu_seqlens: Tensor | None, halved: bool) -> tuple[Config, int, dict]:
+    """What both kernels are launched with, from the forward's inputs (contiguous): the launch
+    config, the number of program rows (sequences), and the arguments both take: the inputs,
+    each row's bounds and first chunk, sizes, HALVED, block sizes."""
+    batch, length, heads, P = inputs.x.shape
+    ranks, groups, N = inputs.B.shape[2:]
     cfg = config(P, N, ranks)
     rows = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-    bounds, chunk_first = _bounds(batch, length, cu_seqlens, cfg, x.device)
-    args = {f"{name}_ptr": t for name, t in zip(_INPUTS, inputs)}
-    args.update(bounds_ptr=bounds, chunk_first_ptr=chunk_first, H=heads, P=P, N=N, M=cos.shape[-1], R=ranks, G=groups)
+    bounds, chunk_first = _bounds(batch, length, cu_seqlens, cfg, inputs.x.device)
+    args = {f"{name}_ptr": t for name, t in zip(inputs._fields, inputs)}
+    M = inputs.cos.shape[-1]
+    args.update(bounds_ptr=bounds, chunk_first_ptr=chunk_first, H=heads, P=P, N=N, M=M, R=ranks, G=groups)
     args.update(HALVED=halved, BLOCK_R=cfg.block_r, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk)
     return cfg, rows, args
 
 
+def _forward_outputs(inputs: KernelInputs, cu_seqlens: Tensor | None, save_chunk_states: bool):
+    """The forward's outputs, empty (the launcher's, and the fake op's): out (B, L, H, P) in x's
+    dtype ((B, L, R, H, P) without mimo_o), the last state (rows, H, P, N) and the chunk-start
+    states (chunks, H, P, N) (none without ``save_chunk_states``), both in a's dtype."""
+    x, a = inputs.x, inputs.a
+    batch, length, heads, P = x.shape
+    ranks, N = inputs.B.shape[2], inputs.B.shape[4]
+    rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    n_saved = config(P, N, ranks).max_chunks(rows, length, cu_seqlens is not None) if save_chunk_states else 0
+    per_rank = () if inputs.mimo_o is not None else (ranks,)
+    out = x.new_empty(batch, length, *per_rank, heads, P)
+    return out, a.new_empty(rows, heads, P, N), a.new_empty(n_saved, heads, P, N)
+
+
 def _trapezoidal_scan_fwd(
-    x,
-    B,
-    C,
-    B_bias,
-    C_bias,
-    mimo_x,
-    z,
-    mimo_z,
-    mimo_o,
-    D,
-    a,
-    sigma,
-    c,
-    cos,
-    sin,
-    H_init,
-    cu_seqlens,
-    halved: bool,
-    save_chunk_states: bool,
+    inputs: KernelInputs, H_init: Tensor | None, cu_seqlens: Tensor | None, halved: bool, save_chunk_states: bool
 ):
-    """x, z: (B, L, H, P); B, C: (B, L, R, G, N); B_bias, C_bias: (H, R, N); mimo_*: (H, R, P);
-    D: (H,); a, σ, c: (B, L, H); cos, sin: (B, L, H, M); H_init: (rows, H, P, N). Returns out
+    """The forward kernel on ``inputs`` from H_init (rows, H, P, N) (or 0). Returns out
     (B, L, H, P) in x's dtype ((B, L, R, H, P) without mimo_o), the last state (rows, H, P, N)
     and the chunk-start states (chunks, H, P, N) (none without ``save_chunk_states``)."""
-    inputs = contiguous(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
+    inputs = KernelInputs(*contiguous(*inputs))
     cfg, rows, args = _kernel_args(inputs, cu_seqlens, halved)
-    batch, length, heads, P = x.shape
-    ranks, N = B.shape[2], B.shape[4]
-    out = x.new_empty(batch, length, heads, P) if mimo_o is not None else x.new_empty(batch, length, ranks, heads, P)
-    H_last = x.new_empty(rows, heads, P, N, dtype=a.dtype)
-    n_saved = cfg.max_chunks(rows, length, cu_seqlens is not None) if save_chunk_states else 0
-    chunk_states = x.new_empty(n_saved, heads, P, N, dtype=a.dtype)
+    out, H_last, chunk_states = _forward_outputs(inputs, cu_seqlens, save_chunk_states)
     (H_init,) = contiguous(H_init)
-    check_launchable(x)
+    heads, P = inputs.x.shape[2:]
+    check_launchable(inputs.x)
     _trapezoidal_scan_fwd_kernel[(rows, heads, cfg.p_blocks(P))](
         **args,
         H_init_ptr=H_init,
@@ -151,32 +163,17 @@ def _trapezoidal_scan_fwd(
 
 
 def _trapezoidal_scan_bwd(
-    dout,
-    dH_last,
-    x,
-    B,
-    C,
-    B_bias,
-    C_bias,
-    mimo_x,
-    z,
-    mimo_z,
-    mimo_o,
-    D,
-    a,
-    sigma,
-    c,
-    cos,
-    sin,
-    cu_seqlens,
+    dout: Tensor,
+    dH_last: Tensor | None,
+    inputs: KernelInputs,
+    cu_seqlens: Tensor | None,
     halved: bool,
-    chunk_states,
-):
+    chunk_states: Tensor,
+) -> tuple[KernelInputs, Tensor]:
     """Gradients of :func:`_trapezoidal_scan_fwd`'s out and last state, given its saved chunk
-    states: (dx, dB, dC, dB_bias, dC_bias, dmimo_x, dz, dmimo_z, dmimo_o, dD, da, dσ, dc, dcos,
-    dsin, dH_init), each in its input's dtype (None for an absent input; dH_init in the state
-    dtype)."""
-    inputs = contiguous(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
+    states: those of the inputs, each in its input's dtype (None for an absent input), and
+    dH_init in the state dtype."""
+    inputs = KernelInputs(*contiguous(*inputs))
     cfg, rows, args = _kernel_args(inputs, cu_seqlens, halved)
     x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin = inputs
     dout, dH_last = contiguous(dout, dH_last)
@@ -217,8 +214,8 @@ def _trapezoidal_scan_bwd(
     cos5, sin5 = cos[:, :, None], sin[:, :, None]  # (B, L, 1, H, M)
     grads_BC, dcos, dsin = [], 0, 0
     for M_, bias, part in ((B, B_bias, dk_part), (C, C_bias, dq_part)):
-        w = common.per_head(M_, heads, bias, dtype)  # (B, L, R, H, N)
-        dw, dcos_, dsin_ = common.rotate_backward(part.sum(0), w, cos5, sin5, rotary)
+        w = per_head(M_, heads, bias, dtype)  # (B, L, R, H, N)
+        dw, dcos_, dsin_ = rotate_backward(part.sum(0), w, cos5, sin5, rotary)
         dcos, dsin = dcos + dcos_.sum(2), dsin + dsin_.sum(2)
         dM = dw.unflatten(3, (groups, heads // groups)).sum(4)  # heads → their group
         # (H, R, N) contiguous, as the fake says: torch.compile lays out its graph by the fake's strides
@@ -226,61 +223,50 @@ def _trapezoidal_scan_bwd(
         grads_BC.append((dM.to(M_.dtype), dbias))
     (dB, dB_bias), (dC, dC_bias) = grads_BC
     dmimo = [None if t is None else dmimo_part[i].sum(0).to(t.dtype) for i, t in enumerate((mimo_x, mimo_z, mimo_o))]
-    return (
-        dx.to(x.dtype),
-        dB,
-        dC,
-        dB_bias,
-        dC_bias,
-        dmimo[0],
-        None if z is None else dz.to(z.dtype),
-        dmimo[1],
-        dmimo[2],
-        None if D is None else dD_part.sum((0, 2)).to(D.dtype),
-        da_part.sum(0).to(a.dtype),
-        dsigma_part.sum(0).to(sigma.dtype),
-        dc_part.sum(0).to(c.dtype),
-        dcos.to(cos.dtype),
-        dsin.to(sin.dtype),
-        dH_init,
+    grads = KernelInputs(
+        x=dx.to(x.dtype),
+        B=dB,
+        C=dC,
+        B_bias=dB_bias,
+        C_bias=dC_bias,
+        mimo_x=dmimo[0],
+        z=None if z is None else dz.to(z.dtype),
+        mimo_z=dmimo[1],
+        mimo_o=dmimo[2],
+        D=None if D is None else dD_part.sum((0, 2)).to(D.dtype),
+        a=da_part.sum(0).to(a.dtype),
+        sigma=dsigma_part.sum(0).to(sigma.dtype),
+        c=dc_part.sum(0).to(c.dtype),
+        cos=dcos.to(cos.dtype),
+        sin=dsin.to(sin.dtype),
     )
+    return grads, dH_init
 
 
 # ----------------------------------------------------------------------------- custom ops
+# Custom ops take tensors, not a NamedTuple: each takes the KernelInputs flat, in their order.
 
 
 def _fwd_fake(
-    x,
-    B,
-    C,
-    B_bias,
-    C_bias,
-    mimo_x,
-    z,
-    mimo_z,
-    mimo_o,
-    D,
-    a,
-    sigma,
-    c,
-    cos,
-    sin,
-    H_init,
-    cu_seqlens,
-    halved,
-    save_chunk_states=True,
-):
-    batch, length, heads, P = x.shape
-    ranks, _, N = B.shape[2:]
-    rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    cfg = config(P, N, ranks)
-    n_saved = cfg.max_chunks(rows, length, cu_seqlens is not None) if save_chunk_states else 0
-    out = x.new_empty(batch, length, heads, P) if mimo_o is not None else x.new_empty(batch, length, ranks, heads, P)
-    return out, a.new_empty(rows, heads, P, N), a.new_empty(n_saved, heads, P, N)
+    x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin,
+    H_init, cu_seqlens, halved, save_chunk_states,
+):  # fmt: skip
+    inputs = KernelInputs(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
+    return _forward_outputs(inputs, cu_seqlens, save_chunk_states)
+
+
+def _bwd_fake(
+    dout, dH_last, x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin,
+    cu_seqlens, halved, chunk_states,
+):  # fmt: skip
+    inputs = KernelInputs(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
+    rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dH_init = a.new_empty(rows, x.shape[2], x.shape[3], B.shape[4])
+    return (*(fake_like(t, x) for t in inputs), dH_init)
 
 
 def _setup_context(ctx, inputs, output):
-    *tensors, H_init, cu_seqlens, halved, _save = inputs  # tensors: the forward's inputs, _INPUTS
+    *tensors, H_init, cu_seqlens, halved, _save = inputs  # tensors: the KernelInputs
     ctx.mark_non_differentiable(output[2])
     ctx.save_for_backward(*tensors, cu_seqlens, output[2])
     ctx.halved = halved
@@ -288,14 +274,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dH_last, _dchunk_states):
-    *inputs, cu_seqlens, chunk_states = ctx.saved_tensors
-    x, B, mimo_o = inputs[0], inputs[1], inputs[_INPUTS.index("mimo_o")]
+    *tensors, cu_seqlens, chunk_states = ctx.saved_tensors
+    inputs = KernelInputs(*tensors)
     if dout is None:
-        rank_shape = () if mimo_o is not None else (B.shape[2],)
-        dout = x.new_zeros(*x.shape[:2], *rank_shape, *x.shape[2:])
-    grads = trapezoidal_scan_bwd(dout, dH_last, *inputs, cu_seqlens, ctx.halved, chunk_states)
+        rank_shape = () if inputs.mimo_o is not None else (inputs.B.shape[2],)
+        dout = inputs.x.new_zeros(*inputs.x.shape[:2], *rank_shape, *inputs.x.shape[2:])
+    *grads, dH_init = trapezoidal_scan_bwd(dout, dH_last, *inputs, cu_seqlens, ctx.halved, chunk_states)
     result = [None if t is None else g for t, g in zip(inputs, grads)]
-    dH_init = None if ctx.H_init_dtype is None else grads[-1].to(ctx.H_init_dtype)
+    dH_init = None if ctx.H_init_dtype is None else dH_init.to(ctx.H_init_dtype)
     return (*result, dH_init, None, None, None)  # cu_seqlens, halved, save_chunk_states
 
 
@@ -319,58 +305,11 @@ def trapezoidal_scan_fwd(
     H_init: Tensor | None,
     cu_seqlens: Tensor | None,
     halved: bool,
-    save_chunk_states: bool = True,
+    save_chunk_states: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """out, last state, chunk-start states (what the backward needs)."""
-    return _trapezoidal_scan_fwd(
-        x,
-        B,
-        C,
-        B_bias,
-        C_bias,
-        mimo_x,
-        z,
-        mimo_z,
-        mimo_o,
-        D,
-        a,
-        sigma,
-        c,
-        cos,
-        sin,
-        H_init,
-        cu_seqlens,
-        halved,
-        save_chunk_states,
-    )
-
-
-def _bwd_fake(
-    dout,
-    dH_last,
-    x,
-    B,
-    C,
-    B_bias,
-    C_bias,
-    mimo_x,
-    z,
-    mimo_z,
-    mimo_o,
-    D,
-    a,
-    sigma,
-    c,
-    cos,
-    sin,
-    cu_seqlens,
-    halved,
-    chunk_states,
-):
-    rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    dH_init = a.new_empty(rows, x.shape[2], x.shape[3], B.shape[4])
-    inputs = (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
-    return (*(fake_like(t, x) for t in inputs), dH_init)
+    inputs = KernelInputs(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
+    return _trapezoidal_scan_fwd(inputs, H_init, cu_seqlens, halved, save_chunk_states)
 
 
 @kernel_op("ssm::trapezoidal_scan_bwd", fake=_bwd_fake)
@@ -395,110 +334,43 @@ def trapezoidal_scan_bwd(
     cu_seqlens: Tensor | None,
     halved: bool,
     chunk_states: Tensor,
-) -> tuple[
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-    Tensor,
-]:
-    """dx, dB, dC, dB_bias, dC_bias, dmimo_x, dz, dmimo_z, dmimo_o, dD, da, dσ, dc, dcos, dsin,
-    dH_init (empty for absent inputs)."""
-    grads = _trapezoidal_scan_bwd(
-        dout,
-        dH_last,
-        x,
-        B,
-        C,
-        B_bias,
-        C_bias,
-        mimo_x,
-        z,
-        mimo_z,
-        mimo_o,
-        D,
-        a,
-        sigma,
-        c,
-        cos,
-        sin,
-        cu_seqlens,
-        halved,
-        chunk_states,
-    )
-    return placeholders(grads, x)
+) -> tuple[(Tensor,) * (len(KernelInputs._fields) + 1)]:
+    """The gradients of the inputs (an empty placeholder for an absent one), then dH_init."""
+    inputs = KernelInputs(x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin)
+    grads, dH_init = _trapezoidal_scan_bwd(dout, dH_last, inputs, cu_seqlens, halved, chunk_states)
+    return placeholders((*grads, dH_init), x)
 
 
 # ----------------------------------------------------------------------------- backend entry point
 
 
-def _core(
-    x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init, rotary, chunk_size, cu_seqlens
-):
-    """The core of the shared fast-path skeleton (common.run) on the kernels; ``chunk_size`` is
-    the chunked backend's, not used here (the kernels scan CHUNK steps at a time)."""
-    tensors = (x, B, C, B_bias, C_bias, mimo_x, z, mimo_z, mimo_o, D, a, sigma, c, cos, sin, H_init)
-    save = needs_backward(*tensors)  # chunk states are only for a backward
-    out, H_last, _ = trapezoidal_scan_fwd(*tensors, cu_seqlens, rotary == "halved", save)
+def _core(args: TrapezoidalArgs, p: Prepared):
+    """The core of the shared fast-path skeleton (run_core) on the kernels: where the typed
+    arguments become the custom op's flat ones. ``args.chunk_size`` is the chunked backend's,
+    not used here (the kernels scan CHUNK steps at a time)."""
+    inputs = KernelInputs(
+        x=args.x,
+        B=args.B,
+        C=args.C,
+        B_bias=args.B_bias,
+        C_bias=args.C_bias,
+        mimo_x=args.mimo_x,
+        z=args.z,
+        mimo_z=args.mimo_z,
+        mimo_o=args.mimo_o,
+        D=args.D,
+        a=p.a,
+        sigma=p.s,
+        c=p.c,
+        cos=p.cos,
+        sin=p.sin,
+    )
+    save = needs_backward(*inputs, p.H_init)  # chunk states are only for a backward
+    out, H_last, _ = trapezoidal_scan_fwd(*inputs, p.H_init, args.cu_seqlens, args.rotary == "halved", save)
     return out, H_last
 
 
-def trapezoidal_scan_triton(
-    x,
-    dt,
-    A,
-    B,
-    C,
-    trap,
-    angles,
-    D,
-    z,
-    B_bias,
-    C_bias,
-    mimo_x,
-    mimo_z,
-    mimo_o,
-    rotary,
-    initial_state,
-    chunk_size,
-    cu_seqlens,
-):
-    """Backend "triton" of :func:`ssm.scan.trapezoidal_scan` (inputs validated, B and C
-    (B, L, R, G, N), biases (H, R, N), the key state (·, R, H, N)). Returns out in x's dtype and
-    the last state in float32 (float64 for float64 inputs)."""
-    dtype = state_dtype(
-        x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, *(initial_state or ())
-    )
-    return common.run(
-        _core,
-        x,
-        dt,
-        A,
-        B,
-        C,
-        trap,
-        angles,
-        D,
-        z,
-        B_bias,
-        C_bias,
-        mimo_x,
-        mimo_z,
-        mimo_o,
-        rotary,
-        initial_state,
-        chunk_size,
-        cu_seqlens,
-        dtype,
-    )
+def trapezoidal_scan_triton(args: TrapezoidalArgs):
+    """Backend "triton" of :func:`ssm.scan.trapezoidal_scan`: out in x's dtype and the last
+    state in float32 (float64 for float64 inputs)."""
+    return run_core(_core, args)
