@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate_text(parser, args) -> int:
     import torch
 
-    from ssm.models.text import load_model_and_tokenizer
     from ssm.models.scoring import score_ids, text_metrics
+    from ssm.models.text import load_model_and_tokenizer
 
     if not args.text.is_file():
         parser.error(f"--text {args.text}: no such file")

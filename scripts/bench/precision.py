@@ -69,8 +69,8 @@ def _variants() -> list[tuple[str, str, str | None, str | None]]:
 
 
 def run(args) -> tuple[int, dict]:
-    from ssm.models.text import load_model_and_tokenizer
     from ssm.models.scoring import score_ids, text_metrics
+    from ssm.models.text import load_model_and_tokenizer
 
     text, source = held_out_text(args)
     rows, reference, ids = [], None, None

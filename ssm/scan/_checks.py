@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 
 def check_tensor(name: str, x, *, ndim: int | Sequence[int] | None = None) -> torch.Tensor:
@@ -111,7 +112,21 @@ def packed_sequences(cu_seqlens, length: int, batch: int = 1, device: torch.devi
         raise ValueError(
             f"cu_seqlens must not decrease, but cu_seqlens[{i + 1}] = {values[i + 1]} < cu_seqlens[{i}] = {values[i]}"
         )
-    return PackedSequences(cu_seqlens.to(torch.int64), tuple(values))
+    packed = PackedSequences(cu_seqlens.to(torch.int64), tuple(values))
+    _BOUNDS[packed.cu_seqlens] = packed.bounds
+    return packed
+
+
+# The host copy of every validated cu_seqlens tensor still alive, so that a backend looping over
+# the sequences in Python (sequence_bounds) reads them without another host sync.
+_BOUNDS = WeakTensorKeyDictionary()
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """The values of a validated ``cu_seqlens`` on the host: kept from its validation, else read
+    (one host sync)."""
+    bounds = _BOUNDS.get(cu_seqlens)
+    return tuple(cu_seqlens.tolist()) if bounds is None else bounds
 
 
 def check_cu_seqlens(cu_seqlens, length: int, batch: int, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import compute_dtype
+from ._checks import compute_dtype, sequence_bounds
 
 
 def selective_delta(delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool) -> torch.Tensor:
@@ -66,7 +66,7 @@ def selective_per_sequence(fn, u, delta, A, B, C, D, z, delta_bias, delta_softpl
     states (S, D, N), a zero-length sequence's being its initial state (or 0)."""
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     outs, lasts = [], []
-    bounds = cu_seqlens.tolist()
+    bounds = sequence_bounds(cu_seqlens)
     for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         h0 = None if initial_state is None else initial_state[s : s + 1]
         if end == start:
@@ -88,7 +88,7 @@ def linear_per_sequence(fn, gates, inputs, dim, initial_state, reverse, cu_seqle
     packing. Returns all states, shaped like ``inputs``."""
     state_shape = inputs.shape[:dim] + inputs.shape[dim + 1 :]
     parts = []
-    bounds = cu_seqlens.tolist()
+    bounds = sequence_bounds(cu_seqlens)
     for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if end > start:
             h0 = None if initial_state is None else initial_state[s].reshape(state_shape)

@@ -30,11 +30,13 @@ S packed sequences (S' the non-empty ones).
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ._checks import compute_dtype
+from ._checks import compute_dtype, sequence_bounds
 from ._common import ssd_delta, ssd_skip_and_gate
 from .linear import linear_scan
 
@@ -169,7 +171,7 @@ def _add_initial_states(y, last, h0, cu_seqlens, a, C):
     groups = C.shape[2]
     S, heads, head_dim, N = h0.shape
     y_parts, lasts = [], []
-    for seq, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+    for seq, (start, end) in enumerate(pairwise(sequence_bounds(cu_seqlens))):
         h0_s = h0[seq]
         if end == start:
             lasts.append(h0_s)

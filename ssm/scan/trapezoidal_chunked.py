@@ -19,9 +19,12 @@ N state size.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
+from ._checks import sequence_bounds
 from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, per_head, rotate, run_core, values
 from .chunked import entering_states
 
@@ -74,7 +77,7 @@ def _core(args: TrapezoidalArgs, p: Prepared):
         y, H_last = _chunks(k, q, v, a, sigma, c, p.H_init, args.chunk_size)
     else:
         ys, lasts = [], []
-        for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        for i, (start, end) in enumerate(pairwise(sequence_bounds(cu_seqlens))):
             H0 = None if p.H_init is None else p.H_init[i : i + 1]
             if end == start:
                 lasts.append(H0 if H0 is not None else v.new_zeros(1, heads, v.shape[-1], k.shape[-1]))

@@ -332,7 +332,7 @@ class _CountingSyncs(torch.Tensor):
 
 
 def test_cu_seqlens_is_read_once_per_forward():
-    """A hybrid (Mamba-1, attention, Mamba-1, Mamba-2 blocks) validates its packing where it enters,
+    """A hybrid (Mamba-1, attention, Mamba-1, Mamba-2, Mamba-3 blocks) validates its packing where it enters,
     once, and hands it down validated: one host read of cu_seqlens for the whole forward, and
     the same logits as with a plain tensor. A layer called alone validates a tensor once, and a
     ``PackedSequences`` not at all."""
@@ -349,8 +349,9 @@ def test_cu_seqlens_is_read_once_per_forward():
         attn_cfg={"num_heads": 4, "causal": True},
     )
     model = MambaLM(config).double().eval()
-    mamba2 = MambaLM(MambaConfig(d_model=32, n_layer=1, ssm_cfg={"layer": "Mamba2", "headdim": 8})).double()
-    model.backbone.layers.append(mamba2.backbone.layers[0])  # a Mamba-2 block last
+    for layer in ("Mamba2", "Mamba3"):  # a Mamba-2 and a Mamba-3 block last (Mamba-3's chunked backend)
+        other = MambaLM(MambaConfig(d_model=32, n_layer=1, ssm_cfg={"layer": layer, "headdim": 8})).double()
+        model.backbone.layers.append(other.backbone.layers[0])
     ids = torch.randint(0, 45, (1, 20), generator=torch.Generator().manual_seed(1))
     plain = torch.tensor([0, 5, 5, 12, 20])
     counted = plain.clone().as_subclass(_CountingSyncs)

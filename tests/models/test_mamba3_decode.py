@@ -122,7 +122,9 @@ def test_a_gradient_to_keep_takes_the_per_op_step(monkeypatch):
     cache = model.allocate_inference_cache(2)
     model(ids[:, :5], cache=cache)
     calls, fused_step = [], fused_module.mamba_blocks_step
-    monkeypatch.setattr(fused_module, "mamba_blocks_step", lambda *a, **k: calls.append(fused_step(*a, **k) is not None))
+    monkeypatch.setattr(
+        fused_module, "mamba_blocks_step", lambda *a, **k: calls.append(fused_step(*a, **k) is not None)
+    )
     step = model.step(ids[:, 5], cache)
     assert calls == [False] and step.requires_grad
     torch.testing.assert_close(step, model(ids[:, :6])[:, -1], rtol=1e-4, atol=1e-4)
