@@ -392,20 +392,20 @@ def get_key(config, key: str):
     return value
 
 
-def check_config(config: TrainConfig) -> None:
+def check_config(config: TrainConfig, run: bool = False) -> None:
     """Raise ConfigError (one line: the key, what it must be, what it is) for the first value
-    out of its range (RANGES), a decay longer than the run, or a scan backend the model's mixer
-    does not have."""
+    out of its range (RANGES) or a scan backend the model's mixer does not have; with ``run``
+    (the config a run starts with, every override given), also a decay longer than the run."""
     for key, (ok, expected) in RANGES.items():
         value = get_key(config, key)
         if not ok(value):
             raise ConfigError(f"{key} must be {expected}, got {value!r}")
-    if config.optim.decay_steps > config.trainer.max_steps:
+    _check_backend(config.model)
+    if run and config.optim.decay_steps > config.trainer.max_steps:
         raise ConfigError(
             f"optim.decay_steps must be <= trainer.max_steps = {config.trainer.max_steps} (the decay is the "
             f"run's last steps), got {config.optim.decay_steps}"
         )
-    _check_backend(config.model)
 
 
 def _check_backend(model) -> None:

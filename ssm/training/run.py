@@ -226,7 +226,7 @@ def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
 
 
 def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
-    check_config(config)  # (load_config did; a config built in code is checked here)
+    check_config(config, run=True)  # (load_config checked each key; a config built in code is checked here)
     try:
         data = TaskDataModule(config.data, seed=config.seed)
     except (ValueError, FileNotFoundError) as err:  # data that cannot be built: a config mistake
