@@ -115,13 +115,6 @@ def saved_config(checkpoint: dict, ckpt_path: Path) -> dict | None:
     return None
 
 
-def _shown(value) -> str:
-    return "(unset)" if value is _UNSET else repr(value)
-
-
-_UNSET = object()
-
-
 def check_resume(config: TrainConfig, checkpoint: dict, ckpt_path: Path, module) -> None:
     """Refuse a resume that would change what the run is (ConfigError naming every key that
     differs from the checkpoint's config, one line), or whose checkpoint does not fit the model
@@ -129,10 +122,11 @@ def check_resume(config: TrainConfig, checkpoint: dict, ckpt_path: Path, module)
     saved = saved_config(checkpoint, ckpt_path)
     if saved is not None:
         theirs, ours = flat_config(saved), flat_config(to_dict(config))
+        # (a key only one of them has, from another version of the schema, cannot be compared)
         changed = [
-            f"{key} ({_shown(theirs.get(key, _UNSET))} in the run, {_shown(ours.get(key, _UNSET))} here)"
-            for key in sorted(theirs.keys() | ours.keys())
-            if not may_change(key) and theirs.get(key, _UNSET) != ours.get(key, _UNSET)
+            f"{key} ({theirs[key]!r} in the run, {ours[key]!r} here)"
+            for key in sorted(theirs.keys() & ours.keys())
+            if not may_change(key) and theirs[key] != ours[key]
         ]
         if changed:
             raise ConfigError(
