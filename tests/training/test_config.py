@@ -86,6 +86,10 @@ def test_mistakes_in_files_name_the_key(tmp_path):
     path.write_text("trainer:\n  max_steps: 1.5\n")
     with pytest.raises(ConfigError, match="trainer.max_steps must be int, got 1.5"):
         load_config(path)
+    path.write_text("trainer:\n  max_steps: [1\n")
+    with pytest.raises(ConfigError, match=r"c.yaml is not valid YAML: .* line 2") as err:
+        load_config(path)
+    assert "\n" not in str(err.value)
 
 
 def test_misspelt_mixer_argument_fails_before_training():
