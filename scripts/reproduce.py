@@ -206,6 +206,41 @@ def commit() -> str:
     return head.stdout.strip()[:12] + ("+changes" if dirty.stdout.strip() else "")
 
 
+class StageRecord:
+    """What the stopped attempts at a stage spent (stage_partial.json: the stage, its wall
+    seconds so far, the commits it trained with), so that the stage's wall and commits count
+    every attempt: written when an attempt is interrupted or fails and at each checkpoint (a
+    SIGKILL then loses only the time since the last one, as the run loses those steps), and
+    folded into stage_walls.json / stage_commits.json when the stage finishes."""
+
+    def __init__(self, run_dir: Path, stage: int, stage_commit: str):
+        self.path, self.stage = run_dir / "stage_partial.json", stage
+        record = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        same = record.get("stage") == stage
+        self.wall_before = float(record.get("wall_s", 0.0)) if same else 0.0
+        self.commits = list(dict.fromkeys((record.get("commits", []) if same else []) + [stage_commit]))
+        self.started = time.perf_counter()
+
+    def wall(self) -> float:
+        return self.wall_before + time.perf_counter() - self.started
+
+    def save(self) -> None:
+        record = {"stage": self.stage, "wall_s": round(self.wall(), 1), "commits": self.commits}
+        self.path.write_text(json.dumps(record) + "\n")
+
+    def callback(self):
+        import pytorch_lightning as pl
+
+        record = self
+
+        class SaveAtCheckpoints(pl.Callback):
+            def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+                if trainer.is_global_zero:
+                    record.save()
+
+        return SaveAtCheckpoints()
+
+
 def train_stages(task: str, mixer: str, seed: int, run_dir: Path, tiny: bool, overrides: list[str]) -> dict:
     """Train one run through its stages; returns steps, wall seconds and the final validation."""
     from ssm.training import load_checkpoint, load_config, train
@@ -215,7 +250,8 @@ def train_stages(task: str, mixer: str, seed: int, run_dir: Path, tiny: bool, ov
     # A run stopped between stages continues with the first stage it has not finished.
     walls_path = run_dir / "stage_walls.json"
     walls = json.loads(walls_path.read_text()) if walls_path.is_file() else []
-    # The commit each stage trained with (results.json's commit is the one that evaluated).
+    # The commit each stage trained with (results.json's commit is the one that evaluated); a
+    # stage trained in several attempts (stopped, then continued) with several lists them all.
     commits_path = run_dir / "stage_commits.json"
     commits = json.loads(commits_path.read_text()) if commits_path.is_file() else []
     ckpt = run_dir / "checkpoints" / "last.ckpt"
@@ -244,14 +280,22 @@ def train_stages(task: str, mixer: str, seed: int, run_dir: Path, tiny: bool, ov
             f"batch {stage.batch_size}, to step {steps}",
             flush=True,
         )
-        stage_commit = commit()
-        result = train(load_config(ROOT / "configs" / "paper" / f"{task}.yaml", stage_overrides))
+        record = StageRecord(run_dir, k, commit())
+        config = load_config(ROOT / "configs" / "paper" / f"{task}.yaml", stage_overrides)
+        try:
+            result = train(config, callbacks=(record.callback(),))
+        except BaseException:  # a crash: this attempt's time counts when the stage is run again
+            record.save()
+            raise
         if result.interrupted:
+            record.save()
             raise SystemExit(f"stage {k + 1} of {run_dir} was interrupted; run the command again to continue")
-        walls.append(result.metrics["wall_s"])
-        walls_path.write_text(json.dumps(walls) + "\n")
-        commits = commits[:k] + [stage_commit]
+        # indexed by stage: a stage run again replaces its own entry, whatever the lists held
+        commits = commits[:k] + [", ".join(record.commits)]
         commits_path.write_text(json.dumps(commits) + "\n")
+        walls = walls[:k] + [round(record.wall_before + result.metrics["wall_s"], 1)]
+        walls_path.write_text(json.dumps(walls) + "\n")  # last: a stage is done when its wall is written
+        record.path.unlink(missing_ok=True)
         metrics, done_steps = result.metrics, steps
     if not metrics and (run_dir / "metrics.json").is_file():  # every stage was done before
         metrics = json.loads((run_dir / "metrics.json").read_text())

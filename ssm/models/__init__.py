@@ -7,6 +7,7 @@ inputs.py       the checks of the token ids and attention masks a user hands the
 generation.py   generate's decoding loop and sampling
 fused_step.py   the plan of the fused C decoding step over a model's blocks
 checkpoint.py   save_pretrained / from_pretrained: mamba-ssm's and transformers' formats
+weight_files.py which files are a directory's weights: one set per directory, atomic writes
 quantize.py     int8 / int4 layers, and their quantization_config.json
 resolve.py      a name (directory or hub repo id) → a local directory
 tokenizer.py    tokenizers: bytes, tokenizer.json, special tokens

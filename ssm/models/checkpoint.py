@@ -5,6 +5,8 @@ transformers:  config.json = hidden_size, state_size, num_hidden_layers, ... wit
                (Mamba-1) or "mamba2"; model.safetensors or pytorch_model.bin, or either split in
                shards listed by model.safetensors.index.json / pytorch_model.bin.index.json; keys
                backbone.embeddings.weight, ...; lm_head.weight may be absent when tied.
+A directory holds one model: save_pretrained writes one weight set and removes the others'
+files, and from_pretrained refuses a local directory holding two (weight_files.py).
 Nothing here touches the network (resolve.py turns a hub repo id into a local directory first), and
 nothing read from a file runs code: safetensors files hold only tensors, and pytorch_model.bin
 files are unpickled with torch's weights-only unpickler.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 from pathlib import Path
 
@@ -25,23 +28,39 @@ from ..ops.quant import BLOCK, check_scheme, quantize_matrix
 from .config import MambaConfig
 from .quantize import build_quantized, quantizable, read_quantization, save_quantization, set_activations
 from .resolve import resolve_model_dir
+from .weight_files import BIN, INDEX_SUFFIX, SAFETENSORS, remove_orphans, remove_other_weights, temporary_path
+from .weight_files import weight_set as find_weight_set
 
-CONFIG, BIN, SAFETENSORS = "config.json", "pytorch_model.bin", "model.safetensors"
-INDEX_SUFFIX = ".index.json"  # model.safetensors.index.json, pytorch_model.bin.index.json
+CONFIG = "config.json"
 
 
 def save_pretrained(model, directory, safe_serialization: bool = False) -> None:
+    """config.json and the weights (model.safetensors, or pytorch_model.bin) into ``directory``;
+    then the other weight files there (the other format, index files, shards) are removed, so
+    that the directory holds this model only. The weights are written to a temporary file and
+    renamed into place after config.json: a save that fails (a full disk) leaves the old ones."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
-    save_quantization(model, directory)
+    name = SAFETENSORS if safe_serialization else BIN
+    remove_orphans(directory, (name, CONFIG))  # what a save killed while writing left
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if safe_serialization:
-        if model.config.tie_embeddings:
-            state.pop("lm_head.weight", None)  # safetensors stores no shared tensors
-        save_file(state, directory / SAFETENSORS, metadata={"format": "pt"})
-    else:
-        torch.save(state, directory / BIN)
+    weights, config = temporary_path(directory / name), temporary_path(directory / CONFIG)
+    try:
+        if safe_serialization:
+            if model.config.tie_embeddings:
+                state.pop("lm_head.weight", None)  # safetensors stores no shared tensors
+            save_file(state, weights, metadata={"format": "pt"})
+        else:
+            torch.save(state, weights)
+        config.write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+        os.replace(config, directory / CONFIG)
+        save_quantization(model, directory)
+        os.replace(weights, directory / name)
+    except BaseException:
+        weights.unlink(missing_ok=True)
+        config.unlink(missing_ok=True)
+        raise
+    remove_other_weights(directory, keep=name)
 
 
 def from_pretrained(
@@ -52,6 +71,8 @@ def from_pretrained(
     its converted copy: the peak is the converted model plus one tensor of the file."""
     dtype = parse_dtype(dtype)
     directory = resolve_model_dir(name_or_path, revision=revision)
+    # a local directory must hold one weight set; a hub snapshot may hold its repo's several copies
+    strict = isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).is_dir()
     config_path = directory / CONFIG
     if not config_path.is_file():
         raise FileNotFoundError(f"no {CONFIG} in {directory} (from_pretrained reads a local directory)")
@@ -79,7 +100,7 @@ def from_pretrained(
         spec = {"scheme": check_scheme(quantize), "block_size": BLOCK, "activations": activations or "int8"}
         build_quantized(model, {**spec, "modules": quantizable(model)})
     transform = _reading_transform(model, rename, dtype, None if quantization is not None else quantize)
-    state = read_weights(directory, transform)
+    state = read_weights(directory, transform, strict=strict)
     if transform is None:  # (the transform renames as it reads)
         for old, new in rename.items():
             state = {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
@@ -165,17 +186,19 @@ def read_config(path: Path) -> dict:
     return raw
 
 
-def read_weights(directory: Path, transform=None) -> dict[str, torch.Tensor]:
-    """The state dict of model.safetensors, else of the shards model.safetensors.index.json
-    lists, else of pytorch_model.bin, else of pytorch_model.bin.index.json's shards (tensors
-    only: a pickle that would build any other object, code included, is refused before it runs).
-    ``transform`` (name, tensor) -> {name: tensor}, applied to each tensor as it is read."""
-    for name in (SAFETENSORS, SAFETENSORS + INDEX_SUFFIX, BIN, BIN + INDEX_SUFFIX):
+def read_weights(directory: Path, transform=None, strict: bool = True) -> dict[str, torch.Tensor]:
+    """The state dict of model.safetensors, of the shards model.safetensors.index.json lists,
+    of pytorch_model.bin or of pytorch_model.bin.index.json's shards (tensors only: a pickle
+    that would build any other object, code included, is refused before it runs). ``strict``:
+    a directory holding more than one of them is refused, naming them; else the first in that
+    order is read. ``transform`` (name, tensor) -> {name: tensor}, applied to each tensor as it
+    is read."""
+    name = find_weight_set(directory, strict)
+    if name is not None:
         path = directory / name
-        if path.is_file():
-            if name.endswith(INDEX_SUFFIX):
-                return read_sharded(path, transform)
-            return read_weight_file(path, transform=transform)
+        if name.endswith(INDEX_SUFFIX):
+            return read_sharded(path, transform)
+        return read_weight_file(path, transform=transform)
     raise FileNotFoundError(
         f"no weights in {directory}: expected {SAFETENSORS}, {BIN} or a sharded checkpoint's index "
         f"({SAFETENSORS + INDEX_SUFFIX}, {BIN + INDEX_SUFFIX})"

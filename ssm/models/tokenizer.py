@@ -1,7 +1,7 @@
 """Text <-> token ids for the models: bytes (this library's own text runs, vocabulary 256), or a
 ``tokenizer.json`` read by the ``tokenizers`` library (what transformers' fast tokenizers are; an
 optional dependency, the ``hub`` extras), with its special tokens from tokenizer_config.json /
-special_tokens_map.json / config.json beside it.
+special_tokens_map.json / config.json beside it, read with transformers' precedence.
 
 ``load_tokenizer(model_dir, override)`` finds the one that goes with a model directory;
 ``train_bpe`` trains a byte-level BPE (data.tokenizer: bpe:SIZE); ``TextStream`` turns ids into
@@ -66,15 +66,19 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def token_byte_lengths(self) -> list[int]:
-        """How many bytes of text each token id stands for (0 for special tokens): exact for
-        byte-level BPE, whose token strings map one character to one byte; else the length of
-        the token decoded alone."""
-        special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        """How many bytes of text each token id stands for: an added token (special ones such as
+        <|endoftext|> included) the UTF-8 bytes of its text, since ``encode`` reads it from the
+        text (it adds none of its own), so that bits per byte count every byte of a text that
+        holds one; a byte-level BPE token its characters (one per byte); any other token the
+        bytes of it decoded alone."""
+        added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
         byte_level = type(self.tokenizer.decoder).__name__ == "ByteLevel"
         lengths = []
         for i in range(self.vocab_size):
             token = self.tokenizer.id_to_token(i)
-            if i in special or token is None:
+            if i in added:
+                lengths.append(len(added[i].encode("utf-8")))
+            elif token is None:
                 lengths.append(0)
             elif byte_level:
                 lengths.append(len(token))
@@ -104,14 +108,20 @@ def _read_json(path: Path) -> dict:
 
 
 def _special_tokens(directory: Path, tokenizer) -> dict[str, int | None]:
-    """eos / pad / bos ids: the first of tokenizer_config.json, special_tokens_map.json (each a
-    token's text, or {"content": text}) and config.json (eos_token_id ...) that names one."""
+    """eos / pad / bos ids, as transformers reads them: from tokenizer_config.json alone when it
+    holds "added_tokens_decoder" (what transformers >= 4.34 writes; special_tokens_map.json is
+    then not read); otherwise from special_tokens_map.json, then, for a kind it does not name,
+    tokenizer_config.json (older files: the map's names replace the config's). Each names a
+    token's text, or {"content": text}. A kind none of them names comes from config.json
+    (eos_token_id ...)."""
     found: dict[str, int | None] = {"eos": None, "pad": None, "bos": None}
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        path = directory / name
-        if not path.is_file():
-            continue
-        raw = _read_json(path)
+    config_path, map_path = directory / "tokenizer_config.json", directory / "special_tokens_map.json"
+    config = _read_json(config_path) if config_path.is_file() else None
+    sources = []
+    if config is None or "added_tokens_decoder" not in config:
+        sources += [(map_path, _read_json(map_path))] if map_path.is_file() else []
+    sources += [(config_path, config)] if config is not None else []
+    for path, raw in sources:
         for kind in found:
             value = raw.get(f"{kind}_token")
             if isinstance(value, dict):

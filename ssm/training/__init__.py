@@ -1,4 +1,5 @@
-"""Training glue: config schema, data modules, the LightningModule and the run driver.
+"""Training glue: config schema, data modules, the LightningModule and the run driver (run.py),
+with what a resume may change and the run directory's files (resume.py).
 
 It needs the ``train`` extras (pytorch-lightning, pyyaml, matplotlib):
 ``pip install -e ".[train]"``, or ``make train``, which installs them. The model itself

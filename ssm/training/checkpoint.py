@@ -9,7 +9,8 @@ over the old one, so a run killed while writing leaves the previous checkpoint w
 own writer renames a file from the system's temporary directory, which is a copy, not an atomic
 rename, when that directory lies on another file system, and does not flush it to disk.) A damaged
 file, such as one cut short by a full disk or a copy that stopped, is detected on reading and
-named in the error.
+named in the error. A writer killed mid-write (SIGKILL, power) leaves its ``.last.ckpt.<pid>.tmp``;
+the next start of the run removes those whose process is gone (``remove_orphan_checkpoints``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 from pytorch_lightning.plugins import TorchCheckpointIO
+
+from ..models.weight_files import remove_orphans, temporary_path
 
 
 class CheckpointError(ValueError):
@@ -72,7 +75,7 @@ def save_atomically(obj: Any, path: Path) -> None:
     """``torch.save(obj, path)`` such that ``path`` holds either its old content or the whole
     new one, never a part: a temporary file beside it, flushed to disk, then renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = temporary_path(path)
     try:
         with open(temporary, "wb") as f:
             torch.save(obj, f)
@@ -82,3 +85,10 @@ def save_atomically(obj: Any, path: Path) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def remove_orphan_checkpoints(directory: Path) -> list[str]:
+    """Remove the temporary checkpoint files in ``directory`` that a killed writer left (see
+    ssm.models.weight_files.remove_orphans: only those whose process is gone, since another
+    process may be writing one now). Returns their names."""
+    return remove_orphans(Path(directory))

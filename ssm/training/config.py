@@ -6,13 +6,16 @@ and defaults, read from that dataclass) plus ``backend``; ``model.vocab_size`` l
 task's vocabulary. ``base: other.yaml`` (relative to the file) starts from another file, so
 an experiment file holds only what it changes. Overrides on the command line are dotted keys,
 ``trainer.max_steps=500``, parsed by the type of the field they set. An unknown key or a value
-of the wrong type raises ``ConfigError`` naming the key and listing the valid ones.
+of the wrong type raises ``ConfigError`` naming the key and listing the valid ones; so does a
+value outside its range (``check_config``: each key's range is in ``RANGES`` below).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,10 +25,12 @@ from typing import Any, Union
 import yaml
 
 from ..models import MambaConfig
+from ..scan import backends as scan_backends
 
 
 class ConfigError(ValueError):
-    """A config key that does not exist or a value of the wrong type."""
+    """A config key that does not exist, a value of the wrong type or out of its range, or a
+    combination that cannot run; one line, naming the key."""
 
 
 def _model_section() -> type:
@@ -65,6 +70,9 @@ def _model_section() -> type:
 
 
 ModelSection = _model_section()
+
+
+TASKS = ("selective_copying", "induction_heads", "text")
 
 
 @dataclass
@@ -123,11 +131,11 @@ class TrainerSection:
     strategy: str = "auto"  # auto | ddp | fsdp | ...
     num_nodes: int = 1
     precision: str | None = None  # None: bf16-mixed on CUDA, 32-true elsewhere
-    gradient_clip_val: float = 1.0
+    gradient_clip_val: float | None = 1.0  # None or 0: no clipping
     val_check_interval: int = 200  # training steps between validations
     log_every_n_steps: int = 10
     accumulate_grad_batches: int = 1
-    limit_val_batches: int | float | None = None
+    limit_val_batches: int | float | None = None  # None: all; an int: batches; a float: a share
     deterministic: bool = False
 
 
@@ -157,6 +165,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. trainer.max_steps=100")
         set_key(config, key.strip(), value)
+    check_config(config)
     return config
 
 
@@ -165,7 +174,10 @@ def _load_yaml(path: Path, seen: tuple = ()) -> dict:
         raise ConfigError(f"config files include each other in a loop: {[str(p) for p in seen]}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
     base = raw.pop("base", None)
@@ -297,9 +309,128 @@ def _type_name(kind) -> str:
     return {type(None): "null"}.get(kind, getattr(kind, "__name__", str(kind)))
 
 
+# ----------------------------------------------------------------------------- ranges
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int_from(low: int) -> tuple:
+    return (lambda v: _is_int(v) and v >= low), f"an int >= {low}"
+
+
+def _number(test, text: str) -> tuple:
+    return (lambda v: _is_number(v) and test(v)), text
+
+
+def _tokenizer_spec(v) -> bool:
+    if not isinstance(v, str) or not v:
+        return False
+    if v.startswith("bpe:"):
+        return v[4:].isdigit() and int(v[4:]) >= 257
+    return True  # "bytes", or a path to a tokenizer.json (read when the run starts)
+
+
+# The range of every key that has one, as (test, what is expected). Types are coerce's; these are
+# the values that would train at a meaningless setting (a negative rate, a schedule started
+# part-way, no checkpoint ever written) or fail deep inside Lightning or torch. trainer.accelerator,
+# devices, strategy and precision are Lightning's to check (train() reports its refusal in one line).
+RANGES: dict[str, tuple] = {
+    "seed": ((lambda v: _is_int(v) and 0 <= v < 2**32), "an int in [0, 2**32)"),
+    # 0 would write no checkpoints/last.ckpt at all, and a kill would lose every step
+    "checkpoint_every": _int_from(1),
+    "log_every": _int_from(1),
+    "data.task": ((lambda v: v in TASKS), f"one of {list(TASKS)}"),
+    "data.seq_len": _int_from(1),
+    "data.batch_size": _int_from(1),
+    "data.num_tokens": _int_from(1),
+    "data.num_memorize": _int_from(1),
+    "data.val_samples": _int_from(1),
+    "data.short_gap_prob": _number(lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "data.short_gap_window": _int_from(1),
+    "data.paths": ((lambda v: isinstance(v, list) and all(isinstance(p, str) for p in v)), "a list of file globs"),
+    "data.val_fraction": _number(lambda v: 0 < v < 1, "a number in (0, 1), the share of files held out"),
+    "data.tokenizer": (_tokenizer_spec, "'bytes', 'bpe:SIZE' with SIZE >= 257, or a path to a tokenizer.json"),
+    "data.num_workers": _int_from(0),
+    "optim.lr": _number(lambda v: v > 0, "a finite number > 0"),
+    "optim.weight_decay": _number(lambda v: v >= 0, "a finite number >= 0"),
+    "optim.betas": (
+        (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v)),
+        "a list of two numbers in [0, 1), e.g. [0.9, 0.95]",
+    ),
+    "optim.eps": _number(lambda v: v > 0, "a finite number > 0"),
+    "optim.warmup_steps": _int_from(0),
+    "optim.min_lr_ratio": _number(lambda v: 0 <= v <= 1, "a number in [0, 1] (the final rate over the peak)"),
+    "optim.decay_steps": ((lambda v: _is_int(v) and v >= 0), "an int >= 0 (0: no final decay)"),
+    # Lightning's -1 (no limit, epochs decide) does not apply: the tasks are streams without epochs
+    "trainer.max_steps": ((lambda v: _is_int(v) and v >= 1), "an int >= 1 (the tasks have no epochs to end a run)"),
+    "trainer.num_nodes": _int_from(1),
+    "trainer.gradient_clip_val": ((lambda v: v is None or _is_number(v) and v >= 0), "null or a number >= 0"),
+    "trainer.val_check_interval": _int_from(1),
+    "trainer.log_every_n_steps": _int_from(1),
+    "trainer.accumulate_grad_batches": _int_from(1),
+    # 0 would validate nothing, and best.ckpt and the final metrics need a validation
+    "trainer.limit_val_batches": (
+        (lambda v: v is None or _is_int(v) and v >= 1 or isinstance(v, float) and 0 < v <= 1),
+        "null (all), an int >= 1 (batches) or a number in (0, 1] (a share)",
+    ),
+}
+# The scan op of each mixer, whose backends model.backend names (ssm.scan.backends).
+SCAN_OF_LAYER = {"Mamba1": "selective_scan", "Mamba2": "ssd", "Mamba3": "trapezoidal_scan"}
+
+
+def get_key(config, key: str):
+    """The value of dotted ``key`` in ``config``."""
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check_config(config: TrainConfig, run: bool = False) -> None:
+    """Raise ConfigError (one line: the key, what it must be, what it is) for the first value
+    out of its range (RANGES) or a scan backend the model's mixer does not have; with ``run``
+    (the config a run starts with, every override given), also a decay longer than the run."""
+    for key, (ok, expected) in RANGES.items():
+        value = get_key(config, key)
+        if not ok(value):
+            raise ConfigError(f"{key} must be {expected}, got {value!r}")
+    _check_backend(config.model)
+    if run and config.optim.decay_steps > config.trainer.max_steps:
+        raise ConfigError(
+            f"optim.decay_steps must be <= trainer.max_steps = {config.trainer.max_steps} (the decay is the "
+            f"run's last steps), got {config.optim.decay_steps}"
+        )
+
+
+def _check_backend(model) -> None:
+    ssm_cfg = model.ssm_cfg if isinstance(model.ssm_cfg, dict) else {}
+    key = "model.ssm_cfg.backend" if "backend" in ssm_cfg else "model.backend"
+    backend, op = ssm_cfg.get("backend", model.backend), SCAN_OF_LAYER.get(ssm_cfg.get("layer", "Mamba1"))
+    if op is None:  # an unknown mixer: MambaConfig names it when the model is built
+        return
+    valid = ["auto", *scan_backends(op)]
+    if backend not in valid:
+        raise ConfigError(
+            f"{key} must be one of {valid} (the backends of {op}, the scan of {ssm_cfg.get('layer', 'Mamba1')} "
+            f"layers), got {backend!r}"
+        )
+
+
 def to_dict(config: TrainConfig) -> dict:
     return dataclasses.asdict(config)
 
 
 def save_config(config: TrainConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    """``config`` as YAML at ``path``, written beside it and renamed over it (never half a file)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

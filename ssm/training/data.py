@@ -19,7 +19,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .config import DataSection
+from .config import TASKS, DataSection
 
 IGNORE = -100
 
@@ -265,9 +265,6 @@ class StepSampler(Sampler):
 
     def __len__(self) -> int:  # the whole stream, so that a resumed epoch is not cut short
         return len(range(self.rank, self.stop, self.world))
-
-
-TASKS = ("selective_copying", "induction_heads", "text")
 
 
 class TaskDataModule(pl.LightningDataModule):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,8 +30,14 @@ class MetricsCSV(Logger):
         the run resumes from, so that the file reads as one run. Rows are numbered as Lightning
         counts, from 0: those numbered ``step`` and above were logged by later steps.
         (Rank 0 only: the other ranks write nothing.)"""
-        if self.path.is_file():
-            self._write([row for row in read_metrics(self.path) if row[0] < step], "w")
+        if self.path.is_file():  # rewritten beside it and renamed over it: a kill now loses no row
+            rows = [row for row in read_metrics(self.path) if row[0] < step]
+            temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            try:
+                self._write(rows, "w", temporary)
+                os.replace(temporary, self.path)
+            finally:
+                temporary.unlink(missing_ok=True)
 
     @property
     def name(self) -> str:
@@ -64,9 +71,10 @@ class MetricsCSV(Logger):
     def finalize(self, status: str) -> None:
         self.save()
 
-    def _write(self, rows, mode):
-        new = mode == "w" or not self.path.is_file()
-        with open(self.path, mode, newline="") as f:
+    def _write(self, rows, mode, path: Path | None = None):
+        path = path or self.path
+        new = mode == "w" or not path.is_file()
+        with open(path, mode, newline="") as f:
             writer = csv.writer(f)
             if new:
                 writer.writerow(["step", "metric", "value"])

@@ -5,9 +5,11 @@ in its directory:
     checkpoints/     last.ckpt and best.ckpt        metrics.json  final validation metrics
     model/           MambaLM.save_pretrained        curves.png    loss and accuracy against steps
 
-A run changes no process-wide state that outlives it: warning filters and Lightning's log level
-are set for the duration of ``train`` only, the model is initialised from its own seeded random
-stream, and nothing is written into the environment.
+A start writes nothing into the run directory before training begins, and a resume that would
+change the model or the task is refused before that (resume.py); a fresh run that fails before
+its first step leaves no folder behind. A run changes no process-wide state that outlives it:
+warning filters and Lightning's log level are set for the duration of ``train`` only, the model
+is initialised from its own seeded random stream, and nothing is written into the environment.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint, TQDMProgressBar
-from pytorch_lightning.utilities.exceptions import SIGTERMException
+from pytorch_lightning.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from ..models import MambaLM
 from ..native import flushed_subnormals
 from .checkpoint import SafeCheckpointIO, load_checkpoint
-from .config import ConfigError, TrainConfig, save_config
+from .config import ConfigError, TrainConfig, check_config
 from .data import TaskDataModule
 from .metrics import LogLines, MetricsCSV, plot_curves
 from .module import LanguageModelTask
+from .resume import RunDirectory, check_resume, check_run_dir
 
 
 @dataclass
@@ -91,23 +94,9 @@ def trainer_kwargs(config: TrainConfig) -> dict:
         kw["precision"] = "bf16-mixed" if on_cuda else "32-true"
     if kw["limit_val_batches"] is None:
         del kw["limit_val_batches"]
-    if kw["max_steps"] < 1:
-        raise ConfigError(f"trainer.max_steps must be >= 1, got {kw['max_steps']}")
     kw["val_check_interval"] = min(kw["val_check_interval"], kw["max_steps"])
     kw["log_every_n_steps"] = min(kw["log_every_n_steps"], kw["max_steps"])
     return kw
-
-
-class SharedRunDir(pl.Callback):
-    """Gives every process rank 0's run directory. With several devices, Lightning starts the
-    other processes by running the same command line again, so a run directory named after the
-    clock could differ between them; once the processes have connected, rank 0's is broadcast."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def setup(self, trainer, pl_module, stage):
-        self.path = Path(trainer.strategy.broadcast(str(self.path), src=0))
 
 
 class StopOnSignal(pl.Callback):
@@ -153,10 +142,16 @@ class FlushSubnormals(pl.Callback):
     themselves: gradients and decays that pass through the subnormal range otherwise cost a
     microcode assist per operation. Measured: a Mamba-2 step (d_model 128, 2 layers, L 16384,
     forward and backward) 715-725 ms plainly, 470-478 ms flushed. Values below 1.2e-38 become 0,
-    as on GPUs. Each thread's own mode comes back after the step (and on an exception)."""
+    as on GPUs. Each thread's own mode comes back after the step (and on an exception).
+
+    Only the step: validation, the final validation and every other callback run in the mode
+    of before. The flush starts in this callback's on_train_batch_start, so it goes last in the
+    trainer's callbacks (the others' on_train_batch_start come before it), and ends in the
+    on_train_batch_end of ``leaving``, which goes first (the others' come after it)."""
 
     def __init__(self):
         self._scope = None
+        self.leaving = _EndFlush(self)
 
     def on_train_batch_start(self, trainer, pl_module, *args):
         self._leave()
@@ -165,6 +160,9 @@ class FlushSubnormals(pl.Callback):
             self._scope.enter_context(flushed_subnormals())
 
     def on_train_batch_end(self, trainer, *args):
+        self._leave()
+
+    def on_validation_start(self, trainer, pl_module):
         self._leave()
 
     def on_exception(self, trainer, pl_module, exception):
@@ -177,6 +175,16 @@ class FlushSubnormals(pl.Callback):
         if self._scope is not None:
             scope, self._scope = self._scope, None
             scope.close()
+
+
+class _EndFlush(pl.Callback):
+    """FlushSubnormals' end of the step, as a callback of its own that goes first."""
+
+    def __init__(self, flush: FlushSubnormals):
+        self.flush = flush
+
+    def on_train_batch_end(self, trainer, *args):
+        self.flush._leave()
 
 
 # Lightning logs at INFO level what helps no user of these runs: which accelerators exist,
@@ -218,7 +226,11 @@ def train(config: TrainConfig, callbacks: tuple = ()) -> RunResult:
 
 
 def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
-    data = TaskDataModule(config.data, seed=config.seed)
+    check_config(config, run=True)  # (load_config checked each key; a config built in code is checked here)
+    try:
+        data = TaskDataModule(config.data, seed=config.seed)
+    except (ValueError, FileNotFoundError) as err:  # data that cannot be built: a config mistake
+        raise ConfigError(str(err)) from err
     model = build_model(config, data.vocab_size)
     try:
         module = LanguageModelTask(
@@ -228,58 +240,64 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
         raise ConfigError(str(err)) from err
     kwargs = trainer_kwargs(config)
     ckpt_path = checkpoint_of(config.resume) if config.resume else None
-    # Read safely before anything else, so that a damaged file stops the run here with its name.
-    # (Memory-mapped: only the step count is read here; Lightning loads the checkpoint itself,
-    # through SafeCheckpointIO.)
-    resume_step = int(load_checkpoint(ckpt_path, mmap=True)["global_step"]) if ckpt_path else None
-
     run_dir = resolve_run_dir(config)
     config = copy.deepcopy(config)
     config.run_dir = str(run_dir)
     config.model.vocab_size = model.config.vocab_size
-    ckpt_dir = run_dir / "checkpoints"
+    resume_step = None
+    if ckpt_path is not None:
+        # Read safely before anything else, so that a damaged file stops the run here with its
+        # name, and compared with this config and model: a resume that would change the model or
+        # the task stops here too, before anything is written. (Memory-mapped: Lightning loads
+        # the checkpoint itself, through SafeCheckpointIO.)
+        checkpoint = load_checkpoint(ckpt_path, mmap=True)
+        resume_step = int(checkpoint["global_step"])
+        check_resume(config, checkpoint, ckpt_path, module)
+        del checkpoint
+    check_run_dir(run_dir, ckpt_path)
     progress_bar = sys.stdout.isatty() if config.progress_bar is None else config.progress_bar
-    shared_run_dir = SharedRunDir(run_dir)
     logger = MetricsCSV(run_dir / "metrics.csv")
-    stop_on_signal = StopOnSignal()
-    trainer = pl.Trainer(
-        **kwargs,
-        default_root_dir=str(run_dir),
-        logger=logger,
-        plugins=[SafeCheckpointIO()],
-        callbacks=[
-            shared_run_dir,
-            ModelCheckpoint(
-                dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=config.checkpoint_every
-            ),
-            ModelCheckpoint(
-                dirpath=ckpt_dir,
-                filename="best",
-                monitor="val/loss",
-                mode="min",
-                save_top_k=1,
-                enable_version_counter=False,
-                save_on_train_epoch_end=False,
-            ),
-            TQDMProgressBar() if progress_bar else LogLines(config.log_every),
-            stop_on_signal,
-            FlushSubnormals(),
-            *callbacks,
-        ],
-        enable_progress_bar=progress_bar,
-        enable_model_summary=False,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,  # the data modules split examples between ranks themselves
-    )
+    fresh = ckpt_path is None or run_dir.resolve() not in ckpt_path.resolve().parents
+    directory = RunDirectory(run_dir, config, logger, resume_step, fresh)
+    stop_on_signal, flush = StopOnSignal(), FlushSubnormals()
+    try:
+        trainer = pl.Trainer(
+            **kwargs,
+            default_root_dir=str(run_dir),
+            logger=logger,
+            plugins=[SafeCheckpointIO()],
+            callbacks=[
+                directory,
+                flush.leaving,  # first: every callback's on_train_batch_end runs unflushed
+                ModelCheckpoint(
+                    dirpath=run_dir / "checkpoints",
+                    save_last=True,
+                    save_top_k=0,
+                    every_n_train_steps=config.checkpoint_every,
+                ),
+                ModelCheckpoint(
+                    dirpath=run_dir / "checkpoints",
+                    filename="best",
+                    monitor="val/loss",
+                    mode="min",
+                    save_top_k=1,
+                    enable_version_counter=False,
+                    save_on_train_epoch_end=False,
+                ),
+                TQDMProgressBar() if progress_bar else LogLines(config.log_every),
+                stop_on_signal,
+                *callbacks,
+                flush,  # last: every callback's on_train_batch_start runs unflushed
+            ],
+            enable_progress_bar=progress_bar,
+            enable_model_summary=False,
+            check_val_every_n_epoch=None,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,  # the data modules split examples between ranks themselves
+        )
+    except (ValueError, MisconfigurationException) as err:  # Lightning's refusal of accelerator, devices, ...
+        raise ConfigError(f"trainer: {' '.join(str(err).split())}") from err
     if trainer.is_global_zero:
-        if resume_step is None and (run_dir / "config.yaml").exists():
-            raise ConfigError(
-                f"run_dir={str(run_dir)!r} already holds a run; continue it with resume={run_dir}, "
-                "or give another run_dir"
-            )
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir / "config.yaml")
         params = sum(p.numel() for p in model.parameters())
         mixer = model.config.ssm_cfg.get("layer", "Mamba1")
         if model.config.attn_layer_idx:
@@ -290,7 +308,6 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
             flush=True,
         )
         if resume_step is not None:
-            logger.drop_rows_after(resume_step)
             print(f"resuming from {ckpt_path} at step {resume_step}", flush=True)
 
     try:
@@ -298,9 +315,13 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     except SIGTERMException:  # raised between steps: the state below is a whole step's
         if trainer.is_global_zero:
             print("\nSIGTERM: saving the last step's state", flush=True)
+    except BaseException:
+        directory.remove_unstarted(trainer)  # a fresh run that failed before its first step
+        raise
     finally:
         stop_on_signal.restore()
-    run_dir = shared_run_dir.path  # rank 0's, on every rank
+    directory.start(trainer)  # (once: a resume with no step left to train has not started)
+    run_dir = directory.path  # rank 0's, on every rank
     ckpt_dir = run_dir / "checkpoints"
     trainer.save_checkpoint(ckpt_dir / "last.ckpt", weights_only=False)  # the final (or interrupted) state, in full
     if trainer.interrupted or trainer.global_step < config.trainer.max_steps:

@@ -196,3 +196,71 @@ def test_bad_directories(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "hidden_size": 8}))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         MambaLM.from_pretrained(tmp_path)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (a child started and waited for)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("first,second", [(True, False), (False, True)], ids=["st-then-bin", "bin-then-st"])
+def test_a_directory_saved_twice_holds_the_second_model(tmp_path, first, second):
+    """Saving into a directory that holds another format's weights, or a sharded copy, leaves
+    only the new weights: the stale ones were read first before. Files that are not weights of
+    ours stay, whatever their names."""
+    from tests.models.test_hub import write_sharded
+
+    old, new = tiny(), tiny(d_model=32)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(1)
+    write_sharded(old, tmp_path, "bin" if first else "safetensors")  # a sharded copy (other shard names)
+    old.save_pretrained(tmp_path, safe_serialization=first)
+    others = ["notes.txt", "tokenizer.json", "model-final.safetensors", "my.bin", "model.safetensors.bak"]
+    for name in others:
+        (tmp_path / name).write_text("not ours")
+    new.save_pretrained(tmp_path, safe_serialization=second)
+    weights = "model.safetensors" if second else "pytorch_model.bin"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["config.json", weights, *others])
+    assert torch.equal(MambaLM.from_pretrained(tmp_path)(IDS), new(IDS))
+
+
+def test_a_directory_with_two_weight_sets_is_refused_naming_both(tmp_path):
+    from tests.models.test_hub import write_sharded
+
+    model = tiny()
+    model.save_pretrained(tmp_path / "a", safe_serialization=True)
+    torch.save(model.state_dict(), tmp_path / "a" / "pytorch_model.bin")  # as an older save left it
+    with pytest.raises(ValueError, match=r"a holds 2 weight sets, model.safetensors and pytorch_model.bin, and which"):
+        MambaLM.from_pretrained(tmp_path / "a")
+    write_sharded(model, tmp_path / "b")  # a single file beside an index
+    torch.save(model.state_dict(), tmp_path / "b" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json and pytorch_model.bin, and which"):
+        MambaLM.from_pretrained(tmp_path / "b")
+
+
+def test_a_save_that_fails_leaves_the_old_model_and_orphans_go(tmp_path, monkeypatch):
+    old = tiny()
+    old.save_pretrained(tmp_path)
+    orphan = tmp_path / f".pytorch_model.bin.{dead_pid()}.tmp"  # left by a save killed while writing
+    live = tmp_path / f".pytorch_model.bin.{os.getppid()}.tmp"  # a save in progress elsewhere (a live pid)
+    orphan.write_bytes(b"x" * 100)
+    live.write_bytes(b"x")
+
+    def disk_full(obj, f, *args, **kwargs):
+        with open(f, "wb") as out:
+            out.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        tiny(d_model=32, n_layer=1).save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert not orphan.exists() and live.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["config.json", "pytorch_model.bin", live.name])
+    assert torch.equal(MambaLM.from_pretrained(tmp_path)(IDS), old(IDS))

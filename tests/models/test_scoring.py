@@ -55,17 +55,21 @@ def test_a_uniform_byte_model_scores_8_bits_per_byte(tmp_path, capsys):
         assert values["perplexity"] == pytest.approx(256, rel=1e-4)
 
 
-def test_bits_per_byte_of_a_bpe_model_by_hand(tmp_path, capsys):
+@pytest.mark.parametrize("special", [False, True], ids=["plain", "with special tokens"])
+def test_bits_per_byte_of_a_bpe_model_by_hand(tmp_path, capsys, special):
+    # with special tokens in the text, their bytes count as any other's (the text's own bytes)
+    text = TEXT.replace("\n\n", "<|endoftext|>") + "<pad>" if special else TEXT
     directory, model = model_dir(tmp_path)
     model.config.tie_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.lm_head.weight))
     model.save_pretrained(directory, safe_serialization=True)
-    (directory / "model.safetensors.index.json").unlink()  # the sharded copy is now stale
-    (tmp_path / "t.txt").write_text(TEXT)
-    encoding = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(TEXT, add_special_tokens=False)
+    assert not list(directory.glob("model*-of-*")) + list(directory.glob("*.index.json"))  # the stale shards went
+    (tmp_path / "t.txt").write_text(text)
+    encoding = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text, add_special_tokens=False)
     n = len(encoding.ids)
-    first_token_bytes = len(TEXT[: encoding.offsets[0][1]].encode("utf-8"))
-    scored_bytes = len(TEXT.encode("utf-8")) - first_token_bytes
+    assert (0 in encoding.ids) == special  # <|endoftext|> read as its token
+    first_token_bytes = len(text[: encoding.offsets[0][1]].encode("utf-8"))
+    scored_bytes = len(text.encode("utf-8")) - first_token_bytes
     expected = (n - 1) * math.log2(320) / scored_bytes  # model vocabulary 320, uniform over it
     values = run_evaluate([str(directory), "--text", str(tmp_path / "t.txt"), "--window", "32"], capsys)
     assert values["bpb"] == pytest.approx(expected, rel=1e-4)

@@ -100,6 +100,57 @@ def test_tokenizer_errors_name_the_file_and_the_sizes(tmp_path):
     assert isinstance(load_tokenizer(tmp_path, vocab_size=256), ByteTokenizer)  # our byte-level runs
 
 
+ADDED = {"0": {"content": "<|endoftext|>", "special": True}, "1": {"content": "<pad>", "special": True}}
+
+
+@pytest.mark.parametrize(
+    "tokenizer_config,special_tokens_map,expected",
+    [
+        # older files (no added_tokens_decoder): the map's names replace the config's, kind by kind
+        ({"eos_token": "<|endoftext|>", "pad_token": "<pad>"}, {"eos_token": "<pad>"}, {"eos": 1, "pad": 1}),
+        ({"eos_token": "<pad>"}, {"pad_token": {"content": "<|endoftext|>"}}, {"eos": 1, "pad": 0}),
+        # transformers >= 4.34's files: tokenizer_config.json alone, the map is not read
+        (
+            {"eos_token": "<|endoftext|>", "added_tokens_decoder": ADDED},
+            {"eos_token": "<pad>", "pad_token": "<|endoftext|>"},
+            {"eos": 0, "pad": None},
+        ),
+        # neither names eos: config.json's eos_token_id (0 here); the map alone names pad
+        (None, {"pad_token": "<pad>"}, {"eos": 0, "pad": 1}),
+    ],
+)
+def test_special_tokens_are_read_with_transformers_precedence(tmp_path, tokenizer_config, special_tokens_map, expected):
+    directory, _ = model_dir(tmp_path)
+    (directory / "tokenizer_config.json").unlink()
+    if tokenizer_config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (directory / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+    tok = load_tokenizer(directory)
+    assert {"eos": tok.eos_token_id, "pad": tok.pad_token_id} == expected
+    transformers = pytest.importorskip("transformers")  # the reference, where installed
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(str(directory))
+    if tokenizer_config is not None:  # (transformers' tokenizer reads no config.json)
+        assert (tok.eos_token_id, tok.pad_token_id) == (theirs.eos_token_id, theirs.pad_token_id)
+
+
+def test_bytes_of_a_text_holding_special_and_added_tokens(tmp_path):
+    """Every token of a text stands for its bytes of the text, special tokens read from it
+    included (encode adds none), so that bits per byte divide by the text's own bytes."""
+    from tokenizers import AddedToken
+
+    directory, _ = model_dir(tmp_path)
+    reference = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    reference.add_tokens([AddedToken("naïve café", special=False)])  # non-ASCII: more bytes than characters
+    reference.save(str(directory / "tokenizer.json"))
+    tok = load_tokenizer(directory)
+    text = PARAGRAPHS[0] + "<|endoftext|>" + PARAGRAPHS[1] + "<pad><pad>" + PARAGRAPHS[2]
+    ids = tok.encode(text)
+    assert {0, 1, reference.token_to_id("naïve café")} <= set(ids)  # read as the tokens, not their characters
+    lengths = tok.token_byte_lengths()
+    assert sum(lengths[i] for i in ids) == len(text.encode("utf-8"))
+    assert lengths[0] == len(b"<|endoftext|>") and lengths[reference.token_to_id("naïve café")] == 12
+
+
 def test_the_stream_pieces_join_to_the_decoded_text(tmp_path):
     tok = read_tokenizer_json(model_dir(tmp_path)[0])
     for tokenizer in (tok, ByteTokenizer()):

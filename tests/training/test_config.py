@@ -86,6 +86,10 @@ def test_mistakes_in_files_name_the_key(tmp_path):
     path.write_text("trainer:\n  max_steps: 1.5\n")
     with pytest.raises(ConfigError, match="trainer.max_steps must be int, got 1.5"):
         load_config(path)
+    path.write_text("trainer:\n  max_steps: [1\n")
+    with pytest.raises(ConfigError, match=r"c.yaml is not valid YAML: .* line 2") as err:
+        load_config(path)
+    assert "\n" not in str(err.value)
 
 
 def test_misspelt_mixer_argument_fails_before_training():
@@ -143,3 +147,100 @@ def test_unknown_model_key_lists_mamba_config_fields(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match=r"model.n_layer must be int, got 'two'"):
         load_config(None, ["model.n_layer=two"])
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("optim.min_lr_ratio=-1", r"optim.min_lr_ratio must be a number in \[0, 1\] .*, got -1.0"),
+        ("optim.min_lr_ratio=1.5", r"optim.min_lr_ratio must be a number in \[0, 1\]"),
+        ("optim.warmup_steps=-50", r"optim.warmup_steps must be an int >= 0, got -50"),
+        ("optim.decay_steps=-1", r"optim.decay_steps must be an int >= 0 \(0: no final decay\), got -1"),
+        ("optim.lr=0", r"optim.lr must be a finite number > 0, got 0.0"),
+        ("optim.lr=-1e-3", r"optim.lr must be a finite number > 0"),
+        ("optim.lr=nan", r"optim.lr must be a finite number > 0, got nan"),
+        ("optim.lr=inf", r"optim.lr must be a finite number > 0, got inf"),
+        ("optim.eps=0", r"optim.eps must be a finite number > 0"),
+        ("optim.betas=[0.9]", r"optim.betas must be a list of two numbers in \[0, 1\), e.g. .*, got \[0.9\]"),
+        ("optim.betas=[0.9, 1.0]", r"optim.betas must be a list of two numbers in \[0, 1\)"),
+        ("optim.betas=[0.9, fast]", r"optim.betas must be a list of two numbers"),
+        ("optim.weight_decay=-0.1", r"optim.weight_decay must be a finite number >= 0"),
+        ("checkpoint_every=0", r"checkpoint_every must be an int >= 1, got 0"),
+        ("log_every=0", r"log_every must be an int >= 1, got 0"),
+        ("seed=-1", r"seed must be an int in \[0, 2\*\*32\), got -1"),
+        ("trainer.val_check_interval=0", r"trainer.val_check_interval must be an int >= 1, got 0"),
+        ("trainer.log_every_n_steps=0", r"trainer.log_every_n_steps must be an int >= 1"),
+        ("trainer.max_steps=-1", r"trainer.max_steps must be an int >= 1 \(the tasks have no epochs"),
+        ("trainer.max_steps=0", r"trainer.max_steps must be an int >= 1"),
+        ("trainer.accumulate_grad_batches=0", r"trainer.accumulate_grad_batches must be an int >= 1"),
+        ("trainer.gradient_clip_val=-1", r"trainer.gradient_clip_val must be null or a number >= 0, got -1.0"),
+        ("trainer.num_nodes=0", r"trainer.num_nodes must be an int >= 1"),
+        ("trainer.limit_val_batches=0", r"trainer.limit_val_batches must be null \(all\), an int >= 1"),
+        ("trainer.limit_val_batches=1.5", r"trainer.limit_val_batches must be null \(all\)"),
+        ("data.task=copying", r"data.task must be one of \['selective_copying', 'induction_heads', 'text'\]"),
+        ("data.seq_len=0", r"data.seq_len must be an int >= 1, got 0"),
+        ("data.batch_size=0", r"data.batch_size must be an int >= 1"),
+        ("data.num_tokens=0", r"data.num_tokens must be an int >= 1"),
+        ("data.num_memorize=0", r"data.num_memorize must be an int >= 1"),
+        ("data.val_samples=0", r"data.val_samples must be an int >= 1"),
+        ("data.short_gap_prob=1.5", r"data.short_gap_prob must be a number in \[0, 1\], got 1.5"),
+        ("data.short_gap_window=0", r"data.short_gap_window must be an int >= 1"),
+        ("data.val_fraction=0", r"data.val_fraction must be a number in \(0, 1\)"),
+        ("data.val_fraction=1", r"data.val_fraction must be a number in \(0, 1\)"),
+        ("data.num_workers=-1", r"data.num_workers must be an int >= 0"),
+        ("data.tokenizer=bpe:100", r"data.tokenizer must be 'bytes', 'bpe:SIZE' with SIZE >= 257"),
+        ("data.paths=[1, 2]", r"data.paths must be a list of file globs"),
+        ("model.backend=fast", r"model.backend must be one of \['auto', 'cpu', 'pscan', 'ref', 'triton'\] \(the"),
+        ("model.backend=chunked", r"model.backend must be one of .* \(the backends of selective_scan, the scan of Mam"),
+        ("model.ssm_cfg.backend=pscan", None),  # Mamba1's: fine (see below for Mamba2)
+    ],
+)
+def test_values_out_of_range_name_the_key(override, message):
+    if message is None:
+        load_config(DEFAULT, [override])
+        return
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(DEFAULT, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_the_backend_must_be_one_of_the_mixers_scan():
+    for layer, good, bad in (("Mamba2", "chunked", "pscan"), ("Mamba3", "chunked", "cpu")):
+        cfg = f"model.ssm_cfg={{layer: {layer}, d_state: 4, headdim: 8}}"
+        assert load_config(DEFAULT, [cfg, f"model.backend={good}"]).model.backend == good
+        with pytest.raises(ConfigError, match=rf"model.backend must be one of .* got '{bad}'"):
+            load_config(DEFAULT, [cfg, f"model.backend={bad}"])
+    with pytest.raises(ConfigError, match=r"model.ssm_cfg.backend must be one of .* the scan of Mamba2"):
+        load_config(DEFAULT, ["model.ssm_cfg={layer: Mamba2, backend: pscan}"])
+
+
+def test_a_decay_longer_than_the_run_is_refused_when_it_starts(tmp_path):
+    from ssm.training import train
+
+    config = load_config(DEFAULT, ["optim.decay_steps=300", "trainer.max_steps=200", f"run_dir={tmp_path / 'r'}"])
+    with pytest.raises(ConfigError, match=r"optim.decay_steps must be <= trainer.max_steps = 200 .*, got 300"):
+        train(config)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        # a ValueError of the data (here, of the task) and of the model config: one line each
+        (["data.num_memorize=20", "data.seq_len=12"], "error: data.num_memorize (20) must be <= data.seq_len (12)"),
+        (["model.ssm_cfg.layer=Mamba9"], "error: model: MambaConfig.ssm_cfg['layer'] must be one of"),
+        (["data.task=text", "data.paths=[/nonexistent/*.txt]"], "error: data.paths ['/nonexistent/*.txt'] match no"),
+        # what Lightning refuses: one line too
+        (["trainer.accelerator=abacus"], "error: trainer: "),
+        (["optim.min_lr_ratio=-1"], "error: optim.min_lr_ratio must be a number in [0, 1]"),
+        (["trainer.gradient_clip_val=fast"], "error: trainer.gradient_clip_val must be float or null, got 'fast'"),
+    ],
+)
+def test_the_train_script_reports_a_config_value_error_in_one_line(overrides, message, tmp_path, capsys):
+    import runpy
+
+    main = runpy.run_path(str(DEFAULT.parent.parent / "scripts" / "train.py"))["main"]
+    assert main([*overrides, f"run_dir={tmp_path / 'r'}", "trainer.max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()  # nothing left behind

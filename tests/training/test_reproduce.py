@@ -98,3 +98,51 @@ def test_a_run_stopped_between_stages_continues_with_the_next(tmp_path, capsys):
     info = mod["train_stages"]("induction_heads", "Mamba1", 0, run_dir, True, [])
     out = capsys.readouterr().out
     assert "stage 1/" not in out and f"stage {len(stages)}/" in out and info["steps"] == sum(s.steps for s in stages)
+
+
+def test_a_stage_run_again_after_a_stop_records_every_attempt(tmp_path, monkeypatch):
+    """Stage 2's first attempt is interrupted after 3 s (a Ctrl+C) and the command is run again
+    with another commit checked out: the stage's wall is both attempts' (not only the last's)
+    and its commits both; stage 1's records stay as they were."""
+    import time
+
+    import pytorch_lightning as pl
+
+    import ssm.training
+
+    mod = reproduce()
+    train_stages = mod["train_stages"]
+    commits = iter(["c1", "c2", "c3"])
+    monkeypatch.setitem(train_stages.__globals__, "commit", lambda: next(commits))
+    stages = mod["TINY_STAGES"]["induction_heads"]
+    real_train, walls = ssm.training.train, []
+
+    class SlowThenStop(pl.Callback):  # 3 s in, then stops after its first step, as a Ctrl+C would
+        def on_train_start(self, trainer, pl_module):
+            time.sleep(3)
+
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = True
+
+    def train(config, callbacks=()):
+        started = time.perf_counter()
+        interrupt = len(walls) == 1  # the first attempt at stage 2
+        result = real_train(config, callbacks=(*callbacks, SlowThenStop()) if interrupt else callbacks)
+        walls.append(time.perf_counter() - started)
+        return result
+
+    monkeypatch.setattr(ssm.training, "train", train)
+    run_dir = tmp_path / "induction_heads_Mamba1_s0"
+    with pytest.raises(SystemExit, match="stage 2 of .* was interrupted"):
+        train_stages("induction_heads", "Mamba1", 0, run_dir, True, [])
+    first = json.loads((run_dir / "stage_walls.json").read_text())
+    assert len(first) == 1 and json.loads((run_dir / "stage_commits.json").read_text()) == ["c1"]
+    info = train_stages("induction_heads", "Mamba1", 0, run_dir, True, [])
+    assert len(walls) == 3 and info["steps"] == sum(s.steps for s in stages)
+    assert info["stage_commits"] == ["c1", "c2, c3"]
+    assert info["stage_wall_s"][0] == first[0]
+    # both attempts at stage 2, as timed around train() here (train() times itself from its
+    # start to its final validation, a little less)
+    assert walls[1] > 3 and walls[1] + walls[2] - 1 < info["stage_wall_s"][1] <= walls[1] + walls[2] + 0.1
+    assert info["train_wall_s"] == pytest.approx(sum(info["stage_wall_s"]), abs=0.11)
+    assert not (run_dir / "stage_partial.json").exists()

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -415,18 +416,57 @@ def test_two_process_ddp_on_cpu_splits_examples_and_keeps_parameters_equal(tmp_p
     assert not torch.equal(ranks[0]["params"][0], ranks[0]["params"][-1])
 
 
-def test_a_cpu_step_flushes_subnormals_on_every_thread_and_gives_the_mode_back(tmp_path):
-    """FlushSubnormals: inside a training step (after the backward, before the optimizer step)
-    a parallel torch op over subnormal inputs gives zeros in every thread's share; after the run
-    the same op keeps them."""
+def test_a_cpu_step_flushes_subnormals_on_every_thread_and_only_the_step(tmp_path):
+    """FlushSubnormals: inside a training step (the backward, before the optimizer step) a
+    parallel torch op over subnormal inputs gives zeros in every thread's share; outside it
+    (every callback's batch start and end, validation, checkpoints) and after the run the same
+    op keeps them."""
     x = torch.full((1 << 21,), 1e-39)  # subnormal in float32, large enough for every thread
-    seen = []
 
-    class Probe(pl.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            seen.append(bool((x * 1.5 == 0).all()))
+    def mode():
+        zeros = x * 1.5 == 0
+        return "flushed" if bool(zeros.all()) else "kept" if not bool(zeros.any()) else "mixed"
 
-    args = TINY + TASKS["selective_copying"] + ["trainer.max_steps=2", f"run_dir={tmp_path}"]
+    seen = {}
+
+    class Probe(pl.Callback):  # each hook of HOOKS records the mode it runs in
+        def __getattribute__(self, name):
+            if name in HOOKS:
+                return lambda *args: seen.setdefault(name, set()).add(mode())
+            return super().__getattribute__(name)
+
+    HOOKS = {
+        "on_train_batch_start": "kept",
+        "on_before_backward": "flushed",
+        "on_after_backward": "flushed",
+        "on_before_optimizer_step": "flushed",
+        "on_train_batch_end": "kept",
+        "on_validation_batch_start": "kept",
+        "on_validation_batch_end": "kept",
+        "on_save_checkpoint": "kept",
+    }
+    args = TINY + TASKS["selective_copying"] + ["trainer.max_steps=3", f"run_dir={tmp_path}"]
     train(load_config(None, args), callbacks=(Probe(),))
-    assert seen == [True, True], seen
-    assert (x * 1.5 != 0).all(), "a thread kept flushing after the run"
+    assert seen == {hook: {expected} for hook, expected in HOOKS.items()}
+    assert mode() == "kept", "a thread kept flushing after the run"
+
+
+def test_train_runs_off_the_main_thread(tmp_path):
+    """Signal handlers can be installed from the main thread only: from another one, train()
+    runs without them (Ctrl+C reaches the main thread) and touches none of the process's."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    out = {}
+
+    def run():
+        try:
+            args = TINY + TASKS["selective_copying"] + ["trainer.max_steps=2", f"run_dir={tmp_path}"]
+            out["result"] = train(load_config(None, args))
+        except BaseException as err:  # noqa: BLE001 (reported below)
+            out["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=300)
+    assert "error" not in out, repr(out.get("error"))
+    assert out["result"].metrics["step"] == 2 and not out["result"].interrupted
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
