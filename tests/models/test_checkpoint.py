@@ -231,17 +231,29 @@ def test_a_directory_saved_twice_holds_the_second_model(tmp_path, first, second)
 
 
 def test_a_directory_with_two_weight_sets_is_refused_naming_both(tmp_path):
+    """Two sets that differ (a stale one beside the model): which is the model is unknown."""
     from tests.models.test_hub import write_sharded
 
-    model = tiny()
+    model, stale = tiny(), tiny()
+    with torch.no_grad():
+        stale.backbone.norm_f.weight.add_(1.0)  # another model of the same shapes, as an older save left it
     model.save_pretrained(tmp_path / "a", safe_serialization=True)
-    torch.save(model.state_dict(), tmp_path / "a" / "pytorch_model.bin")  # as an older save left it
+    torch.save(stale.state_dict(), tmp_path / "a" / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"a holds 2 weight sets, model.safetensors and pytorch_model.bin, and which"):
         MambaLM.from_pretrained(tmp_path / "a")
     write_sharded(model, tmp_path / "b")  # a single file beside an index
-    torch.save(model.state_dict(), tmp_path / "b" / "pytorch_model.bin")
+    torch.save(stale.state_dict(), tmp_path / "b" / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"model.safetensors.index.json and pytorch_model.bin, and which"):
         MambaLM.from_pretrained(tmp_path / "b")
+
+
+def test_a_directory_with_copies_of_one_model_in_two_formats_loads(tmp_path):
+    """A clone of a hub repo that publishes one model as .safetensors and as .bin (many -hf
+    repos do): the sets hold the same tensors (safetensors without the tied head), so it loads."""
+    model = tiny()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    torch.testing.assert_close(MambaLM.from_pretrained(tmp_path)(IDS), model(IDS), rtol=0, atol=0)
 
 
 def test_a_save_that_fails_leaves_the_old_model_and_orphans_go(tmp_path, monkeypatch):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ssm import MambaConfig, MambaLM
-from ssm.models.checkpoint import config_from_transformers, read_config
+from ssm.models.checkpoint import read_config
+from ssm.models.transformers_config import config_from_transformers
 
 # mamba-ssm 2.x's MambaConfig (mamba_ssm/models/config_mamba.py), in its order.
 MAMBA_SSM_FIELDS = [
