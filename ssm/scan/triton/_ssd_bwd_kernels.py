@@ -109,7 +109,7 @@ def _ssd_dstate_kernel(
     if PACKED and HAS_DLAST:
         if prev >= 0:
             q = tl.load(cu_ptr + prev + 1) - 1
-            if q < l0 + CHUNK:
+            if (q >= l0) & (q < l0 + CHUNK):  # it ends in the chunk (not on the step before it)
                 acc += tl.exp(tl.load(cum_base + q)) * load_state(dlast_ptr + (prev * H + h) * P * N, p, n, P, N)
     offsets = ((pid * H + h) * P + p[:, None]) * N + n[None, :]
     tl.store(dstates_ptr + offsets, acc, mask=(p < P)[:, None] & (n < N)[None, :])
