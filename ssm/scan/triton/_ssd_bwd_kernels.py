@@ -51,14 +51,14 @@ def _ssd_gate_bwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     b, lb = pid // n_lb, pid % n_lb
     h = tl.program_id(1)
-    l = lb * BLOCK_L + tl.arange(0, BLOCK_L)
+    pos = lb * BLOCK_L + tl.arange(0, BLOCK_L)
     p = tl.arange(0, BLOCK_P)
-    tile = (l < L)[:, None] & (p < P)[None, :]
-    offsets = ((b * L + l[:, None]) * H + h) * P + p[None, :]
+    tile = (pos < L)[:, None] & (p < P)[None, :]
+    offsets = ((b * L + pos[:, None]) * H + h) * P + p[None, :]
     g = tl.load(dout_ptr + offsets, mask=tile, other=0.0).to(COMPUTE)
     if HAS_Z:
         z = tl.load(
-            z_ptr + b * stride_z_b + h * stride_z_h + l[:, None] * stride_z_l + p[None, :], mask=tile, other=0.0
+            z_ptr + b * stride_z_b + h * stride_z_h + pos[:, None] * stride_z_l + p[None, :], mask=tile, other=0.0
         ).to(COMPUTE)
         sig = tl.sigmoid(z)
         y_pre = tl.load(y_pre_ptr + offsets, mask=tile, other=0.0).to(COMPUTE)
@@ -66,7 +66,9 @@ def _ssd_gate_bwd_kernel(
         g = g * z * sig
         tl.store(dy_ptr + offsets, g, mask=tile)
     if HAS_D:
-        x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + l[:, None] * stride_x_l + p[None, :], mask=tile, other=0.0)
+        x = tl.load(
+            x_ptr + b * stride_x_b + h * stride_x_h + pos[:, None] * stride_x_l + p[None, :], mask=tile, other=0.0
+        )
         tl.store(dD_part_ptr + (pid * H + h) * P + p, tl.sum(g * x.to(COMPUTE), axis=0), mask=p < P)
 
 
@@ -246,7 +248,9 @@ def _ssd_bwd_dx_kernel(
                 mask=t_ok[:, None] & (p < P)[None, :],
                 other=0.0,
             )
-            Ct = tl.load(C_base + lt[:, None] * stride_C_l + n[None, :], mask=t_ok[:, None] & (n < N)[None, :], other=0.0)
+            Ct = tl.load(
+                C_base + lt[:, None] * stride_C_l + n[None, :], mask=t_ok[:, None] & (n < N)[None, :], other=0.0
+            )
             decay = decay_between(tl.load(cum_base + lt)[:, None], cum_u[None, :], keep)
             cb = tl.where(keep, tl.load(CB_base + (lt - l0)[:, None] * CHUNK + u[None, :]) * decay, 0.0)
             dW = dot(dyt, tl.trans(xu), DOT, PRECISION, COMPUTE)  # (t, u)
@@ -344,7 +348,9 @@ def _ssd_bwd_dc_kernel(
                 mask=(lu < L)[:, None] & (p < P)[None, :],
                 other=0.0,
             )
-            Bu = tl.load(B_base + lu[:, None] * stride_B_l + n[None, :], mask=(lu < L)[:, None] & (n < N)[None, :], other=0.0)
+            Bu = tl.load(
+                B_base + lu[:, None] * stride_B_l + n[None, :], mask=(lu < L)[:, None] & (n < N)[None, :], other=0.0
+            )
             decay = decay_between(cum_t[:, None], tl.load(cum_base + lu)[None, :], keep)
             dW = dot(dyt, tl.trans(xu), DOT, PRECISION, COMPUTE)
             dcb = dW * decay * tl.load(delta_ptr + (b * H + h) * Lp + lu)[None, :]
@@ -418,7 +424,9 @@ def _ssd_sequence_bwd_kernel(
                     keep = (lt >= start) & (lt < stop)
                     w = decay_between(tl.load(cum_base + lt), sigma, keep)
                     dyT = tl.load(
-                        dy_ptr + (lt[None, :] * H + h) * P + p[:, None], mask=keep[None, :] & (p < P)[:, None], other=0.0
+                        dy_ptr + (lt[None, :] * H + h) * P + p[:, None],
+                        mask=keep[None, :] & (p < P)[:, None],
+                        other=0.0,
                     )
                     Ct = tl.load(
                         C_ptr + g * stride_C_g + lt[:, None] * stride_C_l + n[None, :],
@@ -469,20 +477,20 @@ def _ssd_dt_bwd_kernel(
     b, k = pid // n_chunks, pid % n_chunks
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t = tl.arange(0, CHUNK)
-    l = k * CHUNK + t
-    valid = (l < L)[:, None] & (h < H)[None, :]
-    offsets = (b * H + h[None, :]) * Lp + l[:, None]
+    pos = k * CHUNK + t
+    valid = (pos < L)[:, None] & (h < H)[None, :]
+    offsets = (b * H + h[None, :]) * Lp + pos[:, None]
     delta = tl.load(delta_ptr + offsets, mask=valid, other=0.0)
     dd_intra = tl.load(dd_intra_ptr + offsets, mask=valid, other=0.0)
     dd_state = tl.load(dd_state_ptr + offsets, mask=valid, other=0.0)
     ds = tl.load(ds_rows_ptr + offsets, mask=valid, other=0.0) - delta * dd_intra
     if HAS_DS_LAST:
-        ds += tl.load(ds_last_ptr + h[None, :] * Lp + l[:, None], mask=valid, other=0.0)
+        ds += tl.load(ds_last_ptr + h[None, :] * Lp + pos[:, None], mask=valid, other=0.0)
     yend = tl.load(yend_ptr + (b * H + h) * n_chunks + k, mask=h < H, other=0.0)
     ds += tl.where(t[:, None] == CHUNK - 1, yend[None, :], 0.0)
     rr = delta * dd_state
     if PACKED:
-        ids = tl.broadcast_to(tl.load(seq_ptr + l)[:, None], [CHUNK, BLOCK_H])
+        ids = tl.broadcast_to(tl.load(seq_ptr + pos)[:, None], [CHUNK, BLOCK_H])
         da, _ = tl.associative_scan((ds, ids), 0, _segment_sum, reverse=True)
         before, _ = tl.associative_scan((rr, ids), 0, _segment_sum)
     else:
@@ -493,7 +501,7 @@ def _ssd_dt_bwd_kernel(
     grad = da * A[None, :] + dd_intra + dd_state
     tl.store(dA_part_ptr + pid * H + h, tl.sum(tl.where(valid, da * delta, 0.0), axis=0), mask=h < H)
 
-    raw = tl.load(dt_ptr + b * stride_dt_b + l[:, None] * stride_dt_l + h[None, :], mask=valid, other=0.0).to(COMPUTE)
+    raw = tl.load(dt_ptr + b * stride_dt_b + pos[:, None] * stride_dt_l + h[None, :], mask=valid, other=0.0).to(COMPUTE)
     bias = 0.0
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias_ptr + h, mask=h < H, other=0.0).to(COMPUTE)[None, :]
@@ -504,6 +512,6 @@ def _ssd_dt_bwd_kernel(
         pre = raw + bias
         grad = tl.where(pre > 20.0, grad, grad * tl.sigmoid(pre))
     grad = tl.where(valid, grad, 0.0)
-    tl.store(ddt_ptr + (b * L + l[:, None]) * H + h[None, :], grad, mask=valid)
+    tl.store(ddt_ptr + (b * L + pos[:, None]) * H + h[None, :], grad, mask=valid)
     if HAS_DT_BIAS:
         tl.store(dbias_part_ptr + pid * H + h, tl.sum(grad, axis=0), mask=h < H)

@@ -140,9 +140,9 @@ def _ssd_cumsum_kernel(
     b, k = pid // n_chunks, pid % n_chunks
     t = tl.arange(0, CHUNK)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    l = k * CHUNK + t
-    valid = (l < L)[:, None] & (h < H)[None, :]
-    raw = tl.load(dt_ptr + b * stride_dt_b + l[:, None] * stride_dt_l + h[None, :], mask=valid, other=0.0)
+    pos = k * CHUNK + t
+    valid = (pos < L)[:, None] & (h < H)[None, :]
+    raw = tl.load(dt_ptr + b * stride_dt_b + pos[:, None] * stride_dt_l + h[None, :], mask=valid, other=0.0)
     bias = 0.0
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias_ptr + h, mask=h < H, other=0.0).to(COMPUTE)[None, :]
@@ -150,7 +150,7 @@ def _ssd_cumsum_kernel(
     delta = tl.where(valid, delta, 0.0)
     A = tl.load(A_ptr + h, mask=h < H, other=0.0).to(COMPUTE)
     cum = tl.cumsum(delta * A[None, :], axis=0)
-    offsets = (b * H + h[None, :]) * Lp + l[:, None]
+    offsets = (b * H + h[None, :]) * Lp + pos[:, None]
     tl.store(delta_ptr + offsets, delta, mask=(h < H)[None, :])
     tl.store(cum_ptr + offsets, cum, mask=(h < H)[None, :])
 

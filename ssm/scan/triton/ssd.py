@@ -138,14 +138,15 @@ def _rows(t: Tensor | None) -> Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _x_strides(name, t):
-    b, l, h = t.stride()[:3] if t is not None else (0, 0, 0)
-    return {f"stride_{name}_b": b, f"stride_{name}_l": l, f"stride_{name}_h": h}
+def _x_strides(name: str, t: Tensor | None) -> dict:
+    """The batch, step and head strides of x or z (B, L, H, P) as kernel arguments (0 if absent)."""
+    strides = t.stride()[:3] if t is not None else (0, 0, 0)
+    return {f"stride_{name}_{dim}": s for dim, s in zip("blh", strides)}
 
 
-def _bc_strides(name, t):
-    b, l, g = t.stride()[:3]
-    return {f"stride_{name}_b": b, f"stride_{name}_l": l, f"stride_{name}_g": g}
+def _bc_strides(name: str, t: Tensor) -> dict:
+    """The batch, step and group strides of B or C (B, L, G, N) as kernel arguments."""
+    return {f"stride_{name}_{dim}": s for dim, s in zip("blg", t.stride()[:3])}
 
 
 def _padded_sequences(cu_seqlens: Tensor | None, length: int, padded: int) -> Tensor | None:
@@ -214,7 +215,9 @@ def _ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial
     out = torch.empty(batch, length, heads, P, dtype=x.dtype, device=x.device)
     y_pre = torch.empty_like(out) if z is not None and save_y else x.new_empty(0)
     if cu_seqlens is not None or x.numel() == 0:  # what no sequence overwrites: its initial state
-        last = x.new_zeros(rows, heads, P, N, dtype=dtype) if initial_state is None else initial_state.to(dtype, copy=True)
+        last = (
+            x.new_zeros(rows, heads, P, N, dtype=dtype) if initial_state is None else initial_state.to(dtype, copy=True)
+        )
     else:
         last = torch.empty(rows, heads, P, N, dtype=dtype, device=x.device)
     if x.numel() == 0:
@@ -246,7 +249,9 @@ def _ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial
     return out, last, y_pre
 
 
-def _ssd_bwd(dout, dlast, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_state, chunk, cu_seqlens, y_pre):
+def _ssd_bwd(
+    dout, dlast, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_state, chunk, cu_seqlens, y_pre
+):
     """Gradients of :func:`_ssd_fwd`'s out and last state(s): (dx, ddt, dA, dB, dC, dD, dz,
     ddt_bias, dinitial_state), each in its input's dtype (None for an absent input;
     dinitial_state in the state dtype). ``y_pre``: the forward's output before the gate (with z)."""
@@ -386,7 +391,9 @@ def ssd_fwd(
     save_y: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """out, last state(s), and the output before the gate (what the backward of z needs)."""
-    return _ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_state, chunk, cu_seqlens, save_y)
+    return _ssd_fwd(
+        x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_state, chunk, cu_seqlens, save_y
+    )
 
 
 @ssd_fwd.register_fake
