@@ -43,11 +43,21 @@ DEVICE = "cuda" if ON_DEVICE else "cpu"
 T = 16  # the chunk these tests ask for (the kernels' smallest)
 
 
+def on_device(inputs: dict) -> dict:
+    """``inputs`` on the test device, with A from slow to fast decay across the heads: -0.01 to
+    -3 (ssd_inputs' A, -0.5 to -4, forgets a state within a chunk or two, and a state carried
+    across chunks would hardly count in the comparison)."""
+    heads = inputs["A"].shape[0]
+    A = -torch.logspace(-2, 0.5, heads, dtype=torch.float64).to(inputs["A"].dtype)
+    inputs = {**inputs, "A": A}
+    return {k: v.detach().to(DEVICE).requires_grad_() for k, v in inputs.items()}
+
+
 def small(length: int, **kw) -> dict:
     """ssd inputs on the test device: batch 2, 4 heads of P = 6 in 2 groups, N = 5, D per head,
     z, dt_bias and an initial state unless told otherwise."""
     kw = {"batch": 2, "heads": 4, "head_dim": 6, "groups": 2, "N": 5, **kw}
-    return {k: v.detach().to(DEVICE).requires_grad_() for k, v in ssd_inputs(length, **kw).items()}
+    return on_device(ssd_inputs(length, **kw))
 
 
 @pytest.fixture
@@ -120,7 +130,7 @@ def test_packed_sequences_equal_each_sequence_alone(initial_state):
         inputs = with_sequence_states(inputs, len(lengths))
     else:
         del inputs["initial_state"]
-    inputs = {k: v.detach().to(DEVICE).requires_grad_() for k, v in inputs.items()}
+    inputs = on_device(inputs)
     cu = cu_seqlens_of(lengths, device=DEVICE)
     check_against_reference(ssd_packed_call(cu, T), inputs, "triton", reference_call=ssd_solo_call(cu, T))
 
@@ -130,7 +140,7 @@ def test_packed_sequences_across_tiles(small_tiles):
     ending in one tile, on a tile's edge and across tiles."""
     lengths = [3, 0, 14, 1, 20, 9, 33, 4, 0]
     inputs = with_sequence_states(ssd_inputs(sum(lengths), batch=1, heads=4, groups=1, head_dim=5), len(lengths))
-    inputs = {k: v.detach().to(DEVICE).requires_grad_() for k, v in inputs.items()}
+    inputs = on_device(inputs)
     cu = cu_seqlens_of(lengths, device=DEVICE)
     check_against_reference(ssd_packed_call(cu, 32), inputs, "triton", reference_call=ssd_solo_call(cu, 32))
 
@@ -192,7 +202,7 @@ def test_packed_in_bfloat16():
     """Packed, with initial states, in bfloat16 (the sequence masks on 16-bit products)."""
     lengths = packed_lengths(T)
     inputs = with_sequence_states(ssd_inputs(sum(lengths), batch=1, groups=1, dtype=torch.bfloat16), len(lengths))
-    inputs = {k: v.detach().to(DEVICE).requires_grad_() for k, v in inputs.items()}
+    inputs = on_device(inputs)
     cu = cu_seqlens_of(lengths, device=DEVICE)
     check_against_reference(
         ssd_packed_call(cu, T), inputs, "triton", reference_call=ssd_solo_call(cu, T), floor=HALF_FLOOR
