@@ -91,9 +91,12 @@ def ssd(
     ``chunk_size`` is the block length of the chunked algorithm (ignored by "ref"); "auto" on
     CPU tensors takes at most 64, much the fastest there (see ``CPU_MAX_CHUNK``).
     ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("ssd")``: "ref" (a loop over
-    time), "chunked" (the SSD chunked algorithm, see chunked.py) or "cpu" (the C sweeps of
-    ``selective_scan``'s cpu backend, CPU tensors). "auto" takes "cpu" for CPU tensors when a
-    head's state is small (P·N <= 4096), else "chunked".
+    time), "chunked" (the SSD chunked algorithm, see chunked.py), "cpu" (the C sweeps of
+    ``selective_scan``'s cpu backend, CPU tensors) or "triton" (the chunked algorithm as fused
+    GPU kernels, CUDA tensors; chunk_size rounded up to a power of two from 16 to 256; it
+    declines a head dim or state size above 256). "auto" takes "cpu" for CPU tensors when a
+    head's state is small (P·N <= 4096), else "chunked"; "triton" for CUDA tensors, or
+    "chunked" where it declines.
     """
     check_tensor("x", x, ndim=4)
     batch, length, heads, head_dim = x.shape
