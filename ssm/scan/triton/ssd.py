@@ -60,6 +60,10 @@ MAX_DIM = 256  # P and N above this are declined ("auto" then takes "chunked")
 STATE_BLOCK = 1024  # elements of the state a program of the state passing carries
 TILE = 4096  # elements of the elementwise kernels' tiles
 TARGET_PROGRAMS = 1024  # the backward splits a group's heads until its grid has this many programs
+# float32 inputs' matrix products: "ieee" (no tensor cores) keeps them within float32's rounding,
+# as the tests against the reference ask; "tf32x3" (three TF32 passes on tensor cores) is the
+# candidate to time in a GPU window; plain "tf32" (mamba-ssm's) rounds operands to 10 bits.
+FP32_DOT = "ieee"
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,9 @@ def declines(head_dim: int, N: int) -> str | None:
 
 
 def config(batch: int, length, heads: int, head_dim: int, groups: int, N: int, chunk_size: int) -> Config:
+    """Block sizes for x (batch, L, H, P) and B, C (batch, L, G, N) in chunks of ``chunk_size``
+    (rounded: :func:`chunk_length`). The backward's programs each loop over ``heads_per_split``
+    heads of a group, with the group's heads split until the grid has TARGET_PROGRAMS programs."""
     T = chunk_length(chunk_size)
     block_t = min(T, BLOCK_T)
     block_p_full = max(16, next_power_of_2(head_dim))
@@ -105,7 +112,7 @@ def config(batch: int, length, heads: int, head_dim: int, groups: int, N: int, c
         splits = max(1, min(per_group, -(-TARGET_PROGRAMS // base)))
     else:
         splits = per_group
-    heads_per_split = -(-per_group // splits)
+    heads_per_split = max(1, -(-per_group // splits))
     return Config(
         chunk=T,
         block_t=block_t,
@@ -115,7 +122,7 @@ def config(batch: int, length, heads: int, head_dim: int, groups: int, N: int, c
         block_h=max(1, min(next_power_of_2(heads), TILE // T)),
         block_l=max(16, TILE // block_p_full),
         heads_per_split=heads_per_split,
-        n_splits=-(-per_group // heads_per_split),
+        n_splits=max(1, -(-per_group // heads_per_split)),
         num_warps=4,
     )
 
@@ -127,10 +134,15 @@ def _dtypes(x: Tensor, B: Tensor, C: Tensor, dtype: torch.dtype) -> dict:
     """COMPUTE (float32, or float64), and the matrix products' operands: 16-bit on tensor cores
     when x, B and C share a 16-bit dtype, else COMPUTE without TF32."""
     half = x.dtype in (torch.float16, torch.bfloat16) and x.dtype == B.dtype == C.dtype
-    return dict(COMPUTE=_TL[dtype], DOT=_TL[x.dtype] if half else _TL[dtype], PRECISION="tf32" if half else "ieee")
+    precision = "tf32" if half else FP32_DOT if dtype == torch.float32 else "ieee"  # ("tf32": unused for 16-bit)
+    return dict(COMPUTE=_TL[dtype], DOT=_TL[x.dtype] if half else _TL[dtype], PRECISION=precision)
 
 
 # ----------------------------------------------------------------------------- launchers
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _rows(t: Tensor | None) -> Tensor | None:
@@ -159,14 +171,14 @@ def _padded_sequences(cu_seqlens: Tensor | None, length: int, padded: int) -> Te
     return torch.cat([seq, seq[-1:].expand(padded - length)])
 
 
-def _prologue(x, dt, A, B, C, dt_bias, dt_softplus, dt_min, dt_max, initial_state, cfg, seq, cu_seqlens, last):
+def _prologue(x, dt, A, B, C, dt_bias, dt_softplus, dt_min, dt_max, initial_state, cfg, seq, cu_seqlens, last, dtype):
     """The forward's first four kernels: Δ and cum (B, H, c·T), C·Bᵀ (B, c, G, T, T) and the state
-    entering each chunk (B, c, H, P, N); unpacked, the last state goes to ``last`` if given."""
+    entering each chunk (B, c, H, P, N), in ``dtype``; unpacked, the last state goes to ``last``
+    if given."""
     batch, length, heads, P = x.shape
     groups, N = B.shape[2:]
     T = cfg.chunk
     c = cfg.n_chunks(length)
-    dtype = last.dtype if last is not None else compute_dtype(x, dt, A, B, C, dt_bias, initial_state)
     flags = _dtypes(x, B, C, dtype)
     new = dict(device=x.device, dtype=dtype)
     delta, cum = torch.empty(batch, heads, c * T, **new), torch.empty(batch, heads, c * T, **new)
@@ -198,10 +210,6 @@ def _prologue(x, dt, A, B, C, dt_bias, dt_softplus, dt_min, dt_max, initial_stat
     return delta, cum, CB, states, flags
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_state, chunk, cu_seqlens, save_y):
     """x, z: (B, L, H, P); dt: (B, L, H); A, dt_bias: (H,); B, C: (B, L, G, N); D: (H,) or (H, P);
     initial_state: (B, H, P, N), or (S, H, P, N) packed (``cu_seqlens`` (S + 1,) int64, B = 1).
@@ -229,7 +237,7 @@ def _ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial
     c = cfg.n_chunks(length)
     seq = _padded_sequences(cu_seqlens, length, c * T)
     delta, cum, CB, states, flags = _prologue(
-        x, dt, A, B, C, dt_bias, dt_softplus, dt_min, dt_max, initial_state, cfg, seq, cu_seqlens, last
+        x, dt, A, B, C, dt_bias, dt_softplus, dt_min, dt_max, initial_state, cfg, seq, cu_seqlens, last, dtype
     )
     n_pb = triton_cdiv(P, cfg.block_p)
     blocks = dict(CHUNK=T, BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
@@ -280,7 +288,7 @@ def _ssd_bwd(
     Lp = c * T
     seq = _padded_sequences(cu_seqlens, length, Lp)
     delta, cum, CB, states, flags = _prologue(
-        x, dt, A, B, C, dt_bias, dt_softplus, dt_min, dt_max, initial_state, cfg, seq, cu_seqlens, None
+        x, dt, A, B, C, dt_bias, dt_softplus, dt_min, dt_max, initial_state, cfg, seq, cu_seqlens, None, dtype
     )
     blocks = dict(CHUNK=T, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
     n_pb = triton_cdiv(P, cfg.block_p)
