@@ -110,8 +110,8 @@ def variants(io_type: str = "bf16"):
 def ssd_variants(io_type: str):
     """ssd's kernels at a Mamba-2-130m layer (P 64, N 128, chunks of 256), every option on:
     unpacked (training) for the kernels both paths run, packed for all."""
-    cfg = ssd.config(8, 2048, 24, 64, 1, 128, 256)
     half = io_type in ("bf16", "fp16")
+    cfg = ssd.config(8, 2048, 24, 64, 1, 128, 256, 2 if half else 4)
     dots = dict(DOT=tl.bfloat16 if io_type == "bf16" else tl.float16 if half else tl.float32)
     dots.update(PRECISION="tf32" if half else "ieee", COMPUTE=tl.float32)
     tiles = dict(CHUNK=cfg.chunk, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n)

@@ -54,7 +54,10 @@ from ._ssd_kernels import (
 # on a GPU (no GPU has run these kernels yet): first guesses after mamba-ssm's tile sizes.
 
 MIN_CHUNK, MAX_CHUNK = 16, 256  # chunk_size is rounded up to a power of two in this range
-BLOCK_T = 64  # steps of the (BLOCK_T, BLOCK_T) tiles a chunk's T × T weights are cut into
+BLOCK_T = 64  # steps of the (BLOCK_T, BLOCK_T) tiles a chunk's T × T weights are cut into,
+# for 16-bit products; half that for float32 ones and a quarter for float64 (at least 16): the
+# products' operands are staged in shared memory, and 64-step tiles of float32 took 177 KiB in
+# the backward's dx kernel at P 64, N 128 (compiled for sm_90: an A100 has 164), 80 at 32.
 BLOCK_P = 64  # channels of a forward program
 MAX_DIM = 256  # P and N above this are declined ("auto" then takes "chunked")
 STATE_BLOCK = 1024  # elements of the state a program of the state passing carries
@@ -99,12 +102,15 @@ def declines(head_dim: int, N: int) -> str | None:
     return None
 
 
-def config(batch: int, length, heads: int, head_dim: int, groups: int, N: int, chunk_size: int) -> Config:
+def config(
+    batch: int, length, heads: int, head_dim: int, groups: int, N: int, chunk_size: int, dot_bytes: int = 2
+) -> Config:
     """Block sizes for x (batch, L, H, P) and B, C (batch, L, G, N) in chunks of ``chunk_size``
-    (rounded: :func:`chunk_length`). The backward's programs each loop over ``heads_per_split``
-    heads of a group, with the group's heads split until the grid has TARGET_PROGRAMS programs."""
+    (rounded: :func:`chunk_length`), the matrix products' operands of ``dot_bytes`` bytes. The
+    backward's programs each loop over ``heads_per_split`` heads of a group, with the group's
+    heads split until the grid has TARGET_PROGRAMS programs."""
     T = chunk_length(chunk_size)
-    block_t = min(T, BLOCK_T)
+    block_t = min(T, max(16, BLOCK_T * 2 // dot_bytes))
     block_p_full = max(16, next_power_of_2(head_dim))
     per_group = heads // groups
     if isinstance(length, int):  # the split only sizes partial sums; the fake op never needs it
@@ -136,6 +142,14 @@ def _dtypes(x: Tensor, B: Tensor, C: Tensor, dtype: torch.dtype) -> dict:
     half = x.dtype in (torch.float16, torch.bfloat16) and x.dtype == B.dtype == C.dtype
     precision = "tf32" if half else FP32_DOT if dtype == torch.float32 else "ieee"  # ("tf32": unused for 16-bit)
     return dict(COMPUTE=_TL[dtype], DOT=_TL[x.dtype] if half else _TL[dtype], PRECISION=precision)
+
+
+def _config(x: Tensor, B: Tensor, C: Tensor, dtype: torch.dtype, chunk: int) -> Config:
+    """:func:`config` for these inputs, the products' operand size as :func:`_dtypes` picks it."""
+    batch, length, heads, P = x.shape
+    groups, N = B.shape[2:]
+    half = x.dtype in (torch.float16, torch.bfloat16) and x.dtype == B.dtype == C.dtype
+    return config(batch, length, heads, P, groups, N, chunk, 2 if half else dtype.itemsize)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -218,7 +232,7 @@ def _ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial
     batch, length, heads, P = x.shape
     groups, N = B.shape[2:]
     dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
-    cfg = config(batch, length, heads, P, groups, N, chunk)
+    cfg = _config(x, B, C, dtype, chunk)
     rows = batch if cu_seqlens is None else cu_seqlens.numel() - 1
     out = torch.empty(batch, length, heads, P, dtype=x.dtype, device=x.device)
     y_pre = torch.empty_like(out) if z is not None and save_y else x.new_empty(0)
@@ -266,7 +280,7 @@ def _ssd_bwd(
     batch, length, heads, P = x.shape
     groups, N = B.shape[2:]
     dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
-    cfg = config(batch, length, heads, P, groups, N, chunk)
+    cfg = _config(x, B, C, dtype, chunk)
     packed, has_h0, has_dlast = cu_seqlens is not None, initial_state is not None, dlast is not None
     rows = batch if not packed else cu_seqlens.numel() - 1
     new = dict(device=x.device, dtype=dtype)
