@@ -13,9 +13,10 @@ budget of its own, each failure recorded and the next step run anyway:
    every gradient, torch.compile of the layers), with the failures listed per test;
 3. speed: scripts/benchmark.py on the device for the selective scan at mamba-ssm's benchmark
    shapes (batch 8, D 1536, N 16, L 2048 and 8192; bf16 and fp32; forward and forward +
-   backward), the linear scan, ssd and Mamba-3's trapezoidal scan, every backend that runs there
-   (the Triton kernels, the pure-PyTorch pscan / chunked paths), with peak memory, and at L 2048
-   fp32 a loop of ``torch.compile``'d reference steps beside them;
+   backward), the linear scan, ssd (also at Mamba-2-130m's heads: 24 of P 64, N 128) and Mamba-3's
+   trapezoidal scan, every backend that runs there (the Triton kernels, the pure-PyTorch pscan /
+   chunked paths), with peak memory, and at L 2048 fp32 a loop of ``torch.compile``'d reference
+   steps beside them;
 4. training: scripts/train.py, the default config and a Mamba-2 byte-level text model, in
    bf16-mixed for a few hundred steps (tokens/s, final loss), and the first steps of the default
    config on the CPU beside it, so that the losses can be compared;
@@ -50,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_TESTS = [
     "tests/scan/test_triton.py",
     "tests/scan/test_triton_trapezoidal.py",
+    "tests/scan/test_triton_ssd.py",
     "tests/scan/test_compile.py",
     "tests/layers/test_mixers.py",
     "tests/layers/test_layer_numerics.py",
@@ -58,6 +60,7 @@ DRY_TESTS = [
     "tests/scan/test_triton.py::test_selective_lengths",
     "tests/scan/test_triton.py::test_selective_packed_equals_each_sequence_alone",
     "tests/scan/test_triton.py::test_linear_block_boundaries",
+    "tests/scan/test_triton_ssd.py::test_packed_sequences_equal_each_sequence_alone",
 ]
 
 # Step 3: (label, benchmark.py arguments); the dry run shrinks the shapes.
@@ -70,6 +73,8 @@ SCAN_CASES = [
     ("linear float32 L 2048", ["--op", "linear", "--batch", "8", "--dim", "1536", "--state", "16", "--length", "2048",
                                "--skip", "ref"]),
     ("ssd float32 L 2048", ["--op", "ssd", "--batch", "8", "--length", "2048"]),
+    ("ssd float32 L 2048, Mamba-2-130m's heads", ["--op", "ssd", "--batch", "8", "--length", "2048", "--headdim", "64",
+                                                  "--state", "128"]),
     ("trapezoidal float32 L 2048", ["--op", "trapezoidal", "--batch", "8", "--length", "2048", "--skip", "ref"]),
 ]  # fmt: skip
 SCAN_CASES[2][1].append("--compiled-step")  # fp32 L 2048: beside a loop of torch.compile'd reference steps

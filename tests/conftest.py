@@ -12,6 +12,10 @@ minutes. ``_speed_up_interpreter`` replaces the scan by a log-depth scan over wh
 (the same combine function, associated as a tree, as on a GPU) and patches the language once
 per module. tests/scan/test_triton.py checks the scan against the original.
 
+The interpreter's tl.dot multiplies bfloat16 operands as the integers that hold their bits
+(numpy has no bfloat16): ``_bfloat16_dots`` widens them to float32 first, exactly, which is what
+a GPU's tensor cores compute with (products exact, sums in float32).
+
 The "cpu" scan backend builds its C kernels with the system compiler on first use (about a
 second; cached on disk for later runs) and every test runs them, as users do.
 """
@@ -76,6 +80,23 @@ def _device_call_patching_once(self, *args, **kwargs):
         raise interpreter.InterpreterError(repr(e)) from e
 
 
+def _bfloat16_dots(create_dot):
+    """InterpreterBuilder.create_dot with bfloat16 operands (held as uint16) widened to float32."""
+    import numpy as np  # the interpreter's own dependency
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    def widened(handle):
+        if handle.dtype != tl.bfloat16:
+            return handle
+        return TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    return dot
+
+
 def _speed_up_interpreter() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
@@ -86,6 +107,9 @@ def _speed_up_interpreter() -> None:
     scan_ops = getattr(interpreter, "ScanOps", None)
     if scan_ops is None or not hasattr(scan_ops, "generic_scan"):
         return  # another triton version: keep its own (slow but correct) scan
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is not None and hasattr(builder, "create_dot"):
+        builder.create_dot = _bfloat16_dots(builder.create_dot)
     scan_ops._elementwise_generic_scan = scan_ops.generic_scan
     scan_ops.generic_scan = _log_depth_generic_scan
     function = getattr(interpreter, "InterpretedFunction", None)

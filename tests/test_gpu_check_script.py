@@ -24,7 +24,7 @@ def test_the_dry_run_reports_every_step(tmp_path):
     assert tests["counts"].get("passed", 0) >= 10 and not tests["failed"], tests
     assert tests["returncode"] == 0
     cases = {row["case"]: row for row in report["bench"]}
-    assert len(cases) == 7
+    assert len(cases) == 8
     for label, row in cases.items():
         assert row["returncode"] == 0, (label, row)
         results = row["report"].get("results") or row["report"].get("ms")
@@ -44,6 +44,7 @@ def test_the_dry_run_reports_every_step(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| selective float32 L 2048 | triton |" in summary and "passed" in summary
     assert "| selective float32 L 2048 | step loop (torch.compile) |" in summary
+    assert "| ssd float32 L 2048 | triton |" in summary  # the ssd benchmark times every backend of the table
     assert code == 0
 
 

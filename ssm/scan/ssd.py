@@ -7,6 +7,7 @@ import math
 import torch
 
 from .._backends import BackendTable
+from . import triton
 from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
 from .chunked import ssd_chunked
 from .cpu import ssd_cpu, subnormals_flushed
@@ -15,10 +16,11 @@ from .reference import ssd_ref
 # Backends take the public arguments less return_last_state and seq_idx, in the same order, with
 # cu_seqlens last (None, or validated int64 (S + 1,) on the inputs' device), and return
 # (out, last_state), last_state (S, H, P, N) when packed. seq_idx is turned into cu_seqlens here.
-BACKENDS = BackendTable("ssd", auto={"cpu": ("cpu", "chunked"), "*": ("chunked",)})
+BACKENDS = BackendTable("ssd", auto={"cpu": ("cpu", "chunked"), "cuda": ("triton", "chunked"), "*": ("chunked",)})
 BACKENDS.add("ref", ssd_ref)
 BACKENDS.add("chunked", subnormals_flushed(ssd_chunked))
 BACKENDS.add("cpu", ssd_cpu, devices=("cpu",))
+BACKENDS.add("triton", triton.ssd_triton, devices=triton.devices, hint=triton.hint)
 # "auto" on the CPU: the sweeps of "cpu" walk every state element at every step, while "chunked"
 # shares each B·C product among a head's P channels in matrix products. Measured fwd+bwd at
 # L 1024 (docs/benchmarks-history/2026-11.md, "SSD on the CPU"): the op alone is 4.5-7x faster with cpu at P·N = 512
@@ -89,9 +91,12 @@ def ssd(
     ``chunk_size`` is the block length of the chunked algorithm (ignored by "ref"); "auto" on
     CPU tensors takes at most 64, much the fastest there (see ``CPU_MAX_CHUNK``).
     ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("ssd")``: "ref" (a loop over
-    time), "chunked" (the SSD chunked algorithm, see chunked.py) or "cpu" (the C sweeps of
-    ``selective_scan``'s cpu backend, CPU tensors). "auto" takes "cpu" for CPU tensors when a
-    head's state is small (P·N <= 4096), else "chunked".
+    time), "chunked" (the SSD chunked algorithm, see chunked.py), "cpu" (the C sweeps of
+    ``selective_scan``'s cpu backend, CPU tensors) or "triton" (the chunked algorithm as fused
+    GPU kernels, CUDA tensors; chunk_size rounded up to a power of two from 16 to 256; it
+    declines a head dim or state size above 256). "auto" takes "cpu" for CPU tensors when a
+    head's state is small (P·N <= 4096), else "chunked"; "triton" for CUDA tensors, or
+    "chunked" where it declines.
     """
     check_tensor("x", x, ndim=4)
     batch, length, heads, head_dim = x.shape
@@ -141,7 +146,10 @@ def ssd(
         chunk_size = min(chunk_size, CPU_MAX_CHUNK)
         if head_dim * N > CPU_SWEEP_MAX_HEAD_STATE:
             backend = "chunked"
-    impl = BACKENDS.resolve(backend, x.device)
+    BACKENDS.resolve(backend, x.device)  # an unknown name, or one that cannot run here, fails before any work
+
+    def run(*args):  # a backend that declines the inputs (triton: P or N too large) is replaced under "auto"
+        return BACKENDS.run(backend, x.device, args, fallback="chunked", needs=lambda: _triton_needs(head_dim, N))
 
     if length == 0:
         out = x.new_empty(x.shape)
@@ -154,13 +162,17 @@ def ssd(
 
     options = (bool(dt_softplus), tuple(dt_limit))
     if seq_idx is not None:
-        out, last_state = _ssd_seq_idx(
-            impl.fn, x, dt, A, B, C, D, z, dt_bias, options, initial_state, chunk_size, seq_idx
-        )
+        out, last_state = _ssd_seq_idx(run, x, dt, A, B, C, D, z, dt_bias, options, initial_state, chunk_size, seq_idx)
     else:
-        out, last_state = impl.fn(x, dt, A, B, C, D, z, dt_bias, *options, initial_state, chunk_size, cu_seqlens)
+        out, last_state = run(x, dt, A, B, C, D, z, dt_bias, *options, initial_state, chunk_size, cu_seqlens)
     out = out.contiguous()  # as mamba-ssm's are: callers may .view() it
     return (out, last_state) if return_last_state else out
+
+
+def _triton_needs(head_dim: int, N: int) -> str:
+    from .triton.ssd import declines  # imports triton: only when the triton backend declined
+
+    return declines(head_dim, N) or "inputs it takes"
 
 
 def _check_seq_idx(seq_idx, batch: int, length: int, device: torch.device) -> None:

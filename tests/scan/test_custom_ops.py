@@ -11,6 +11,7 @@ through kernel_op is checked by one of these tests."""
 from __future__ import annotations
 
 import importlib.util
+import pkgutil
 
 import pytest
 
@@ -25,6 +26,9 @@ from tests.helpers import (
     run_with_grads,
     selective_call,
     selective_inputs,
+    ssd_call,
+    ssd_inputs,
+    ssd_packed_call,
     trapezoidal_call,
     trapezoidal_inputs,
     with_sequence_states,
@@ -40,6 +44,7 @@ TRITON_OPS = {
     "selective_scan": ["selective_scan_fwd", "selective_scan_bwd"],
     "linear_scan": ["linear_scan_fwd", "linear_scan_bwd"],
     "trapezoidal_scan": ["trapezoidal_scan_fwd", "trapezoidal_scan_bwd"],
+    "ssd": ["ssd_fwd", "ssd_bwd"],
 }
 
 
@@ -102,10 +107,29 @@ def test_the_triton_trapezoidal_scan_ops_agree_with_their_fakes(ranks, monkeypat
     assert_kernel_ops_agree_with_their_fakes(calls)
 
 
+@needs_triton
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_the_triton_ssd_ops_agree_with_their_fakes(packed, monkeypatch):
+    if packed:
+        lengths = [3, 0, 9, 2]
+        x = with_sequence_states(ssd_inputs(sum(lengths), batch=1, heads=2, head_dim=2, groups=1, N=4), len(lengths))
+        call = ssd_packed_call(cu_seqlens_of(lengths))
+    else:
+        x, call = ssd_inputs(11, batch=1, heads=2, head_dim=2, groups=1, N=4), ssd_call()
+    run = lambda: run_with_grads(call, x, "triton")
+    calls = kernel_op_calls(monkeypatch, triton_module("ssd"), TRITON_OPS["ssd"], run)
+    assert set(calls) == {"ssm::ssd_fwd", "ssm::ssd_bwd"}
+    assert_kernel_ops_agree_with_their_fakes(calls)
+
+
 def test_every_scan_kernel_op_is_checked_here():
-    """A scan op registered through kernel_op without a test above fails here."""
+    """A scan op registered through kernel_op (a launcher of a module under ssm.scan) without a
+    test above fails here. Every module of ssm.scan is imported first, so that each registers its ops."""
+    for package in ("ssm.scan", "ssm.scan.triton") if TRITON else ("ssm.scan",):
+        for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+            importlib.import_module(f"{package}.{info.name}")
     modules = [cpu] + ([triton_module(name) for name in TRITON_OPS] if TRITON else [])
     attributes = [CPU_OPS] + ([TRITON_OPS[name] for name in TRITON_OPS] if TRITON else [])
     checked = {getattr(m, a) for m, names in zip(modules, attributes) for a in names}
-    scan_ops = {op for name, op in KERNEL_OPS.items() if "scan" in name}
+    scan_ops = {op for op in KERNEL_OPS.values() if op._init_fn.__module__.startswith("ssm.scan")}
     assert scan_ops <= checked, sorted(n for n, op in KERNEL_OPS.items() if op in scan_ops - checked)

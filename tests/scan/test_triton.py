@@ -387,7 +387,7 @@ def test_kernels_compile_for_a_gpu():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if "REG:" in line or ": ?" in line]
-    assert len(compiled) == 14, done.stdout  # selective 6, trapezoidal 4, linear 4
+    assert len(compiled) == 35, done.stdout  # selective 6, trapezoidal 4, linear 4, ssd 21
 
 
 # ----------------------------------------------------------------------------- every dtype at a larger shape

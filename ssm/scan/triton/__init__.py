@@ -6,6 +6,9 @@
     trapezoidal_scan.py      launchers, custom ops with autograd, trapezoidal_scan_triton (Mamba-3)
     _trapezoidal_kernels.py  its forward and backward kernels
     _trapezoidal_jit.py      the @triton.jit helpers those two kernels share
+    ssd.py                   launchers, custom ops with autograd, ssd_triton (Mamba-2's SSD, chunked)
+    _ssd_kernels.py          its forward kernels, and the @triton.jit helpers its backward shares
+    _ssd_bwd_kernels.py      its backward kernels
     _jit.py                  what the ops share: @triton.jit helpers, launcher checks, custom-op plumbing
     _interpreter.py          interpreting(): whether TRITON_INTERPRET is on (no triton import)
 
@@ -74,10 +77,18 @@ def trapezoidal_scan_triton(*args):
     return trapezoidal_scan_triton(*args)
 
 
+def ssd_triton(*args):
+    """Backend "triton" of ``ssd`` (see ssd.py); None when it declines the inputs."""
+    from .ssd import ssd_triton
+
+    return ssd_triton(*args)
+
+
 __all__ = [
     "selective_scan_triton",
     "linear_scan_triton",
     "trapezoidal_scan_triton",
+    "ssd_triton",
     "available",
     "devices",
     "hint",
