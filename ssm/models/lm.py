@@ -247,14 +247,21 @@ class MambaLM(nn.Module):
         gradients the blocks step in C (ssm/models/fused_step.py), its arguments built once with
         ``prepare``: then nothing may change the model's parameters or the cache's tensors
         between calls. Elsewhere each block steps by its tensor code."""
-        fused = self.backbone.prepare_fused_step(cache, self.lm_head) if prepare else None
+
+        def tensor_step(input_ids):
+            return self.lm_head(self.backbone(input_ids, cache, step=True))
+
+        def fused_or_tensor_step(input_ids):  # planned again at each call
+            logits = self.backbone.fused_step(input_ids, cache, self.lm_head)
+            return tensor_step(input_ids) if logits is None else logits
+
+        if prepare:
+            run = self.backbone.prepare_fused_step(cache, self.lm_head) or tensor_step
+        else:
+            run = fused_or_tensor_step
 
         def step(input_ids):
-            logits = None if prepare else self.backbone.fused_step(input_ids, cache, self.lm_head)
-            if fused is not None:
-                logits = fused(input_ids)
-            elif logits is None:
-                logits = self.lm_head(self.backbone(input_ids, cache, step=True))
+            logits = run(input_ids)
             cache.seqlen_offset += 1
             return logits
 
