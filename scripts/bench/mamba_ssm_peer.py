@@ -23,13 +23,18 @@ from pathlib import Path
 
 from .common import ROOT
 
-THIRD_PARTY = ROOT / "third_party"
+THIRD_PARTY = Path(os.environ.get("SSM_THIRD_PARTY", ROOT / "third_party"))  # where the fetch script put them
 SOURCE = THIRD_PARTY / "mamba-ssm"
 CONV_SOURCE = THIRD_PARTY / "causal-conv1d"
 NINJA = THIRD_PARTY / "bin"  # a ninja binary for machines without one (the build is serial without it)
 # extension module -> the source folder that ``setup.py build_ext --inplace`` leaves it in
 EXTENSIONS = {"selective_scan_cuda": SOURCE, "causal_conv1d_cuda": CONV_SOURCE}
 PATCH_MARK = "patched by ssm's scripts/peers/fetch_mamba_ssm.sh"
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def built(extension: str) -> bool:
@@ -40,7 +45,7 @@ def built(extension: str) -> bool:
 def source_problem() -> str | None:
     """Why the peer cannot be loaded from third_party/ (None when it can)."""
     if not (SOURCE / "mamba_ssm" / "__init__.py").exists():
-        return f"no {SOURCE.relative_to(ROOT)} (run scripts/peers/fetch_mamba_ssm.sh, carry third_party)"
+        return f"no {shown(SOURCE)} (run scripts/peers/fetch_mamba_ssm.sh; carry third_party to a GPU machine)"
     return None
 
 
@@ -68,9 +73,9 @@ def build_env(env: dict, capability: tuple[int, int] | None) -> dict:
 def build_problem(source: Path) -> str | None:
     """Why ``source`` cannot be built here (None when it can be tried)."""
     if not (source / "setup.py").exists():
-        return f"no {source.relative_to(ROOT)}"
+        return f"no {shown(source)}"
     if PATCH_MARK not in (source / "setup.py").read_text():
-        return f"{source.relative_to(ROOT)}/setup.py is not patched for one architecture (rerun the fetch script)"
+        return f"{shown(source)}/setup.py is not patched for one architecture (rerun the fetch script)"
     return None
 
 
