@@ -212,3 +212,31 @@ def test_a_wrong_mapping_or_wrong_weights_do_not_agree(tmp_path):
     assert rows[0]["diff"]["out"] > 0.1 and rows[0]["diff"]["dB"] > 0.1 and rows[0]["diff"]["dC"] > 0.1
     assert rows[1]["diff"]["out"] > 1e-3
     assert code == 1
+
+
+@pytest.mark.skipif(not PEER.exists(), reason=NO_PEER)
+def test_the_peer_loads_without_its_build_or_the_hub_libraries():
+    """A GPU machine may lack transformers, huggingface_hub and causal-conv1d: mamba-ssm's modules
+    still import (stubs for what they only name), and its Mamba2 module builds."""
+    driver = (
+        "import sys, json\n"
+        "for name in ('transformers', 'huggingface_hub', 'causal_conv1d'):\n"
+        "    sys.modules[name] = None  # not installed\n"
+        "sys.path.insert(0, 'scripts')\n"
+        "from bench import mamba_ssm_peer\n"
+        "peer = mamba_ssm_peer.load(interpreting=True)\n"
+        "layer = peer.mamba2.Mamba2(32, d_state=16, headdim=16, chunk_size=16, use_mem_eff_path=False)\n"
+        "missing = [k for k in mamba_ssm_peer.MODULES if getattr(peer, k) is None]\n"
+        "size = sum(p.numel() for p in layer.parameters())\n"
+        "print(json.dumps([peer.stubs, peer.errors, missing, peer.built, size]))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", driver], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    stubs, errors, missing, built, parameters = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stubs == ["selective_scan_cuda", "huggingface_hub", "transformers", "transformers.utils",
+                     "transformers.utils.hub", "transformers.generation"]  # fmt: skip
+    assert errors == {} and missing == [] and parameters > 0
+    assert built == {"selective_scan_cuda": False, "causal_conv1d_cuda": False}

@@ -229,7 +229,7 @@ def load(interpreting: bool) -> types.SimpleNamespace:
     if not extensions["selective_scan_cuda"]:
         stub("selective_scan_cuda")
         stubs.append("selective_scan_cuda")
-    for name, parts in (("huggingface_hub", ()), ("transformers", ("utils", "utils.hub"))):
+    for name, parts in (("huggingface_hub", ()), ("transformers", ("utils", "utils.hub", "generation"))):
         try:
             importlib.import_module(name)
         except ImportError:
