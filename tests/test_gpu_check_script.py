@@ -240,3 +240,33 @@ def test_the_peer_loads_without_its_build_or_the_hub_libraries():
                      "transformers.utils.hub", "transformers.generation"]  # fmt: skip
     assert errors == {} and missing == [] and parameters > 0
     assert built == {"selective_scan_cuda": False, "causal_conv1d_cuda": False}
+
+
+@pytest.mark.skipif(not PEER.exists(), reason=NO_PEER)
+def test_the_130m_pairs_hold_the_same_tensors():
+    """The GPU's training-step pairs at mamba-130m's shapes (on the meta device): ssm's MambaLM has
+    MambaLMHeadModel's state dict, names and shapes, for Mamba-1 and Mamba-2 mixers."""
+    driver = (
+        "import sys, json\n"
+        "sys.path.insert(0, 'scripts')\n"
+        "from bench import mamba_ssm_peer\n"
+        "peer = mamba_ssm_peer.load(interpreting=True)\n"
+        "import ssm\n"
+        "found = []\n"
+        "for mixer in ({'layer': 'Mamba2', 'd_state': 128, 'headdim': 64, 'chunk_size': 256}, {'layer': 'Mamba1'}):\n"
+        "    cfg = dict(d_model=768, n_layer=24, vocab_size=50280, ssm_cfg=mixer)\n"
+        "    config = peer.config.MambaConfig(**cfg | {'ssm_cfg': dict(mixer)})\n"
+        "    theirs = peer.models.MambaLMHeadModel(config, device='meta')\n"
+        "    ours = ssm.MambaLM(ssm.MambaConfig(**cfg), device='meta')\n"
+        "    shapes = [{k: list(v.shape) for k, v in m.state_dict().items()} for m in (theirs, ours)]\n"
+        "    found.append([shapes[0] == shapes[1], len(shapes[0]), sum(p.numel() for p in theirs.parameters())])\n"
+        "print(json.dumps(found))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", driver], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (same2, keys2, size2), (same1, keys1, size1) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert same2 and same1 and keys2 > 200 and keys1 > 200
+    assert 125e6 < size2 < 135e6 and 125e6 < size1 < 135e6  # mamba-130m's and mamba2-130m's sizes
