@@ -41,6 +41,13 @@ def relative(x: torch.Tensor, reference: torch.Tensor) -> float:
     return ((x - reference).abs().max() / reference.abs().max().clamp(min=1e-30)).item()
 
 
+def relative_l2(x: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖x - reference‖ / ‖reference‖, in float32: a whole model's tensors under autocast differ
+    in a few elements by more than their norm does."""
+    x, reference = x.detach().float(), reference.detach().float()
+    return (torch.linalg.vector_norm(x - reference) / torch.linalg.vector_norm(reference).clamp(min=1e-30)).item()
+
+
 def verdict(diff: dict[str, float], tolerance: float) -> dict:
     worst = max(diff, key=lambda k: diff[k] if math.isfinite(diff[k]) else math.inf)
     ok = all(math.isfinite(d) and d <= tolerance for d in diff.values())
@@ -217,8 +224,8 @@ def mamba3(peer, shape: dict, dtype, device, tolerance) -> Pair:
 
 def module_pair(ours, theirs, forward: Callable, loss: Callable, inputs, autocast, tolerance: float, tokens=None):
     """Two modules holding the same weights: ``forward(module, inputs)`` and the scalar
-    ``loss(output)`` that the backward starts from; the check compares outputs (or losses),
-    the input's gradient where it has one, and every parameter's."""
+    ``loss(output)`` that the backward starts from; the check compares outputs, losses, the
+    input's gradient where it has one, and every parameter's, each as ``relative_l2``."""
 
     def side(module):
         def run(train: bool):
@@ -242,11 +249,11 @@ def module_pair(ours, theirs, forward: Callable, loss: Callable, inputs, autocas
             wanted = [p for p in module.parameters() if p.requires_grad] + ([inputs] if inputs.requires_grad else [])
             results[name] = (out, value, dict(zip(names + ["input"], torch.autograd.grad(value, wanted))))
         (out_s, loss_s, grads_s), (out_p, loss_p, grads_p) = results["ssm"], results["peer"]
-        diff["out"] = relative(out_s, out_p)
-        diff["loss"] = relative(loss_s, loss_p)
+        diff["out"] = relative_l2(out_s, out_p)
+        diff["loss"] = relative_l2(loss_s, loss_p)
         if "input" in grads_p:
-            diff["dinput"] = relative(grads_s.pop("input"), grads_p.pop("input"))
-        params = {k: relative(grads_s[k], grad) for k, grad in grads_p.items()}
+            diff["dinput"] = relative_l2(grads_s.pop("input"), grads_p.pop("input"))
+        params = {k: relative_l2(grads_s[k], grad) for k, grad in grads_p.items()}
         worst = max(params, key=lambda k: params[k] if math.isfinite(params[k]) else math.inf)
         diff[f"d{worst}"] = params[worst]  # the parameter whose gradient differs most, of len(params)
         return verdict(diff, tolerance) | {"parameters": len(params)}
