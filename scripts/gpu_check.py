@@ -1,44 +1,53 @@
-"""Prove and time every GPU path of ssm in one command, within a short device window.
+"""Prove and time every GPU path of ssm, beside mamba-ssm, in one command that fits one device call.
 
     PYTHONPATH=. python3 scripts/gpu_check.py --out DIR            # on a machine with CUDA
     PYTHONPATH=. python3 scripts/gpu_check.py --out DIR --dry-run  # the same plan, tiny, on the CPU
+    PYTHONPATH=. python3 scripts/gpu_check.py --apply DIR          # a GPU run's peer rows into docs/
 
 No install step: run from the repository root with the machine's own python3 (torch, Triton,
-pytest; pytorch-lightning and pyyaml for the training step). The plan, each step with a time
-budget of its own, each failure recorded and the next step run anyway:
+pytest; pytorch-lightning and pyyaml for the training step). mamba-ssm, the peer, comes from its
+source in third_party/ (scripts/peers/fetch_mamba_ssm.sh, carried to the machine). The plan,
+each step with a time budget of its own (seconds on a GPU; all of it within --total-minutes, 8),
+each failure recorded and the next step run anyway:
 
-1. environment: device, SM count, memory, driver, torch / Triton / CUDA versions, commit;
-2. tests: the suite's GPU-relevant files (every Triton kernel against the reference on CUDA
-   tensors in float32, bfloat16 and float16, odd lengths, packed sequences, initial states,
-   every gradient, torch.compile of the layers), with the failures listed per test;
-3. speed: scripts/benchmark.py on the device for the selective scan at mamba-ssm's benchmark
-   shapes (batch 8, D 1536, N 16, L 2048 and 8192; bf16 and fp32; forward and forward +
-   backward), the linear scan, ssd (also at Mamba-2-130m's heads: 24 of P 64, N 128) and Mamba-3's
-   trapezoidal scan, every backend that runs there (the Triton kernels, the pure-PyTorch pscan /
-   chunked paths), with peak memory, and at L 2048 fp32 a loop of ``torch.compile``'d reference
-   steps beside them;
-4. training: scripts/train.py, the default config and a Mamba-2 byte-level text model, in
-   bf16-mixed for a few hundred steps (tokens/s, final loss), and the first steps of the default
-   config on the CPU beside it, so that the losses can be compared;
-5. the mamba-ssm CUDA peer, when its source lies in third_party/mamba-ssm (unpacked from
-   ``pip download --no-binary :all: --no-deps mamba-ssm``; git ignores third_party/): built for
-   sm_90 within a budget and then timed by step 3's selective-scan cases.
+0. environment: device, SM count, memory, driver, torch / Triton / CUDA versions, commit;
+1. build (background, from the start): mamba-ssm's ``selective_scan_cuda`` and causal-conv1d's
+   extension, ``setup.py build_ext --inplace`` for the device's architecture only, MAX_JOBS =
+   the cores; waited for before step 4, at most until 300 s after the start;
+2. peers, the Triton pairs (150): scripts/benchmark.py --op gpu-peers (scripts/bench/gpu_peers.py)
+   for ssd and mamba3: ssm and mamba-ssm in one process, forward and forward+backward, peak
+   memory, every pair's outputs and gradients checked against each other;
+3. tests (120): the suite's GPU-relevant files (every Triton kernel against the reference on
+   CUDA tensors in float32, bfloat16 and float16, packed sequences, initial states, gradients,
+   torch.compile of the layers), with the failures listed per test;
+4. peers, the pairs that want the build (130): selective (selective_scan_fn), mamba2_layer and
+   train_step (MambaLMHeadModel at mamba-130m's shapes, Mamba-1 and Mamba-2), each said to be
+   skipped, with the reason, where its build is missing;
+5. speed (40): scripts/benchmark.py for ssm's own backends at mamba-ssm's benchmark shapes,
+   as many cases as fit;
+6. training (0: measured in earlier windows; --train-minutes gives it time): scripts/train.py in
+   bf16-mixed, and the CPU's first steps beside it.
 
-Everything lands in DIR as at most 8 files: report.json (every figure), summary.md, pytest.log,
-bench.log, train.log, build.log. ``--dry-run`` (automatic without CUDA) runs the same plan at
-tiny sizes on the CPU, the Triton kernels in Triton's interpreter, in about a minute; the test
-suite runs it so that this script cannot rot between GPU windows.
+Everything lands in DIR: report.json (every figure), summary.md, pytest.log, bench.log,
+train.log, peers.log, build-*.log, gpu-peers.json and gpu-peers.md (the pairs' rows and their
+BENCHMARKS.md section). On a GPU the run also writes docs/bench/gpu-peers.json and that section
+of BENCHMARKS.md in its own tree; ``--apply DIR`` writes them here from a run's DIR (a device's
+tree does not come back). ``--dry-run`` (automatic without CUDA) runs the same plan at tiny sizes
+on the CPU, the Triton kernels in Triton's interpreter, with generous budgets, and writes
+nothing outside DIR; the test suite runs it so that this script cannot rot between GPU windows.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import importlib.util
 import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +55,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # scripts/bench, the benchmark's package
+
+from bench import gpu_peers, mamba_ssm_peer  # noqa: E402
+from bench import report as bench_report  # noqa: E402
+
+# Seconds per step: on a GPU, to fit one device call of about 8 minutes (TOTAL, with the build in
+# the background); in a dry run, generous (the CPU and Triton's interpreter are slow, the plan
+# is checked, not timed). --*-minutes override them; every step is cut to what TOTAL leaves.
+GPU_SECONDS = {"build": 300, "peers": 150, "tests": 120, "peers_built": 130, "bench": 40, "train": 0, "total": 480}
+DRY_SECONDS = {"build": 0, "peers": 300, "tests": 480, "peers_built": 300, "bench": 300, "train": 240, "total": 3600}
+PEER_CASES = {"peers": "ssd,mamba3", "peers_built": "selective,mamba2_layer,train_step"}
 
 # What step 2 runs: on a GPU the whole of each file; in a dry run a few of their cases.
 GPU_TESTS = [
@@ -158,13 +178,13 @@ def pytest_outcome(log: Path) -> dict:
     return {"summary": summary[-1] if summary else None, "counts": counts, "failed": failed}
 
 
-def step_tests(args, out: Path, env: dict) -> dict:
+def step_tests(args, out: Path, env: dict, budget: float) -> dict:
     log = out / "pytest.log"
     tests = DRY_TESTS if args.dry_run else GPU_TESTS
     cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-rfE", "-p", "no:cacheprovider"]
     if not args.dry_run and args.test_workers > 1 and importlib.util.find_spec("xdist"):
         cmd += ["-n", str(args.test_workers)]  # Triton's and Inductor's compiles are CPU-bound: spread them
-    result = run(cmd, log, args.test_minutes * 60, env)
+    result = run(cmd, log, budget, env)
     return result | pytest_outcome(log)
 
 
@@ -179,9 +199,9 @@ def with_dry_shape(argv: list[str]) -> list[str]:
     return argv + ["--repeats", "1", "--warmup", "0", "--no-peer"]
 
 
-def step_bench(args, out: Path, env: dict, device: str) -> list[dict]:
+def step_bench(args, out: Path, env: dict, device: str, budget: float) -> list[dict]:
     log, rows = out / "bench.log", []
-    deadline = time.perf_counter() + args.bench_minutes * 60
+    deadline = time.perf_counter() + budget
     for label, argv in SCAN_CASES:
         left = deadline - time.perf_counter()
         if left < 5:
@@ -216,7 +236,7 @@ def last_metrics(run_dir: Path) -> dict:
     return found
 
 
-def step_train(args, out: Path, env: dict, device: str) -> list[dict]:
+def step_train(args, out: Path, env: dict, device: str, budget: float) -> list[dict]:
     log, rows = out / "train.log", []
     runs_root = tempfile.TemporaryDirectory(prefix="ssm-gpu-check-")  # the runs' files stay out of DIR
     runs = Path(runs_root.name)
@@ -225,7 +245,7 @@ def step_train(args, out: Path, env: dict, device: str) -> list[dict]:
         plan = [(label, [a for a in argv if not a.startswith(("trainer.max_steps", "trainer.precision"))])
                 for label, argv in plan[:1]]  # fmt: skip
     cpu_run = ("default, CPU, first steps", [f"trainer.max_steps={CPU_STEPS}", "trainer.accelerator=cpu"])
-    deadline = time.perf_counter() + args.train_minutes * 60
+    deadline = time.perf_counter() + budget
     for label, overrides in [*plan, cpu_run]:
         left = deadline - time.perf_counter()
         if left < 5:
@@ -243,26 +263,147 @@ def step_train(args, out: Path, env: dict, device: str) -> list[dict]:
     return rows
 
 
-def step_peer_build(args, out: Path, env: dict) -> dict:
-    source = ROOT / "third_party" / "mamba-ssm"
-    if not source.exists():
-        return {"skipped": f"no source at {source.relative_to(ROOT)}"}
+def start_build(args, out: Path, env: dict) -> dict:
+    """Start the peer's CUDA builds in the background (see mamba_ssm_peer.start_builds)."""
+    problem = mamba_ssm_peer.source_problem()
+    if problem:
+        return {"skipped": problem}
     if args.dry_run:
-        return {"skipped": "dry run"}
-    build_env = env | {"MAMBA_FORCE_BUILD": "TRUE", "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": str(os.cpu_count())}
-    cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", str(source)]
-    return run(cmd, out / "build.log", args.build_minutes * 60, build_env)
+        return {"skipped": "no CUDA (dry run): nothing to build for"}
+    import torch
+
+    started = mamba_ssm_peer.start_builds(out, env, torch.cuda.get_device_capability(0))
+    return {"extensions": started, "start": time.perf_counter()}
+
+
+def wait_build(build: dict, deadline: float) -> dict:
+    """Wait for the builds until ``deadline`` (perf_counter), then stop what still runs; each
+    extension's exit status, seconds, whether it is built, and its log's tail if it failed."""
+    if "extensions" not in build:
+        return build
+    outcome = {}
+    for extension, started in build["extensions"].items():
+        if "process" not in started:
+            outcome[extension] = started | {"built": mamba_ssm_peer.built(extension)}
+            continue
+        process, timed_out = started["process"], False
+        try:
+            process.wait(timeout=max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(process.pid, signal.SIGKILL)  # its own session: setup.py, ninja and the nvcc jobs
+            process.wait()
+        result = {"returncode": None if timed_out else process.returncode, "timed_out": timed_out,
+                  "seconds": round(time.perf_counter() - build["start"], 1), "log": started["log"].name,
+                  "built": mamba_ssm_peer.built(extension)}  # fmt: skip
+        if not result["built"]:
+            result["log_tail"] = started["log"].read_text(errors="replace").splitlines()[-15:]
+        outcome[extension] = result
+    return {"extensions": outcome}
+
+
+def step_peers(args, out: Path, env: dict, device: str, phase: str, budget: float) -> dict:
+    """One process of scripts/benchmark.py --op gpu-peers for the cases of ``phase``; its rows
+    (those written before a kill at the budget included)."""
+    path = out / f"peers-{phase}.json"
+    path.unlink(missing_ok=True)
+    repeats = ["--repeats", "1", "--warmup", "0"] if args.dry_run else ["--repeats", "7", "--warmup", "2"]
+    cmd = [sys.executable, "scripts/benchmark.py", "--op", "gpu-peers", "--cases", PEER_CASES[phase],
+           "--device", device, "--budget", f"{0.75 * budget:.0f}", *repeats, "--json", str(path)]  # fmt: skip
+    result = run(cmd, out / "peers.log", budget, env)
+    if path.exists():
+        measured = json.loads(path.read_text())
+        result |= {"rows": measured["rows"], "peer": measured.get("peer")}
+        path.unlink()
+    return result
+
+
+def peer_rows(result: dict) -> list[dict]:
+    return [row for phase in ("peers", "peers_built") for row in result.get(phase, {}).get("rows", [])]
+
+
+def peers_section(result: dict, argv: list[str] | None) -> str:
+    """The pairs' BENCHMARKS.md section, naming the device."""
+    env = result["environment"]
+    body = bench_report.table(gpu_peers.HEADERS, gpu_peers.table_rows(peer_rows(result)))
+    peer = next((result[p]["peer"] for p in ("peers_built", "peers") if result.get(p, {}).get("peer")), {})
+    body += (
+        f"\n\nmamba-ssm {peer.get('version')} from its source (built: {peer.get('built')}). Forward and "
+        'forward+backward, median of 7 after 2 warm-ups, the two sides taking turns; "ssm ahead by": the peer\'s '
+        "time over ssm's (tokens/s: ssm's over the peer's); peak: MiB allocated above the inputs; agree: the "
+        "peer's outputs and gradients against ssm's within the dtype's tolerance (float32 1e-4, bfloat16 5e-2; "
+        "kernels: max|difference| / max|value|, layers and models: the norms' ratio; the largest named)."
+    )
+    key = "gpu-peers-" + ("cpu" if result["dry_run"] else "cuda")
+    header = {
+        "machine": f"{env['device']}, torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}",
+        "date": result["date"],
+        "commit": (env.get("commit") or "unknown")[:7],
+        "command": "PYTHONPATH=. python3 scripts/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    return bench_report.section(key, f"ssm beside mamba-ssm on {env['device']}", body, header)
+
+
+def write_peers(result: dict, out: Path, argv: list[str] | None) -> None:
+    """The pairs' rows and section into DIR; on a GPU run also into docs/bench/gpu-peers.json
+    and BENCHMARKS.md (only rows that measured both sides)."""
+    measured = [row for row in peer_rows(result) if "ssm" in row and "peer" in row]
+    (out / "gpu-peers.json").write_text(json.dumps(measured, indent=2) + "\n")
+    (out / "gpu-peers.md").write_text(peers_section(result, argv) + "\n")
+    if not result["dry_run"] and measured:
+        apply_peers(out)
+
+
+def apply_peers(run_dir: Path) -> int:
+    """Put a GPU run's gpu-peers.json into docs/bench/ and its section into BENCHMARKS.md;
+    a dry run's (the CPU's, interpreted) are refused."""
+    rows = json.loads((run_dir / "gpu-peers.json").read_text())
+    section = (run_dir / "gpu-peers.md").read_text().strip()
+    if (
+        not rows
+        or any(row["device"].startswith("cpu") for row in rows)
+        or "<!-- bench:gpu-peers-cuda -->" not in section
+    ):
+        print(f"{run_dir}: no GPU run's rows (a dry run's stay out of docs/)")
+        return 1
+    (ROOT / "docs" / "bench" / "gpu-peers.json").write_text(json.dumps(rows, indent=2) + "\n")
+    bench_report.write_section(ROOT / "BENCHMARKS.md", "gpu-peers-cuda", section)
+    print(f"wrote docs/bench/gpu-peers.json ({len(rows)} rows) and BENCHMARKS.md's gpu-peers-cuda section")
+    return 0
 
 
 def summary_markdown(report: dict) -> str:
+    """The report as a reader sees it: a section per step that ran."""
     env, lines = report["environment"], ["# gpu_check", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items()] + ["", "## Tests", ""]
-    tests = report.get("tests", {})
-    lines.append(f"{tests.get('summary')} ({tests.get('seconds')} s, timed out: {tests.get('timed_out')})")
-    lines += [f"- FAILED {t}" for t in tests.get("failed", [])]
-    lines += ["", "## Speed (ms; forward / forward+backward; extra peak MiB fwd+bwd)", ""]
-    lines += ["| case | implementation | fwd ms | fwd+bwd ms | peak MiB |", "|---|---|---|---|---|"]
-    for row in report.get("bench", []):
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += [f"- seconds: {report.get('seconds')} (budgets: {report.get('budgets_s')})"]
+    if "tests" in report:
+        tests = report["tests"]
+        lines += ["", "## Tests", ""]
+        lines.append(f"{tests.get('summary')} ({tests.get('seconds')} s, timed out: {tests.get('timed_out')})")
+        lines += [f"- FAILED {t}" for t in tests.get("failed", [])]
+        lines += [f"- skipped: {tests['skipped']}"] if "skipped" in tests else []
+    if "bench" in report:
+        lines += ["", "## Speed (ms; forward / forward+backward; extra peak MiB fwd+bwd)", ""]
+        lines += ["| case | implementation | fwd ms | fwd+bwd ms | peak MiB |", "|---|---|---|---|---|"]
+        lines += bench_lines(report["bench"])
+    if "train" in report:
+        lines += ["", "## Training", ""]
+        lines += ["| run | exit | s | first loss | last loss | tokens/s | val |", "|---|---|---|---|---|---|---|"]
+        for row in report["train"]:
+            loss, tps = row.get("train/loss", {}), row.get("train/tokens_per_s", {})
+            lines.append(
+                f"| {row['run']} | {row.get('returncode', row.get('skipped'))} | {row.get('seconds')} | "
+                f"{loss.get('first')} | {loss.get('last')} | {tps.get('last')} | {row.get('final')} |"
+            )
+    if any(step in report for step in ("build", "peers", "peers_built")):
+        lines += ["", "## ssm beside mamba-ssm", ""] + peer_lines(report)
+    return "\n".join(lines + [""])
+
+
+def bench_lines(bench: list[dict]) -> list[str]:
+    lines = []
+    for row in bench:
         measured = row.get("report", {})
         results = measured.get("results", [])
         results += [{"name": name, "fwd_bwd_ms": ms} for name, ms in measured.get("ms", {}).items()]  # ssd's form
@@ -275,39 +416,67 @@ def summary_markdown(report: dict) -> str:
             fwd = f"{r['forward_ms']:.3f}" if "forward_ms" in r else "-"
             times = f"{fwd} | {r.get('fwd_bwd_ms', 0):.3f}"
             lines.append(f"| {row['case']} | {r.get('name')} | {times} | {peak} |")
-    lines += [
-        "",
-        "## Training",
-        "",
-        "| run | exit | s | first loss | last loss | tokens/s | val |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for row in report.get("train", []):
-        loss, tps = row.get("train/loss", {}), row.get("train/tokens_per_s", {})
+    return lines
+
+
+def peer_lines(report: dict) -> list[str]:
+    """The builds, the two peer steps, every pair skipped (with why) and the pairs' table."""
+    lines, build = [], report.get("build") or {}
+    if "skipped" in build:
+        lines.append(f"- build: skipped: {build['skipped']}")
+    for name, outcome in build.get("extensions", {}).items():
+        state = "built" if outcome.get("built") else outcome.get("skipped") or f"exit {outcome.get('returncode')}"
         lines.append(
-            f"| {row['run']} | {row.get('returncode', row.get('skipped'))} | {row.get('seconds')} | "
-            f"{loss.get('first')} | {loss.get('last')} | {tps.get('last')} | {row.get('final')} |"
+            f"- build of {name}: {state}, {outcome.get('seconds', '-')} s, timed out: {outcome.get('timed_out')}"
         )
-    lines += ["", "## mamba-ssm build", "", f"{report.get('peer_build')}", ""]
-    return "\n".join(lines)
+    for phase in ("peers", "peers_built"):
+        step = report.get(phase)
+        if step is not None:
+            status = step.get("skipped") or f"exit {step.get('returncode')}, timed out: {step.get('timed_out')}"
+            lines.append(f"- {phase} ({PEER_CASES[phase]}): {status}, {step.get('seconds')} s")
+    for row in peer_rows(report):
+        if "ssm" not in row:
+            what = row["op"] + (f" ({row['shape']})" if row.get("shape") else "")
+            lines.append(f"- not measured: {what}: {row.get('skipped') or row.get('error')}")
+        elif row.get("agree") is not True:  # False, or "unchecked"
+            why = row.get("why", row.get("diff"))
+            lines.append(f"- {row['op']} ({row['shape']}, {row['pass']}): agree {row['agree']}: {why}")
+    if peer_rows(report):
+        lines += ["", bench_report.table(gpu_peers.HEADERS, gpu_peers.table_rows(peer_rows(report)))]
+    return lines
+
+
+MINUTES = {  # step -> the option that overrides its budget
+    "build": "build_minutes",
+    "peers": "peer_minutes",
+    "tests": "test_minutes",
+    "peers_built": "peer_built_minutes",
+    "bench": "bench_minutes",
+    "train": "train_minutes",
+    "total": "total_minutes",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path, help="folder for the report files (created)")
+    parser.add_argument("--out", type=Path, help="folder for the report files (created)")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (automatic without CUDA)")
-    parser.add_argument("--steps", default="tests,bench,train,build", help="comma-separated subset of the steps")
-    parser.add_argument("--test-minutes", type=float, default=8)
-    parser.add_argument("--bench-minutes", type=float, default=5)
-    parser.add_argument("--train-minutes", type=float, default=4)
-    parser.add_argument("--build-minutes", type=float, default=8)
+    parser.add_argument("--steps", default="build,peers,tests,bench,train", help="comma-separated subset of the steps")
+    for step, flag in MINUTES.items():
+        default = f"{GPU_SECONDS[step]} s on a GPU, {DRY_SECONDS[step]} s in a dry run"
+        parser.add_argument("--" + flag.replace("_", "-"), type=float, default=None, help=f"default {default}")
     parser.add_argument(
         "--test-workers",
         type=int,
         default=min(8, os.cpu_count() or 1),
         help="pytest-xdist workers for the tests on a GPU, where xdist is installed",
     )
+    parser.add_argument("--apply", type=Path, metavar="DIR", help="write a GPU run's peer rows (DIR) into docs/")
     args = parser.parse_args(argv)
+    if args.apply:
+        return apply_peers(args.apply)
+    if args.out is None:
+        parser.error("--out is required (or --apply DIR)")
 
     import torch
 
@@ -318,22 +487,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         env["TRITON_INTERPRET"] = "1"
     steps = set(args.steps.split(","))
-    report = {"environment": environment(device), "dry_run": args.dry_run}
+    seconds = dict(DRY_SECONDS if args.dry_run else GPU_SECONDS)
+    seconds |= {step: 60 * getattr(args, flag) for step, flag in MINUTES.items() if getattr(args, flag) is not None}
     start = time.perf_counter()
-    if "build" in steps:  # first: a built peer is then timed by the speed step
-        report["peer_build"] = step_peer_build(args, args.out, env)
+    deadline = start + seconds["total"] - 10  # 10 s to write the report
+
+    def budget(step: str) -> float:
+        return max(0.0, min(seconds[step], deadline - time.perf_counter()))
+
+    report = {"environment": environment(device), "dry_run": args.dry_run, "budgets_s": seconds}
+    report["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out_of_time = {"skipped": "out of the window's time", "rows": []}
+    build = start_build(args, args.out, env) if "build" in steps else None  # in the background
+    if "peers" in steps:
+        report["peers"] = (
+            step_peers(args, args.out, env, device, "peers", budget("peers")) if budget("peers") > 5 else out_of_time
+        )
     if "tests" in steps:
-        report["tests"] = step_tests(args, args.out, env)
+        report["tests"] = step_tests(args, args.out, env, budget("tests")) if budget("tests") > 5 else out_of_time
+    if build is not None:
+        report["build"] = wait_build(build, min(start + seconds["build"], deadline))
+    if "peers" in steps:
+        ok = budget("peers_built") > 5
+        report["peers_built"] = (
+            step_peers(args, args.out, env, device, "peers_built", budget("peers_built")) if ok else out_of_time
+        )
     if "bench" in steps:
-        report["bench"] = step_bench(args, args.out, env, device)
+        report["bench"] = step_bench(args, args.out, env, device, budget("bench"))
     if "train" in steps:
-        report["train"] = step_train(args, args.out, env, device)
+        report["train"] = step_train(args, args.out, env, device, budget("train"))
     report["seconds"] = round(time.perf_counter() - start, 1)
+    if "peers" in steps:
+        write_peers(report, args.out, argv)
     (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (args.out / "summary.md").write_text(summary_markdown(report))
     print((args.out / "summary.md").read_text())
     failed = report.get("tests", {}).get("failed") or any(
-        row.get("returncode") not in (0, None) for row in report.get("bench", []) + report.get("train", [])
+        row.get("returncode") not in (0, None)
+        for row in report.get("bench", [])
+        + report.get("train", [])
+        + [report.get("peers", {}), report.get("peers_built", {})]
     )
     return 1 if failed else 0
 

@@ -46,6 +46,7 @@ def test_every_op_has_a_module_that_runs():
         "text",
         "cold-start",
         "memory",
+        "gpu-peers",
     }
     for op in ops:
         module = bench(ops[op])

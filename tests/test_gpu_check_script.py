@@ -1,14 +1,25 @@
 """scripts/gpu_check.py: its dry run (the GPU plan at tiny sizes on the CPU) runs end to end and
 reports every step, so that the script cannot rot between GPU windows; its log parsing and
-summary read what they are given."""
+summary read what they are given. The peer steps (mamba-ssm beside ssm) say what they skipped
+and why; where mamba-ssm's source is in third_party/ (scripts/peers/fetch_mamba_ssm.sh) the dry
+run checks in Triton's interpreter that the pairs agree, and a pair given a wrong argument
+mapping or wrong weights must not."""
 
 from __future__ import annotations
 
 import json
+import os
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+PEER = ROOT / "third_party" / "mamba-ssm" / "mamba_ssm" / "__init__.py"
+NO_PEER = "no third_party/mamba-ssm here: scripts/peers/fetch_mamba_ssm.sh puts it there"
 
 
 def script():
@@ -89,3 +100,173 @@ def test_the_summary_shows_each_form_of_result():
     assert "| ssd | chunked | - | 7.000 |" in text
     assert "| late | (out of the step's time) |" in text
     assert "- FAILED t::a" in text and "[9, 1.25]" in text
+
+
+def dry_run_peers(out: Path, third_party: Path | None = None) -> tuple[int, dict]:
+    """The dry run's build and peer steps in a child process (the peer's loader patches torch.cuda
+    for the interpreter: not in the test session), with mamba-ssm from ``third_party``."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    if third_party is not None:
+        env["SSM_THIRD_PARTY"] = str(third_party)
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--dry-run", "--steps", "build,peers"]
+    code = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900).returncode
+    return code, json.loads((out / "report.json").read_text())
+
+
+def test_the_dry_run_says_why_without_the_peer(tmp_path):
+    code, report = dry_run_peers(tmp_path / "out", third_party=tmp_path / "empty")
+    fetch = "run scripts/peers/fetch_mamba_ssm.sh; carry third_party to a GPU machine"
+    why = f"no {tmp_path / 'empty' / 'mamba-ssm'} ({fetch})"
+    assert report["build"] == {"skipped": why}
+    rows = report["peers"]["rows"] + report["peers_built"]["rows"]
+    assert [r["op"] for r in rows] == ["ssd", "mamba3", "selective", "mamba2_layer", "train_step"]
+    assert all(r["skipped"] == why for r in rows)
+    assert json.loads((tmp_path / "out" / "gpu-peers.json").read_text()) == []
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert f"- build: skipped: {why}" in summary and f"- not measured: ssd: {why}" in summary
+    assert code == 0
+
+
+@pytest.mark.skipif(not PEER.exists(), reason=NO_PEER)
+def test_the_dry_run_checks_the_peers_in_the_interpreter(tmp_path):
+    docs = [ROOT / "BENCHMARKS.md", ROOT / "docs" / "bench" / "gpu-peers.json"]
+    before = [p.read_bytes() if p.exists() else None for p in docs]
+    code, report = dry_run_peers(tmp_path / "out")
+    assert report["build"] == {"skipped": "no CUDA (dry run): nothing to build for"}
+    rows = {
+        (r["op"], r["shape"].split("mixer ")[-1][:6]): r
+        for r in report["peers"]["rows"] + report["peers_built"]["rows"]
+    }
+    not_built = "selective_scan_cuda is not built (no CUDA here)"
+    assert rows["selective", "batch "]["skipped"] == not_built
+    assert rows["train_step", "Mamba1"]["skipped"] == not_built
+    for pair in (("ssd", "batch "), ("mamba2_layer", "batch "), ("train_step", "Mamba2")):
+        row = rows[pair]
+        assert row["agree"] is True and row["pass"] == "fwd+bwd", row
+        assert max(row["diff"].values()) <= 1e-4 and row["device"] == "cpu (Triton interpreter)"
+        assert row["ssm"] > 0 and row["peer"] > 0 and row["commit"] and row["date"]
+    assert rows["ssd", "batch "]["diff"].keys() >= {"out", "dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias"}
+    mamba3 = rows["mamba3", "batch "]
+    assert mamba3["agree"] == "unchecked" and "Triton's interpreter" in mamba3["why"] and mamba3["pass"] == "fwd"
+    assert "interleaved rotary pairs" in mamba3["note"]
+    written = json.loads((tmp_path / "out" / "gpu-peers.json").read_text())
+    assert [r["op"] for r in written] == ["ssd", "mamba3", "mamba2_layer", "train_step"]
+    assert "<!-- bench:gpu-peers-cpu -->" in (tmp_path / "out" / "gpu-peers.md").read_text()
+    assert [p.read_bytes() if p.exists() else None for p in docs] == before  # a dry run writes nothing into docs/
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert f"- not measured: selective (batch 1, dim 8, N 4, L 64): {not_built}" in summary
+    assert "- mamba3 (batch 1, L 40, heads 2, P 16, N 16, chunk 16, fwd): agree unchecked" in summary
+    assert code == 0
+    # its rows stay out of docs/ when applied
+    assert script()["main"](["--apply", str(tmp_path / "out")]) == 1
+
+
+PLANTED = """
+import sys
+sys.path.insert(0, "scripts")
+from bench import gpu_peer_cases as cases
+from bench import gpu_peers
+
+kernel_pair = cases.kernel_pair
+
+
+def b_and_c_swapped(leaves, ssm_fn, ssm_args, peer_fn, peer_args, tolerance):
+    def swapped(v):
+        x, dt, A, B, C, *rest = peer_args(v)
+        return (x, dt, A, C, B, *rest)
+    return kernel_pair(leaves, ssm_fn, ssm_args, peer_fn, swapped, tolerance)
+
+
+cases.kernel_pair = b_and_c_swapped
+module_pair = cases.module_pair
+
+
+def one_weight_off(ours, theirs, *args, **kwargs):
+    with cases.torch.no_grad():
+        ours.out_proj.weight[0, 0] += 0.1
+    return module_pair(ours, theirs, *args, **kwargs)
+
+
+cases.module_pair = one_weight_off
+code, result = gpu_peers.run(gpu_peers_args)
+"""
+
+
+@pytest.mark.skipif(not PEER.exists(), reason=NO_PEER)
+def test_a_wrong_mapping_or_wrong_weights_do_not_agree(tmp_path):
+    """B and C swapped in the peer's SSD arguments; one weight of ssm's Mamba2 layer changed
+    after loading the peer's: both pairs must say they disagree, and the op fail."""
+    driver = tmp_path / "planted.py"
+    driver.write_text(
+        "import sys\nsys.path.insert(0, 'scripts')\nimport benchmark\n"
+        "gpu_peers_args = benchmark.parse_args(['--op', 'gpu-peers', '--device', 'cpu', '--cases', 'ssd,mamba2_layer',"
+        " '--repeats', '1', '--warmup', '0'])\n"
+        + PLANTED
+        + "\nimport json\nprint(json.dumps([code, result['rows']]))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, str(driver)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    code, rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(r["op"], r["agree"]) for r in rows] == [("ssd", False), ("mamba2_layer", False)]
+    assert rows[0]["diff"]["out"] > 0.1 and rows[0]["diff"]["dB"] > 0.1 and rows[0]["diff"]["dC"] > 0.1
+    assert rows[1]["diff"]["out"] > 1e-3
+    assert code == 1
+
+
+@pytest.mark.skipif(not PEER.exists(), reason=NO_PEER)
+def test_the_peer_loads_without_its_build_or_the_hub_libraries():
+    """A GPU machine may lack transformers, huggingface_hub and causal-conv1d: mamba-ssm's modules
+    still import (stubs for what they only name), and its Mamba2 module builds."""
+    driver = (
+        "import sys, json\n"
+        "for name in ('transformers', 'huggingface_hub', 'causal_conv1d'):\n"
+        "    sys.modules[name] = None  # not installed\n"
+        "sys.path.insert(0, 'scripts')\n"
+        "from bench import mamba_ssm_peer\n"
+        "peer = mamba_ssm_peer.load(interpreting=True)\n"
+        "layer = peer.mamba2.Mamba2(32, d_state=16, headdim=16, chunk_size=16, use_mem_eff_path=False)\n"
+        "missing = [k for k in mamba_ssm_peer.MODULES if getattr(peer, k) is None]\n"
+        "size = sum(p.numel() for p in layer.parameters())\n"
+        "print(json.dumps([peer.stubs, peer.errors, missing, peer.built, size]))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", driver], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    stubs, errors, missing, built, parameters = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stubs == ["selective_scan_cuda", "huggingface_hub", "transformers", "transformers.utils",
+                     "transformers.utils.hub", "transformers.generation"]  # fmt: skip
+    assert errors == {} and missing == [] and parameters > 0
+    assert built == {"selective_scan_cuda": False, "causal_conv1d_cuda": False}
+
+
+@pytest.mark.skipif(not PEER.exists(), reason=NO_PEER)
+def test_the_130m_pairs_hold_the_same_tensors():
+    """The GPU's training-step pairs at mamba-130m's shapes (on the meta device): ssm's MambaLM has
+    MambaLMHeadModel's state dict, names and shapes, for Mamba-1 and Mamba-2 mixers."""
+    driver = (
+        "import sys, json\n"
+        "sys.path.insert(0, 'scripts')\n"
+        "from bench import mamba_ssm_peer\n"
+        "peer = mamba_ssm_peer.load(interpreting=True)\n"
+        "import ssm\n"
+        "found = []\n"
+        "for mixer in ({'layer': 'Mamba2', 'd_state': 128, 'headdim': 64, 'chunk_size': 256}, {'layer': 'Mamba1'}):\n"
+        "    cfg = dict(d_model=768, n_layer=24, vocab_size=50280, ssm_cfg=mixer)\n"
+        "    config = peer.config.MambaConfig(**cfg | {'ssm_cfg': dict(mixer)})\n"
+        "    theirs = peer.models.MambaLMHeadModel(config, device='meta')\n"
+        "    ours = ssm.MambaLM(ssm.MambaConfig(**cfg), device='meta')\n"
+        "    shapes = [{k: list(v.shape) for k, v in m.state_dict().items()} for m in (theirs, ours)]\n"
+        "    found.append([shapes[0] == shapes[1], len(shapes[0]), sum(p.numel() for p in theirs.parameters())])\n"
+        "print(json.dumps(found))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", driver], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (same2, keys2, size2), (same1, keys1, size1) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert same2 and same1 and keys2 > 200 and keys1 > 200
+    assert 125e6 < size2 < 135e6 and 125e6 < size1 < 135e6  # mamba-130m's and mamba2-130m's sizes

@@ -21,4 +21,5 @@ OPS = {
     "cold-start": "cold_start",
     "memory": "memory",
     "precision": "precision",
+    "gpu-peers": "gpu_peers",
 }
