@@ -82,6 +82,6 @@ def linear_scan(
     check_same_device("inputs", inputs, gates=gates, initial_state=initial_state)
     impl = BACKENDS.resolve(backend, inputs.device)
 
-    if inputs.shape[dim] == 0:
+    if inputs.numel() == 0:  # nothing to scan (L or another dimension is 0): no backend runs
         return inputs.new_empty(inputs.shape, dtype=torch.promote_types(gates.dtype, inputs.dtype))
     return impl.fn(gates, inputs, dim, initial_state, bool(reverse), cu_seqlens).contiguous()

@@ -7,7 +7,14 @@ import math
 import torch
 
 from .._backends import BackendTable
-from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
+from ._checks import (
+    check_cu_seqlens,
+    check_same_device,
+    check_shape,
+    check_state_size,
+    check_tensor,
+    compute_dtype,
+)
 from .chunked import ssd_chunked
 from .cpu import ssd_cpu, subnormals_flushed
 from .reference import ssd_ref
@@ -102,6 +109,7 @@ def ssd(
     check_tensor("B", B, ndim=4)
     groups, N = B.shape[2], B.shape[3]
     check_shape("B", B, (batch, length, groups, N), "(batch, L, G, N)")
+    check_state_size("B", B, N, "(batch, L, G, N)")
     if groups == 0 or heads % groups != 0:
         raise ValueError(f"B has G = {groups} groups, but H = {heads} heads (from x) is not divisible by G")
     check_tensor("C", C, ndim=4)
@@ -143,7 +151,7 @@ def ssd(
             backend = "chunked"
     impl = BACKENDS.resolve(backend, x.device)
 
-    if length == 0:
+    if x.numel() == 0:  # no output to compute (L, batch, H or P is 0): no backend runs
         out = x.new_empty(x.shape)
         if not return_last_state:
             return out
