@@ -57,6 +57,18 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float32
 
 
+def empty_output(shape: Sequence[int], dtype: torch.dtype, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """The output of a scan that has nothing to compute (a length, batch or channel count of 0):
+    an empty tensor of ``shape``, tied into the autograd graph of the ``inputs`` that need a
+    gradient (each then gets a zero one), as a backend's output would be."""
+    present = [t for t in inputs if t is not None]
+    out = present[0].new_empty(shape, dtype=dtype)
+    tied = [t for t in present if t.requires_grad]
+    if tied and torch.is_grad_enabled():
+        out = out + sum(t.sum() for t in tied).to(dtype) * 0  # (empty: nothing is computed)
+    return out
+
+
 @dataclass(frozen=True)
 class PackedSequences:
     """Packed-sequence boundaries that passed ``packed_sequences``: ``cu_seqlens`` (S + 1,) int64

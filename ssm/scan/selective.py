@@ -13,6 +13,7 @@ from ._checks import (
     check_state_size,
     check_tensor,
     compute_dtype,
+    empty_output,
 )
 from .cpu import selective_scan_cpu
 from .pscan import selective_scan_pscan
@@ -142,7 +143,7 @@ def selective_scan(
     impl = BACKENDS.resolve(backend, u.device)
 
     if length == 0 or batch * dim == 0:  # no output to compute: no backend runs
-        out = u.new_empty(batch, dim, length)
+        out = empty_output((batch, dim, length), u.dtype, u, delta, A, B, C, D, z, delta_bias, initial_state)
         if not return_last_state:
             return out
         state_dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)

@@ -14,6 +14,7 @@ from ._checks import (
     check_state_size,
     check_tensor,
     compute_dtype,
+    empty_output,
 )
 from .chunked import ssd_chunked
 from .cpu import ssd_cpu, subnormals_flushed
@@ -152,7 +153,7 @@ def ssd(
     impl = BACKENDS.resolve(backend, x.device)
 
     if x.numel() == 0:  # no output to compute (L, batch, H or P is 0): no backend runs
-        out = x.new_empty(x.shape)
+        out = empty_output(x.shape, x.dtype, x, dt, A, B, C, D, z, dt_bias, initial_state)
         if not return_last_state:
             return out
         state_dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)

@@ -12,7 +12,14 @@ import torch
 
 from .._backends import BackendTable
 from . import triton
-from ._checks import check_cu_seqlens, check_same_device, check_shape, check_state_size, check_tensor
+from ._checks import (
+    check_cu_seqlens,
+    check_same_device,
+    check_shape,
+    check_state_size,
+    check_tensor,
+    empty_output,
+)
 from ._common_trapezoidal import TrapezoidalArgs, TrapezoidalState
 from .cpu import subnormals_flushed
 from .reference import trapezoidal_scan_ref
@@ -208,7 +215,8 @@ def trapezoidal_scan(
 
     per_rank = rank_axis and mimo_o is None
     if x.numel() == 0:  # no output to compute (L, batch, H or P is 0): no backend runs
-        out = x.new_empty(batch, length, *((ranks,) if per_rank else ()), heads, head_dim)
+        shape = (batch, length, *((ranks,) if per_rank else ()), heads, head_dim)
+        out = empty_output(shape, x.dtype, *args.tensors().values())
         if not return_last_state:
             return out
         dtype = args.dtype
