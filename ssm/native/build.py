@@ -153,6 +153,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ssm_cpu_isa.restype = ctypes.c_int
     lib.ssm_flush_subnormals_on_threads.argtypes = [ctypes.c_int, ctypes.c_int64]
     lib.ssm_flush_subnormals_on_threads.restype = None
+    lib.ssm_decode_kernel.argtypes = [ctypes.c_int64] * 4
+    lib.ssm_decode_kernel.restype = ctypes.c_char_p
     if lib.ssm_kernels_abi() != ABI:
         raise RuntimeError(f"{path} has ABI {lib.ssm_kernels_abi()}, expected {ABI}")
     for name, argtypes in list(_declared.items()):
