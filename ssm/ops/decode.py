@@ -186,7 +186,7 @@ def _mamba1_args(a: _BlockStepArgs, block: MambaBlockWeights, batch: int, d_mode
     """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
     them); return the scratch the block needs (elements)."""
     kind = "MambaBlockWeights"
-    if block.A.ndim != 2 or block.dt_proj_weight.ndim != 2 or block.conv_weight.ndim not in (2, 3):
+    if block.A.ndim != 2 or len(block.dt_proj_weight.shape) != 2 or block.conv_weight.ndim not in (2, 3):
         shapes = tuple(block.A.shape), tuple(block.dt_proj_weight.shape), tuple(block.conv_weight.shape)
         raise ValueError(f"{kind}: A must be (D, N), dt_proj_weight (D, R), conv_weight (D, 1, K); got {shapes}")
     dim, N = block.A.shape
@@ -451,7 +451,7 @@ class MambaBlocksStep:
         h = None
         if head is not None:
             _check_shapes("LMHeadWeights", {"norm_weight": ((d_model,), head.norm_weight)})
-            if head.weight.ndim != 2 or head.weight.shape[1] != d_model:
+            if len(head.weight.shape) != 2 or head.weight.shape[1] != d_model:
                 raise ValueError(f"LMHeadWeights.weight must have shape (V, {d_model}), got {tuple(head.weight.shape)}")
             h = _HeadArgs()
             h.vocab, h.eps = head.weight.shape[0], head.norm_eps
