@@ -17,13 +17,27 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: train test lint gpu-check bench bench-run
+.PHONY: train test test-asan lint gpu-check bench bench-run
 
 train: $(VENV)/.installed-train
 	$(PY) scripts/train.py $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest $(ARGS)
+
+# The C-backed tests with the C library built under AddressSanitizer and UBSan (SSM_CPU_SANITIZE=1,
+# ssm/native/build.py; a cache entry of its own): a read or write out of bounds, a use after free or
+# undefined behaviour in a kernel stops the run with a report. Python is not instrumented, so the
+# ASan runtime of the compiler that builds the library is preloaded (gcc's; with clang set
+# ASAN_LIB to its libclang_rt.asan); leaks are not checked (the interpreter's own). Not part of
+# `make test`: it takes several minutes (the compile, and the kernels at -O1 under ASan).
+ASAN_TESTS ?= tests/native tests/ops tests/scan/test_cpu_backend.py tests/scan/test_subnormals.py \
+    tests/scan/test_selective_scan.py tests/scan/test_linear_scan.py tests/scan/test_step.py \
+    tests/scan/test_properties.py tests/models/test_mamba2_decode.py tests/models/test_mamba3_decode.py
+ASAN_LIB ?= $(shell $${CC:-cc} -print-file-name=libasan.so)
+test-asan: $(VENV)/.installed-test
+	SSM_CPU_SANITIZE=1 LD_PRELOAD=$(ASAN_LIB) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	    $(PY) -m pytest -p no:cacheprovider $(ASAN_TESTS) $(ARGS)
 
 # Every GPU path proved and timed in one command (scripts/gpu_check.py): on a machine with CUDA,
 # with that machine's own python3 and no install step; without CUDA, the same plan as a dry run.

@@ -18,6 +18,11 @@ a GPU's tensor cores compute with (products exact, sums in float32).
 
 The "cpu" scan backend builds its C kernels with the system compiler on first use (about a
 second; cached on disk for later runs) and every test runs them, as users do.
+
+The property-based tests (test_properties.py in tests/scan and tests/layers, hypothesis) run
+under one of two settings profiles, chosen by ``SSM_HYPOTHESIS_PROFILE``: "ci" (the default: a
+fixed seed and a bounded number of examples, a couple of minutes in all) or "long" (random
+seeds, many examples, no bound: to run by hand).
 """
 
 from __future__ import annotations
@@ -118,3 +123,17 @@ def _speed_up_interpreter() -> None:
 
 
 _speed_up_interpreter()
+
+
+def _hypothesis_profiles() -> None:
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # not installed: the property tests fail on import, with the reason
+        return
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile("ci", derandomize=True, max_examples=100, print_blob=True, **common)
+    settings.register_profile("long", max_examples=2000, print_blob=True, **common)
+    settings.load_profile(os.environ.get("SSM_HYPOTHESIS_PROFILE", "ci"))
+
+
+_hypothesis_profiles()

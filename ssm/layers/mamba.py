@@ -10,6 +10,7 @@ from torch import nn
 
 from ..ops import MambaBlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import selective_scan, selective_scan_step
+from .arguments import check_dt_range, check_int, check_number
 from .cache import LayerCache, check_packing, check_sequence, check_token
 from .linear import Linear
 from .norm import RMSNorm, upcast
@@ -63,9 +64,10 @@ class Mamba(nn.Module):
     ):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
+        self.d_inner, self.dt_rank = self.check_arguments(
+            d_model, d_state, d_conv, expand, dt_rank, dt_min, dt_max, dt_init, dt_scale, dt_init_floor
+        )
         self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
-        self.d_inner = expand * d_model
-        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
         self.layer_idx, self.backend = layer_idx, backend
         D = self.d_inner
 
@@ -76,10 +78,8 @@ class Mamba(nn.Module):
         std = self.dt_rank**-0.5 * dt_scale
         if dt_init == "constant":
             nn.init.constant_(self.dt_proj.weight, std)
-        elif dt_init == "random":
-            nn.init.uniform_(self.dt_proj.weight, -std, std)
         else:
-            raise ValueError(f"dt_init must be 'random' or 'constant', got {dt_init!r}")
+            nn.init.uniform_(self.dt_proj.weight, -std, std)
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt_bias_init(D, dt_min, dt_max, dt_init_floor, device))
         self.dt_proj.bias._no_reinit = True
@@ -89,6 +89,25 @@ class Mamba(nn.Module):
         self.A_log = no_weight_decay(nn.Parameter(torch.log(A)))
         self.D = no_weight_decay(nn.Parameter(torch.ones(D, device=device)))
         self.out_proj = Linear(D, d_model, bias=bias, **kw)
+
+    @staticmethod
+    def check_arguments(
+        d_model, d_state, d_conv, expand, dt_rank, dt_min, dt_max, dt_init, dt_scale, dt_init_floor, **_
+    ) -> tuple[int, int]:
+        """The constructor's checks of its arguments (also run on a config's ssm_cfg by
+        ``MambaConfig``, through ``ssm.layers.arguments.check_mixer_arguments``): every size
+        an int >= 1. Returns (d_inner, dt_rank)."""
+        check_int("Mamba", "d_model", d_model)
+        check_int("Mamba", "d_state", d_state, what=" (the state size N)")
+        check_int("Mamba", "d_conv", d_conv, what=" (the causal convolution's width)")
+        check_int("Mamba", "expand", expand, what=" (d_inner = expand·d_model)")
+        if dt_rank != "auto":
+            check_int("Mamba", "dt_rank", dt_rank, what=" or 'auto'")
+        if dt_init not in ("random", "constant"):
+            raise ValueError(f"Mamba: dt_init must be 'random' or 'constant', got {dt_init!r}")
+        check_number("Mamba", "dt_scale", dt_scale)
+        check_dt_range("Mamba", dt_min, dt_max, dt_init_floor)
+        return expand * d_model, math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank
 
     def allocate_inference_cache(self, batch: int, dtype=None, device=None) -> LayerCache:
         return LayerCache.zeros(batch, self.conv1d, (self.d_inner, self.d_state), dtype, device)

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..ops import GatedMLPWeights, Mamba2BlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import ssd, ssd_step
+from .arguments import check_divides, check_dt_range, check_int, check_number
 from .cache import LayerCache, check_packing, check_sequence, check_token
 from .linear import Linear
 from .mamba import decoding_A, dt_bias_init, no_weight_decay
@@ -59,14 +60,12 @@ class Mamba2(nn.Module):
     ):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
+        self.d_inner, self.d_ssm, self.nheads = self.check_arguments(
+            d_model, d_state, d_conv, conv_init, expand, headdim, d_ssm, ngroups, A_init_range,
+            dt_min, dt_max, dt_init_floor, dt_limit, chunk_size,
+        )  # fmt: skip
         self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
-        self.d_inner = expand * d_model
-        self.d_ssm = self.d_inner if d_ssm is None else d_ssm
-        if self.d_ssm % headdim:
-            raise ValueError(f"headdim = {headdim} must divide d_ssm = {self.d_ssm}")
-        self.headdim, self.nheads, self.ngroups = headdim, self.d_ssm // headdim, ngroups
-        if self.nheads % ngroups:
-            raise ValueError(f"ngroups = {ngroups} must divide the number of heads {self.nheads}")
+        self.headdim, self.ngroups = headdim, ngroups
         self.D_has_hdim, self.rmsnorm = D_has_hdim, rmsnorm
         self.dt_limit, self.chunk_size = tuple(dt_limit), chunk_size
         self.layer_idx, self.backend = layer_idx, backend
@@ -83,8 +82,6 @@ class Mamba2(nn.Module):
         self.dt_bias = no_weight_decay(nn.Parameter(dt_bias_init(self.nheads, dt_min, dt_max, dt_init_floor, device)))
         self.dt_bias._no_reinit = True
         lo, hi = A_init_range
-        if not 0 < lo <= hi:
-            raise ValueError(f"A_init_range must satisfy 0 < low <= high, got {A_init_range!r}")
         A = torch.empty(self.nheads, dtype=torch.float32, device=device).uniform_(lo, hi)
         self.A_log = no_weight_decay(nn.Parameter(torch.log(A)))
         self.D = no_weight_decay(nn.Parameter(torch.ones(self.d_ssm if D_has_hdim else self.nheads, device=device)))
@@ -93,6 +90,42 @@ class Mamba2(nn.Module):
                 self.d_ssm, eps=1e-5, norm_before_gate=norm_before_gate, group_size=self.d_ssm // ngroups, **kw
             )
         self.out_proj = Linear(self.d_inner, d_model, bias=bias, **kw)
+
+    @staticmethod
+    def check_arguments(
+        d_model, d_state, d_conv, conv_init, expand, headdim, d_ssm, ngroups, A_init_range,
+        dt_min, dt_max, dt_init_floor, dt_limit, chunk_size, **_,
+    ) -> tuple[int, int, int]:  # fmt: skip
+        """The constructor's checks of its arguments (also run on a config's ssm_cfg by
+        ``MambaConfig``): every size an int >= 1, headdim dividing d_ssm <= d_inner, ngroups
+        dividing the heads. Returns (d_inner, d_ssm, nheads)."""
+        check_int("Mamba2", "d_model", d_model)
+        check_int("Mamba2", "d_state", d_state, what=" (the state size N)")
+        check_int("Mamba2", "d_conv", d_conv, what=" (the causal convolution's width)")
+        check_int("Mamba2", "expand", expand, what=" (d_inner = expand·d_model)")
+        check_int("Mamba2", "headdim", headdim, what=" (the head dim P)")
+        check_int("Mamba2", "ngroups", ngroups)
+        check_int("Mamba2", "chunk_size", chunk_size)
+        d_inner = expand * d_model
+        if d_ssm is not None:
+            check_int("Mamba2", "d_ssm", d_ssm, what=f" and <= d_inner = {d_inner}")
+            if d_ssm > d_inner:
+                raise ValueError(f"Mamba2: d_ssm must be <= d_inner = expand·d_model = {d_inner}, got {d_ssm}")
+        d_ssm = d_inner if d_ssm is None else d_ssm
+        check_divides("Mamba2", "headdim", headdim, "d_ssm", d_ssm)
+        nheads = d_ssm // headdim
+        if nheads % ngroups:
+            raise ValueError(f"Mamba2: ngroups = {ngroups} must divide the number of heads {nheads}")
+        if conv_init is not None:
+            check_number("Mamba2", "conv_init", conv_init, strict=False)
+        low, high = _pair("A_init_range", A_init_range)
+        if not 0 < low <= high:
+            raise ValueError(f"Mamba2: A_init_range must satisfy 0 < low <= high, got {A_init_range!r}")
+        low, high = _pair("dt_limit", dt_limit)
+        if not 0 <= low <= high:
+            raise ValueError(f"Mamba2: dt_limit must be a pair (low, high) with 0 <= low <= high, got {dt_limit!r}")
+        check_dt_range("Mamba2", dt_min, dt_max, dt_init_floor)
+        return d_inner, d_ssm, nheads
 
     def _D(self) -> torch.Tensor:
         return upcast(self.D).view(self.nheads, self.headdim) if self.D_has_hdim else upcast(self.D)
@@ -231,3 +264,11 @@ class Mamba2(nn.Module):
             out_proj_bias=self.out_proj.bias,
             mlp=mlp,
         )
+
+
+def _pair(name: str, value) -> tuple[float, float]:
+    """A (low, high) pair of real numbers, or a ValueError naming it."""
+    ok = isinstance(value, (tuple, list)) and len(value) == 2
+    if not ok or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v != v for v in value):
+        raise ValueError(f"Mamba2: {name} must be a pair of numbers (low, high), got {value!r}")
+    return float(value[0]), float(value[1])

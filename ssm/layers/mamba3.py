@@ -11,6 +11,7 @@ from torch import nn
 
 from ..ops import GatedMLPWeights, Mamba3BlockWeights
 from ..scan import TrapezoidalState, trapezoidal_scan, trapezoidal_scan_step
+from .arguments import check_dt_range, check_int, check_number
 from .cache import Mamba3Cache, check_packing, check_sequence, check_token
 from .linear import Linear
 from .mamba import dt_bias_init, no_weight_decay
@@ -73,15 +74,12 @@ class Mamba3(nn.Module):
     ):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
+        self.d_inner, self.nheads, self.num_rope_angles = self.check_arguments(
+            d_model, d_state, expand, headdim, ngroups, rope_fraction, dt_min, dt_max, dt_init_floor, A_floor,
+            is_mimo, mimo_rank, chunk_size,
+        )  # fmt: skip
         self.d_model, self.d_state, self.expand, self.headdim = d_model, d_state, expand, headdim
-        self.d_inner = int(expand * d_model)
-        if self.d_inner % headdim:
-            raise ValueError(f"headdim = {headdim} must divide d_inner = expand·d_model = {self.d_inner}")
-        self.nheads, self.ngroups = self.d_inner // headdim, ngroups
-        if ngroups < 1 or self.nheads % ngroups:
-            raise ValueError(f"ngroups = {ngroups} must divide the number of heads {self.nheads}")
-        if rope_fraction not in (0.5, 1.0):
-            raise ValueError(f"rope_fraction must be 0.5 or 1.0 (as in mamba-ssm), got {rope_fraction!r}")
+        self.ngroups = ngroups
         self.rope_fraction, self.A_floor, self.is_outproj_norm, self.is_mimo = (
             rope_fraction,
             A_floor,
@@ -89,18 +87,10 @@ class Mamba3(nn.Module):
             is_mimo,
         )
         self.mimo_rank = mimo_rank if is_mimo else 1
-        if is_mimo and (isinstance(mimo_rank, bool) or not isinstance(mimo_rank, int) or mimo_rank < 1):
-            raise ValueError(f"mimo_rank must be a positive int, got {mimo_rank!r}")
         # mamba-ssm's attribute names, for code that reads them
         self.num_bc_heads = ngroups
         self.rotary_dim_divisor = int(2 / rope_fraction)
-        rotated = int(d_state * rope_fraction)
-        self.split_tensor_size = rotated - rotated % 2  # rotated state entries, 2·M
-        self.num_rope_angles = self.split_tensor_size // 2  # M pairs
-        if self.num_rope_angles < 1:
-            raise ValueError(f"d_state·rope_fraction = {d_state * rope_fraction} leaves no state pair to rotate")
-        if is_mimo and d_state % 2:
-            raise ValueError(f"MIMO pairs state entry m with m + d_state/2, so d_state must be even, got {d_state}")
+        self.split_tensor_size = 2 * self.num_rope_angles  # rotated state entries, 2·M (M pairs)
         # as mamba-ssm: true only where its fused kernel applies (MIMO with the output norm)
         self.fuse_pregate_headwise_norm = bool(fuse_pregate_headwise_norm and is_mimo and is_outproj_norm)
         self.chunk_size, self.layer_idx, self.backend = chunk_size, layer_idx, backend
@@ -123,6 +113,46 @@ class Mamba3(nn.Module):
         if is_outproj_norm:
             self.norm = RMSNormGated(self.d_inner, eps=1e-5, norm_before_gate=True, group_size=P, **kw)
         self.out_proj = Linear(self.d_inner, d_model, bias=False, **kw)
+
+    @staticmethod
+    def check_arguments(
+        d_model, d_state, expand, headdim, ngroups, rope_fraction, dt_min, dt_max, dt_init_floor, A_floor,
+        is_mimo, mimo_rank, chunk_size, **_,
+    ) -> tuple[int, int, int]:  # fmt: skip
+        """The constructor's checks of its arguments (also run on a config's ssm_cfg by
+        ``MambaConfig``): every size an int >= 1, headdim dividing d_inner = int(expand·d_model),
+        ngroups dividing the heads, a state pair to rotate. Returns (d_inner, nheads, M)."""
+        check_int("Mamba3", "d_model", d_model)
+        check_int("Mamba3", "d_state", d_state, what=" (the state size N)")
+        check_number("Mamba3", "expand", expand, what=" (d_inner = int(expand·d_model))")
+        check_int("Mamba3", "headdim", headdim, what=" (the head dim P)")
+        check_int("Mamba3", "ngroups", ngroups)
+        check_int("Mamba3", "chunk_size", chunk_size)
+        d_inner = int(expand * d_model)
+        if d_inner < 1:
+            raise ValueError(f"Mamba3: expand·d_model must be at least 1 (d_inner), got {expand!r}·{d_model}")
+        if d_inner % headdim:
+            raise ValueError(f"Mamba3: headdim = {headdim} must divide d_inner = expand·d_model = {d_inner}")
+        nheads = d_inner // headdim
+        if nheads % ngroups:
+            raise ValueError(f"Mamba3: ngroups = {ngroups} must divide the number of heads {nheads}")
+        if rope_fraction not in (0.5, 1.0):
+            raise ValueError(f"Mamba3: rope_fraction must be 0.5 or 1.0 (as in mamba-ssm), got {rope_fraction!r}")
+        if is_mimo and (isinstance(mimo_rank, bool) or not isinstance(mimo_rank, int) or mimo_rank < 1):
+            raise ValueError(f"Mamba3: mimo_rank must be a positive int, got {mimo_rank!r}")
+        rotated = int(d_state * rope_fraction)
+        pairs = (rotated - rotated % 2) // 2
+        if pairs < 1:
+            raise ValueError(
+                f"Mamba3: d_state·rope_fraction = {d_state * rope_fraction} leaves no state pair to rotate"
+            )
+        if is_mimo and d_state % 2:
+            raise ValueError(
+                f"Mamba3: MIMO pairs state entry m with m + d_state/2, so d_state must be even, got {d_state}"
+            )
+        check_number("Mamba3", "A_floor", A_floor, strict=False)
+        check_dt_range("Mamba3", dt_min, dt_max, dt_init_floor)
+        return d_inner, nheads, pairs
 
     # ------------------------------------------------------------------ the shared pieces
 

@@ -17,7 +17,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from ..layers import Mamba, Mamba2, Mamba3
+from ..layers.arguments import check_mixer_arguments
+
 MIXERS = ("Mamba1", "Mamba2", "Mamba3")
+_MIXER_CLASSES = dict(zip(MIXERS, (Mamba, Mamba2, Mamba3)))
 MAMBA_SSM_NORM_EPSILON = 1e-5  # the ε mamba-ssm builds every norm with
 
 
@@ -57,6 +61,13 @@ class MambaConfig:
         layer = self.ssm_cfg.get("layer", "Mamba1")
         if layer not in MIXERS:
             raise ValueError(f"MambaConfig.ssm_cfg['layer'] must be one of {list(MIXERS)}, got {layer!r}")
+        # the mixer's own checks of its arguments, now rather than when the model is built (a
+        # d_state or d_conv of 0 used to pass here and crash the C kernels in the backward)
+        options = {key: value for key, value in self.ssm_cfg.items() if key != "layer"}
+        try:
+            check_mixer_arguments(_MIXER_CLASSES[layer], self.d_model, options)
+        except ValueError as err:
+            raise ValueError(f"MambaConfig.ssm_cfg ({layer}, d_model = {self.d_model}): {err}") from err
         eps = self.norm_epsilon
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
             raise ValueError(f"MambaConfig.norm_epsilon must be a finite number > 0, got {eps!r}")

@@ -62,6 +62,15 @@ FLAGS = (
 )
 ABI = 11  # what ssm_kernels_abi() returns for this version of the argument structs
 
+# SSM_CPU_SANITIZE=1 (read when a library is looked up): the library built with AddressSanitizer
+# and UndefinedBehaviorSanitizer instead, into a cache entry of its own (the flags are part of the
+# hash), for the C-backed tests (`make test-asan`): an out-of-bounds read or write, a use after
+# free or undefined behaviour in a kernel aborts the process with a report instead of corrupting
+# memory. Python is not instrumented, so the ASan runtime must come first:
+# LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 (Python's own
+# allocations are not freed at exit). -O1 and frame pointers keep the reports' stacks readable.
+SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
+
 _lock = threading.Lock()
 _built: dict[tuple, ctypes.CDLL | str] = {}  # build key -> the library, or why it failed
 _warned: set[tuple] = set()
@@ -96,9 +105,21 @@ def _cpu_identity() -> str:
         return platform.processor()
 
 
+def _sanitized() -> bool:
+    return os.environ.get("SSM_CPU_SANITIZE", "0").lower() not in ("0", "off", "false", "no", "")
+
+
+def _flags() -> tuple[str, ...]:
+    """The compiler flags: FLAGS, with SSM_CPU_SANITIZE the sanitizers' in place of -O3."""
+    if not _sanitized():
+        return FLAGS
+    return tuple(f for f in FLAGS if f != "-O3") + SANITIZE_FLAGS
+
+
 def _build_key() -> tuple:
-    """What decides the build, as far as a process can change it: the compiler asked for."""
-    return (os.environ.get("CC"), FLAGS)
+    """What decides the build, as far as a process can change it: the compiler asked for, and
+    whether sanitized."""
+    return (os.environ.get("CC"), _flags())
 
 
 def _source_bytes() -> bytes:
@@ -153,6 +174,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.ssm_cpu_isa.restype = ctypes.c_int
     lib.ssm_flush_subnormals_on_threads.argtypes = [ctypes.c_int, ctypes.c_int64]
     lib.ssm_flush_subnormals_on_threads.restype = None
+    lib.ssm_decode_kernel.argtypes = [ctypes.c_int64] * 4
+    lib.ssm_decode_kernel.restype = ctypes.c_char_p
     if lib.ssm_kernels_abi() != ABI:
         raise RuntimeError(f"{path} has ABI {lib.ssm_kernels_abi()}, expected {ABI}")
     for name, argtypes in list(_declared.items()):
@@ -260,7 +283,7 @@ def _build() -> ctypes.CDLL | str:
         return "no C compiler found (looked for $CC, cc, gcc, clang)"
     errors = []
     # Without OpenMP (e.g. Apple's clang) the kernels still build, single-threaded.
-    for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):
+    for flags in (_flags(), tuple(f for f in _flags() if f != "-fopenmp")):
         try:
             return _load(_compile(compiler, flags))
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:

@@ -414,33 +414,78 @@ static TVNNI void qdot4_vnni(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *
 
 static int cpu_isa_cached = -1; /* ssm_cpu_isa(), asked once (a benign race: every thread writes the same) */
 
-/* W->isa if this CPU runs it, else ISA_PORTABLE. */
+/* The level a product of W runs at on a CPU whose best level is cpu: W->isa if that CPU runs
+   it, else ISA_PORTABLE (never an instruction the CPU lacks). */
+static inline int isa_on(const WMat *W, int cpu) {
+    return W->isa <= ISA_PORTABLE || W->isa > cpu || W->isa > ISA_AVX512_VNNI ? ISA_PORTABLE : (int)W->isa;
+}
 static inline int isa_run(const WMat *W) {
     if (W->isa == ISA_PORTABLE) return ISA_PORTABLE;
     if (cpu_isa_cached < 0) cpu_isa_cached = ssm_cpu_isa();
-    return W->isa > cpu_isa_cached || W->isa > ISA_AVX512_VNNI ? ISA_PORTABLE : (int)W->isa;
+    return isa_on(W, cpu_isa_cached);
+}
+
+/* Every kernel with its name (the function's own identifier), so that what the dispatch picks
+   can be asked by name (ssm_decode_kernel) through the same code that picks it. */
+typedef void (*Dot4)(const WMat *, i64, i64, i64, const float *, float *);
+typedef void (*QDot4)(const WMat *, i64, i64, i64, const int8_t *, const float *, float *);
+typedef struct { const char *name; Dot4 fn; } DotKernel;
+typedef struct { const char *name; QDot4 fn; } QDotKernel;
+#define NAMED(fn) {#fn, fn}
+static const DotKernel DOT4[2][5] = {
+    {NAMED(dot4_f32_256), NAMED(dot4_bf16_256), NAMED(dot4_f16_256), NAMED(dot4_q8_256), NAMED(dot4_q4_256)},
+    {NAMED(dot4_f32_512), NAMED(dot4_bf16_512), NAMED(dot4_f16_512), NAMED(dot4_q8_512), NAMED(dot4_q4_512)},
+};
+static const QDotKernel QDOT4[2] = {NAMED(qdot4_256), NAMED(qdot4_vnni)};
+
+/* The kernel of W's float products at level isa, or NULL for the portable code. */
+static const DotKernel *dot_kernel(const WMat *W, int isa) {
+    if (isa == ISA_PORTABLE || W->type < W_REAL || W->type > W_Q4) return NULL;
+    return &DOT4[isa >= ISA_AVX512 ? 1 : 0][W->type];
+}
+
+/* The kernel of W's int8-activation products at level isa, or NULL for the portable code. The
+   VNNI kernel only at the VNNI level: an AVX-512 CPU without VNNI takes AVX2's. */
+static const QDotKernel *qdot_kernel(const WMat *W, int isa) {
+    (void)W;
+    if (isa == ISA_PORTABLE) return NULL;
+    return &QDOT4[isa == ISA_AVX512_VNNI ? 1 : 0];
 }
 
 /* y[r] = row o + r of W times x (r < nr ≤ 4) at level W->isa; 0 (nothing done) where that level
    is portable or above what this CPU runs: the caller then runs the portable code. */
 static int simd_dot_rows(const WMat *W, i64 n, i64 o, i64 nr, const float *x, float *y) {
-    const int isa = isa_run(W);
-    if (isa == ISA_PORTABLE || W->type < W_REAL || W->type > W_Q4) return 0;
-    typedef void (*Dot4)(const WMat *, i64, i64, i64, const float *, float *);
-    static const Dot4 table[2][5] = {
-        {dot4_f32_256, dot4_bf16_256, dot4_f16_256, dot4_q8_256, dot4_q4_256},
-        {dot4_f32_512, dot4_bf16_512, dot4_f16_512, dot4_q8_512, dot4_q4_512},
-    };
-    table[(isa >= ISA_AVX512) ? 1 : 0][W->type](W, n, o, nr, x, y);
+    const DotKernel *k = dot_kernel(W, isa_run(W));
+    if (!k) return 0;
+    k->fn(W, n, o, nr, x, y);
     return 1;
 }
 
 /* The same for int8 activations q (scales d) and a W_Q8 / W_Q4 matrix. */
 static int simd_qdot_rows(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
-    const int isa = isa_run(W);
-    if (isa == ISA_PORTABLE) return 0;
-    (isa == ISA_AVX512_VNNI ? qdot4_vnni : qdot4_256)(W, n, o, nr, q, d, y);
+    const QDotKernel *k = qdot_kernel(W, isa_run(W));
+    if (!k) return 0;
+    k->fn(W, n, o, nr, q, d, y);
     return 1;
+}
+
+/* The name of the kernel a float32 step's product with a matrix of this type (W_*) and
+   activations (ACT_*) runs when its products ask for level isa on a CPU whose best level is cpu
+   (-1: this CPU): the function the dispatch above calls, or "portable" / "qdot_rows_portable".
+   For tests: which instructions each SSM_CPU_ISA level runs, whatever CPU runs the test. */
+const char *ssm_decode_kernel(i64 isa, i64 type, i64 act, i64 cpu) {
+    WMat W = {NULL, NULL, type, isa, act};
+    if (cpu < 0) {
+        if (cpu_isa_cached < 0) cpu_isa_cached = ssm_cpu_isa();
+        cpu = cpu_isa_cached;
+    }
+    const int level = isa_on(&W, (int)cpu);
+    if (takes_int8_acts(&W)) {
+        const QDotKernel *k = qdot_kernel(&W, level);
+        return k ? k->name : "qdot_rows_portable";
+    }
+    const DotKernel *k = dot_kernel(&W, level);
+    return k ? k->name : "portable";
 }
 
 #else /* not x86, or a compiler without target attributes: the portable code only */
@@ -453,6 +498,11 @@ static inline int simd_dot_rows(const WMat *W, i64 n, i64 o, i64 nr, const float
 static inline int simd_qdot_rows(const WMat *W, i64 n, i64 o, i64 nr, const int8_t *q, const float *d, float *y) {
     (void)W, (void)n, (void)o, (void)nr, (void)q, (void)d, (void)y;
     return 0;
+}
+const char *ssm_decode_kernel(i64 isa, i64 type, i64 act, i64 cpu) {
+    const WMat W = {NULL, NULL, type, isa, act};
+    (void)cpu;
+    return takes_int8_acts(&W) ? "qdot_rows_portable" : "portable";
 }
 
 #endif

@@ -40,6 +40,9 @@ typedef struct {
    block's largest. A block holding a NaN or an infinity gives d = NaN: its outputs are NaN. */
 enum { ACT_F = 0, ACT_I8 = 1 };
 
+/* Whether W's products take int8 activations (the integer kernels) rather than float ones. */
+static inline int takes_int8_acts(const WMat *W) { return W->act == ACT_I8 && (W->type == W_Q8 || W->type == W_Q4); }
+
 /* The int8 activations of nrows inputs of n values: row b's q at q + b·qs (qs = 32·nb, the last
    block padded with zeros), its scales at d + b·nb. */
 typedef struct {
@@ -82,7 +85,7 @@ static __thread i64 act_cap;
    this thread's buffer; q NULL (the float path) unless W takes int8 activations. */
 static QAct quantize_acts(const WMat *W, const float *x, i64 sx, i64 nrows, i64 n) {
     QAct a = {NULL, NULL, 0, 0};
-    if (W->act != ACT_I8 || (W->type != W_Q8 && W->type != W_Q4)) return a;
+    if (!takes_int8_acts(W)) return a;
     a.nb = (n + QBLOCK - 1) / QBLOCK;
     a.qs = a.nb * QBLOCK;
     if (nrows * a.qs > act_cap) {

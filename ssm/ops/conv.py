@@ -21,9 +21,58 @@ import torch
 import torch.nn.functional as F
 
 from .._backends import BackendTable
+from ..native.packing import known_bounds
 from .cpu import causal_conv1d_cpu
 
 ConvOut = tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]
+
+
+def _check_conv(x, weight, bias, state, cu_seqlens, channels_last: bool) -> None:
+    """The arguments of the convolution ops, checked before any kernel reads them: x (B, L, D)
+    (``channels_last``) or (B, D, L), weight (D, 1, K) with K >= 1 (the C kernels index a ring
+    of K rows), bias (D,), state (B, D, K) or (S, D, K) per packed sequence, cu_seqlens (S + 1,)
+    integer (its values too, on the CPU, where the C kernel reads them)."""
+    layout = "(batch, L, D)" if channels_last else "(batch, D, L)"
+    for name, t, ndim in (("x", x, 3), ("weight", weight, 3)):
+        if not isinstance(t, torch.Tensor) or t.ndim != ndim or not t.is_floating_point():
+            got = f"{t.ndim}-D {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be a {ndim}-D floating-point tensor {layout if name == 'x' else '(D, 1, K)'}, got {got}"
+            )
+    D, L = (x.shape[2], x.shape[1]) if channels_last else x.shape[1:]
+    if weight.shape[0] != D or weight.shape[1] != 1 or weight.shape[2] < 1:
+        raise ValueError(
+            f"weight must have shape (D, 1, K) with D = {D} (from x) and a width K >= 1, got {tuple(weight.shape)}"
+        )
+    K = weight.shape[2]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (D,)):
+        raise ValueError(
+            f"bias must be None or have shape (D,) = ({D},), got {getattr(bias, 'shape', type(bias).__name__)}"
+        )
+    rows = x.shape[0]
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', cu_seqlens)!r}"
+            )
+        if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2 or x.shape[0] != 1:
+            raise ValueError(
+                f"cu_seqlens must be 1-D (S + 1,) with S >= 1 and x a batch of one, got cu_seqlens of shape "
+                f"{tuple(cu_seqlens.shape)} and x of shape {tuple(x.shape)}"
+            )
+        known = known_bounds(cu_seqlens)  # validated by ssm.scan.packed_sequences (a layer's): not read again
+        values = cu_seqlens.tolist() if known is None and cu_seqlens.device.type == "cpu" else known
+        # (unknown values on another device are not read: that is a host sync, and only the C kernel,
+        # on the CPU, reads them; the tensor code there fails on bad ones)
+        bad = values is not None and (values[0] != 0 or values[-1] != L)
+        if bad or (known is None and values is not None and any(b < a for a, b in zip(values, values[1:]))):
+            raise ValueError(f"cu_seqlens must rise from 0 to L = {L} without decreasing, got {list(values[:12])}")
+        rows = cu_seqlens.numel() - 1
+    if state is not None and (not isinstance(state, torch.Tensor) or tuple(state.shape) != (rows, D, K)):
+        what = "(S, D, K)" if cu_seqlens is not None else "(batch, D, K)"
+        raise ValueError(
+            f"state must have shape {what} = {(rows, D, K)}, got {getattr(state, 'shape', type(state).__name__)}"
+        )
 
 
 def _silu_cpu(x, weight, bias, state, cu_seqlens, transposed) -> ConvOut | None:
@@ -73,6 +122,7 @@ def causal_conv1d_silu(
     SiLU fused, each output contiguous, the backward in one pass. Elsewhere, or with
     ``backend="torch"``, ``causal_conv1d`` on x seen as (B, D, L), the first output a view of
     the second. ``backend="cpu"`` where the kernel does not apply is an error."""
+    _check_conv(x, weight, bias, state, cu_seqlens, channels_last=True)
     needs = lambda: (
         f"float32 or float64 CPU tensors, x's channels contiguous, and a state only without cu_seqlens "
         f"or gradients (got state {'given' if state is not None else 'None'}, cu_seqlens "
@@ -94,6 +144,7 @@ def causal_conv1d(
     ``state`` (batch, D, K) when given. Returns (y (batch, D, L), the new state or None).
     With ``cu_seqlens`` (S + 1,) (validated, int64; batch 1) each packed sequence is convolved
     alone, and ``state`` and the new state are (S, D, K), one per sequence."""
+    _check_conv(x, weight, bias, state, cu_seqlens, channels_last=False)
     if cu_seqlens is not None:
         return _packed_causal_conv1d(x, weight, bias, state, cu_seqlens)
     K = weight.shape[-1]
@@ -154,8 +205,8 @@ def _packed_causal_conv1d(x, weight, bias, state, cu_seqlens):
     for j in range(K):  # the tap reading step t - j
         shifted = padded[..., K - 1 - j : K - 1 - j + L]  # x_{t-j}, zero before step 0
         inside = offset >= j  # (L,) t - j is in t's sequence
-        if state is None:
-            v = shifted * inside.to(x.dtype)
+        if state is None:  # where, not a product: a NaN of the sequence before must not leak in
+            v = torch.where(inside, shifted, 0.0)
         else:
             before = (K - (j - offset)).clamp(0, K - 1)  # the history slot of step t - j
             history = state[seq, :, before].to(x.dtype).T[None]  # (1, D, L)
@@ -177,6 +228,11 @@ def causal_conv1d_step(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step: x (batch, D), state (batch, D, K). Returns (y (batch, D), the new state)."""
+    if not isinstance(x, torch.Tensor) or x.ndim != 2:
+        raise ValueError(f"x must be a 2-D tensor (batch, D), got {getattr(x, 'shape', type(x).__name__)}")
+    _check_conv(x[:, :, None], weight, bias, state, None, channels_last=False)
+    if state is None:
+        raise ValueError("state must be a tensor (batch, D, K): the step continues from it")
     state = torch.cat([state[..., 1:], x[..., None].to(state.dtype)], dim=-1)
     y = (state * weight[:, 0, :].to(state.dtype)).sum(-1)
     if bias is not None:

@@ -167,10 +167,47 @@ def mamba_blocks_step(
     return None if step is None else step()
 
 
+def _check_sizes(kind: str, **sizes: int) -> None:
+    """Every size the C step loops over or indexes by is at least 1 (a conv of width 0 writes
+    before its state's row; a state of no entries sizes nothing)."""
+    small = {name: value for name, value in sizes.items() if value < 1}
+    if small:
+        raise ValueError(f"{kind}: the sizes {', '.join(sizes)} must each be >= 1, got {small}")
+
+
+def _check_shapes(kind: str, expected: dict) -> None:
+    """Each tensor named in ``expected`` (name -> (shape, tensor)) has that shape."""
+    for name, (shape, t) in expected.items():
+        if t is None or tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{kind}.{name} must have shape {shape}, got {None if t is None else tuple(t.shape)}")
+
+
 def _mamba1_args(a: _BlockStepArgs, block: MambaBlockWeights, batch: int, d_model: int, feed: Feed) -> int:
-    """Fill a's sizes and weights; return the scratch the block needs (elements)."""
+    """Fill a's sizes and weights, checking that the shapes fit together (the C code reads by
+    them); return the scratch the block needs (elements)."""
+    kind = "MambaBlockWeights"
+    if block.A.ndim != 2 or len(block.dt_proj_weight.shape) != 2 or block.conv_weight.ndim not in (2, 3):
+        shapes = tuple(block.A.shape), tuple(block.dt_proj_weight.shape), tuple(block.conv_weight.shape)
+        raise ValueError(f"{kind}: A must be (D, N), dt_proj_weight (D, R), conv_weight (D, 1, K); got {shapes}")
     dim, N = block.A.shape
-    R = block.dt_proj_weight.shape[1]
+    R, K = block.dt_proj_weight.shape[1], block.conv_weight.shape[-1]
+    _check_sizes(kind, D=dim, N=N, R=R, K=K)
+    expected = {
+        "norm_weight": ((d_model,), block.norm_weight),
+        "in_proj_weight": ((2 * dim, d_model), block.in_proj_weight),
+        "conv_weight": ((dim, K), block.conv_weight.reshape(block.conv_weight.shape[0], -1)),
+        "conv_state": ((batch, dim, K), block.conv_state),
+        "x_proj_weight": ((R + 2 * N, dim), block.x_proj_weight),
+        "dt_proj_weight": ((dim, R), block.dt_proj_weight),
+        "ssm_state": ((batch, dim, N), block.ssm_state),
+        "out_proj_weight": ((d_model, dim), block.out_proj_weight),
+    }
+    optional = {"in_proj_bias": (2 * dim,), "conv_bias": (dim,), "dt_proj_bias": (dim,), "D": (dim,)}
+    optional["out_proj_bias"] = (d_model,)
+    expected.update(
+        (name, (shape, getattr(block, name))) for name, shape in optional.items() if getattr(block, name) is not None
+    )
+    _check_shapes(kind, expected)
     a.batch, a.d_model, a.dim, a.N, a.R, a.K = batch, d_model, dim, N, R, block.conv_weight.shape[-1]
     a.eps = block.norm_eps
     a.norm_w, a.in_b, a.conv_w, a.conv_b = (
@@ -191,6 +228,7 @@ def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_mo
     _, H, P, N = block.ssm_state.shape
     G, S = block.ngroups, H * P
     C, K = block.conv_weight.shape[0], block.conv_weight.shape[-1]
+    _check_sizes("Mamba2BlockWeights", H=H, P=P, N=N, K=K)
     E = block.in_proj_weight.shape[0]
     Q = (E - S - C - H) // 2
     F = 0 if block.mlp is None else block.mlp.fc2_weight.shape[1]
@@ -206,9 +244,7 @@ def _mamba2_args(a: _Mamba2StepArgs, block: Mamba2BlockWeights, batch: int, d_mo
     }
     if block.mlp is not None:
         expected["mlp.fc1_weight"] = ((2 * F, d_model), block.mlp.fc1_weight)
-    for name, (shape, t) in expected.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"Mamba2BlockWeights.{name} must have shape {shape}, got {tuple(t.shape)}")
+    _check_shapes("Mamba2BlockWeights", expected)
     if G < 1 or H % G or Q < 0 or (block.D is not None and block.D.numel() not in (H, S)):
         D = None if block.D is None else tuple(block.D.shape)
         raise ValueError(f"Mamba2BlockWeights: ngroups {G} must divide H = {H}, Q = {Q} >= 0, D {D} (H,) or (S,)")
@@ -241,6 +277,7 @@ def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_mo
         raise ValueError(f"ssm_state must be (B, H, P, N) and B_bias (H, R, N), got shapes {shapes}")
     _, H, P, N = block.ssm_state.shape
     G, S, T, R = block.ngroups, H * P, block.phase.shape[-1], block.B_bias.shape[1]
+    _check_sizes("Mamba3BlockWeights", H=H, P=P, N=N, R=R)
     F = 0 if block.mlp is None else block.mlp.fc2_weight.shape[1]
     E = 2 * S + 2 * R * G * N + 3 * H + T
     expected = {
@@ -262,9 +299,7 @@ def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_mo
             expected[name] = (shape, getattr(block, name))
     if block.mlp is not None:
         expected["mlp.fc1_weight"] = ((2 * F, d_model), block.mlp.fc1_weight)
-    for name, (shape, t) in expected.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"Mamba3BlockWeights.{name} must have shape {shape}, got {tuple(t.shape)}")
+    _check_shapes("Mamba3BlockWeights", expected)
     if G < 1 or H % G or T < 1 or T > (N // 2) or (block.key.ndim == 3 and R != 1):
         raise ValueError(
             f"Mamba3BlockWeights: ngroups {G} must divide H = {H}, 1 <= T = {T} <= N / 2 = {N // 2}, "
@@ -298,6 +333,7 @@ def _attention_args(a: _AttentionStepArgs, block: AttentionBlockWeights, batch: 
             f"got key shape {tuple(block.key.shape)}"
         )
     _, T, _, P = block.key.shape
+    _check_sizes("AttentionBlockWeights", P=P)
     Z = (H + 2 * Hk) * P
     E = block.in_proj_weight.shape[0]
     U = (E - Z) // 2
@@ -316,11 +352,7 @@ def _attention_args(a: _AttentionStepArgs, block: AttentionBlockWeights, batch: 
         expected["conv_state"] = ((batch, Z, K), block.conv_state)
     if block.mlp is not None:
         expected["mlp.fc1_weight"] = ((2 * F, d_model), block.mlp.fc1_weight)
-    for name, (shape, t) in expected.items():
-        if t is None or tuple(t.shape) != shape:
-            raise ValueError(
-                f"AttentionBlockWeights.{name} must have shape {shape}, got {None if t is None else tuple(t.shape)}"
-            )
+    _check_shapes("AttentionBlockWeights", expected)
     if U < 0 or R > P or block.lengths.dtype != torch.int64:
         raise ValueError(
             f"AttentionBlockWeights: in_proj's {E} rows must be (H + 2·Hk)·P = {Z} plus twice the MLP's width, "
@@ -400,6 +432,8 @@ class MambaBlocksStep:
         if hidden.dtype != compute or not hidden.is_contiguous():  # the stream is wide in the step
             hidden = hidden.to(compute).contiguous()
         struct, fill, name = kind
+        if hidden.ndim != 2 or hidden.shape[1] < 1:
+            raise ValueError(f"hidden must have shape (batch, d_model) with d_model >= 1, got {tuple(hidden.shape)}")
         batch, d_model = hidden.shape
         feed = Feed(compute)
         args = (struct * len(blocks))()
@@ -416,6 +450,9 @@ class MambaBlocksStep:
             a.new_hidden, a.new_residual = pair_ptrs[i % 2]
         h = None
         if head is not None:
+            _check_shapes("LMHeadWeights", {"norm_weight": ((d_model,), head.norm_weight)})
+            if len(head.weight.shape) != 2 or head.weight.shape[1] != d_model:
+                raise ValueError(f"LMHeadWeights.weight must have shape (V, {d_model}), got {tuple(head.weight.shape)}")
             h = _HeadArgs()
             h.vocab, h.eps = head.weight.shape[0], head.norm_eps
             h.norm_w, h.weight = feed.vec(head.norm_weight), feed.mat(head.weight)

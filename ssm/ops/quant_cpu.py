@@ -22,7 +22,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from ..native import cpu_isa, declare, kernel, ready, threads
+from ..native import ISA_LEVELS, cpu_isa, declare, kernel, library, ready, threads
 from .quant import QuantizedMatrix
 
 
@@ -94,6 +94,26 @@ class Feed:
         else:
             self.ok = False
         return m
+
+
+def decode_kernel(weight: Tensor | QuantizedMatrix, cpu: str | None = None) -> str:
+    """The name of the C function that a float32 fused step's products with ``weight`` run now
+    (decode_simd.c's dispatch: e.g. "dot4_bf16_512", "qdot4_vnni", or "portable" /
+    "qdot_rows_portable" for the portable C), at the level ``cpu_isa()`` gives (SSM_CPU_ISA), on
+    this CPU or, with ``cpu`` (one of ISA_LEVELS), on a CPU whose best level is that one. Asked of
+    the code that dispatches, so that a test sees which instructions each level runs, whatever
+    CPU runs the test. ``weight`` as the step takes it: a float32, bfloat16 or float16 matrix, or
+    a QuantizedMatrix (with int8 activations or not)."""
+    if not ready():
+        raise RuntimeError("the C library is not built: no kernel runs")
+    feed = Feed(torch.float32)
+    m = feed.mat(weight)
+    if not feed.ok:
+        raise ValueError(f"the step does not read this weight: {type(weight).__name__}")
+    if cpu is not None and cpu not in ISA_LEVELS:
+        raise ValueError(f"cpu must be None or one of {list(ISA_LEVELS)}, got {cpu!r}")
+    best = -1 if cpu is None else ISA_LEVELS.index(cpu)
+    return library().ssm_decode_kernel(m.isa, m.type, m.act, best).decode()
 
 
 declare(

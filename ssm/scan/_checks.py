@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
+
+from ..native.packing import known_bounds, remember_bounds
 
 
 def check_tensor(name: str, x, *, ndim: int | Sequence[int] | None = None) -> torch.Tensor:
@@ -33,6 +34,13 @@ def check_shape(name: str, x: torch.Tensor, expected: Sequence[int], symbols: st
         raise ValueError(f"{name} must have shape {symbols} = {tuple(expected)}, got {tuple(x.shape)}")
 
 
+def check_state_size(name: str, x: torch.Tensor, N: int, symbols: str) -> None:
+    """The state size N that ``x`` (of shape ``symbols``) gives is at least 1: a state of no
+    entries is refused by every scan, whichever backend (the C sweeps' scratch is sized by N)."""
+    if N < 1:
+        raise ValueError(f"{name} must have shape {symbols} with a state size N >= 1, got {tuple(x.shape)}")
+
+
 def check_same_device(reference_name: str, reference: torch.Tensor, **others) -> None:
     for name, x in others.items():
         if x is not None and x.device != reference.device:
@@ -47,6 +55,18 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
+
+
+def empty_output(shape: Sequence[int], dtype: torch.dtype, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """The output of a scan that has nothing to compute (a length, batch or channel count of 0):
+    an empty tensor of ``shape``, tied into the autograd graph of the ``inputs`` that need a
+    gradient (each then gets a zero one), as a backend's output would be."""
+    present = [t for t in inputs if t is not None]
+    out = present[0].new_empty(shape, dtype=dtype)
+    tied = [t for t in present if t.requires_grad]
+    if tied and torch.is_grad_enabled():
+        out = out + sum(t.sum() for t in tied).to(dtype) * 0  # (empty: nothing is computed)
+    return out
 
 
 @dataclass(frozen=True)
@@ -105,6 +125,7 @@ def packed_sequences(cu_seqlens, length: int, batch: int = 1, device: torch.devi
             f"cu_seqlens must end at the packed length L = {length}, got {values[-1]} (cu_seqlens = {_shorten(values)})"
         )
     if packed is not None:
+        remember_bounds(packed.cu_seqlens, packed.bounds)  # trusted as given (a model's, or built by hand)
         return packed
     drops = [i for i in range(len(values) - 1) if values[i + 1] < values[i]]
     if drops:
@@ -113,19 +134,17 @@ def packed_sequences(cu_seqlens, length: int, batch: int = 1, device: torch.devi
             f"cu_seqlens must not decrease, but cu_seqlens[{i + 1}] = {values[i + 1]} < cu_seqlens[{i}] = {values[i]}"
         )
     packed = PackedSequences(cu_seqlens.to(torch.int64), tuple(values))
-    _BOUNDS[packed.cu_seqlens] = packed.bounds
+    # the host copy of every validated cu_seqlens tensor still alive (ssm.native.packing), so that
+    # a backend looping over the sequences in Python (sequence_bounds), or an op whose C kernel
+    # reads them, has them without another host sync
+    remember_bounds(packed.cu_seqlens, packed.bounds)
     return packed
-
-
-# The host copy of every validated cu_seqlens tensor still alive, so that a backend looping over
-# the sequences in Python (sequence_bounds) reads them without another host sync.
-_BOUNDS = WeakTensorKeyDictionary()
 
 
 def sequence_bounds(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     """The values of a validated ``cu_seqlens`` on the host: kept from its validation, else read
     (one host sync)."""
-    bounds = _BOUNDS.get(cu_seqlens)
+    bounds = known_bounds(cu_seqlens)
     return tuple(cu_seqlens.tolist()) if bounds is None else bounds
 
 

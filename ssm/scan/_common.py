@@ -96,3 +96,43 @@ def linear_per_sequence(fn, gates, inputs, dim, initial_state, reverse, cu_seqle
                 fn(gates.narrow(dim, start, end - start), inputs.narrow(dim, start, end - start), dim, h0, reverse)
             )
     return torch.cat(parts, dim=dim)
+
+
+# ----------------------------------------------------------------------------- non-finite inputs
+# The chunked forms (chunked.py, trapezoidal_chunked.py) contract whole chunks in matrix products,
+# where a weight of exactly 0 for a step after t (or in another packed sequence) still multiplies
+# that step's value: 0·NaN is NaN, so one non-finite input would reach every output of its chunk,
+# and through the packed masks the other sequences. They mask before the products instead: the
+# non-finite inputs are set to 0 there (``finite_or_zero``), and the outputs at and after the
+# first one in its sequence, which the recurrence makes non-finite, are set to NaN afterwards
+# (``poisoned_since``), so that no output before it, and none of another sequence, changes.
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """x with its NaN and ±inf entries replaced by 0."""
+    return torch.where(torch.isfinite(x), x, 0.0)
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every entry of the tensors is finite, where asking is cheap: on the CPU. Elsewhere
+    (a host sync) the answer is False, and the caller masks whatever the values. One sum per
+    tensor, which a NaN or an inf makes non-finite (25x cheaper than isfinite().all(): 0.05 ms
+    against 1.3 for 1.2M floats); a sum that overflows answers False, and the caller masks."""
+    if any(t.device.type != "cpu" for t in tensors) or torch.compiler.is_compiling():
+        return False
+    return bool(torch.isfinite(sum(t.sum() for t in tensors)))
+
+
+def poisoned_since(bad: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """``bad`` (B, L, ...) bool: whether each step is bad. Returns (B, L, ...) bool: whether some
+    step u <= t of step t's sequence (its row without ``cu_seqlens``; with it, batch 1) is bad.
+    Counted with integer sums, which carry nothing across a sequence boundary."""
+    count = bad.cumsum(1, dtype=torch.int32)
+    if cu_seqlens is None:
+        return count > 0
+    before = torch.cat([torch.zeros_like(count[:, :1]), count[:, :-1]], dim=1)  # (B, L, ...) count before t
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    length = bad.shape[1]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=bad.device), lengths, output_size=length)
+    first = cu_seqlens[:-1][seq]  # (L,) the first step of each step's sequence
+    return count - before[:, first] > 0

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import compute_dtype
+from ._common import all_finite, finite_or_zero, poisoned_since
 
 TWO_PI = 2 * math.pi
 
@@ -180,6 +181,9 @@ def prologue(args: TrapezoidalArgs) -> Prepared:
     a = delta * args.A.to(dtype)
     carried = (1 - lam) * delta  # (1 − λ_t)·Δ_t: the weight step t gives to step t - 1's input
     c = F.pad(carried[:, 1:], (0, 0, 0, 1))  # c_t = carried_{t+1}; 0 after the last step
+    # c_t comes from step t + 1, and any finite value gives step t's output exactly (it is added to
+    # H_t and taken out again in y_t): a non-finite Δ or λ at t + 1 must not reach step t
+    c = finite_or_zero(c)
     if cu_seqlens is not None:
         starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
         nonempty = ends > starts
@@ -190,14 +194,21 @@ def prologue(args: TrapezoidalArgs) -> Prepared:
     # keep their precision; cos and sin of it reduced modulo 2π.
     increments = delta.double()[..., None] * args.angles.double()  # (B, L, H, M)
     phase0 = None if initial_state is None else initial_state.phase.double()
-    summed = increments.cumsum(1)
-    if cu_seqlens is None:
+    if cu_seqlens is None:  # (a non-finite increment reaches the steps after it only)
+        summed = increments.cumsum(1)
         phase64 = summed if phase0 is None else summed + phase0[:, None]
     else:
+        # one sum across the packed sequences, each sequence's start taken off: a non-finite
+        # increment is summed as 0 here (it would reach the next sequences through that
+        # subtraction), and the phase is NaN from it to its sequence's end
+        bad = None if all_finite(increments) else ~torch.isfinite(increments)
+        summed = (increments if bad is None else finite_or_zero(increments)).cumsum(1)
         before = F.pad(summed, (0, 0, 0, 0, 1, 0))[:, starts]  # (1, S, H, M): sum before each start
         base = -before if phase0 is None else phase0[None] - before
         seq_of = torch.repeat_interleave(torch.arange(len(starts), device=x.device), ends - starts, output_size=length)
         phase64 = summed + base[:, seq_of]
+        if bad is not None:
+            phase64 = phase64.masked_fill(poisoned_since(bad, cu_seqlens), float("nan"))
     reduced = torch.remainder(phase64, TWO_PI)
     phase = phase64.to(dtype)
     cos, sin = torch.cos(reduced).to(dtype), torch.sin(reduced).to(dtype)

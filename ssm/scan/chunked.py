@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ._checks import compute_dtype, sequence_bounds
-from ._common import ssd_delta, ssd_skip_and_gate
+from ._common import all_finite, finite_or_zero, poisoned_since, ssd_delta, ssd_skip_and_gate
 from .linear import linear_scan
 
 
@@ -64,13 +64,21 @@ def ssd_chunked(
     out_dtype = x.dtype
     x_in = x.to(dtype)
     dt = ssd_delta(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (B, L, H)
-    dt_in, C_in = dt, C.to(dtype)
+    x, B, C_in = x_in, B.to(dtype), C.to(dtype)
+    # A non-finite x, Δ or B at step u makes the state non-finite from u on in its sequence; here
+    # it is 0 in every product, and the outputs and last states it reaches are NaN at the end
+    # (_common.py, "non-finite inputs"). C_t reaches y_t alone: it needs no mask.
+    poison = None
+    if not all_finite(x, dt, B):
+        poison = _poison(x, dt, B, cu_seqlens, heads // groups)
+        x, dt, B = finite_or_zero(x), finite_or_zero(dt), finite_or_zero(B)
+    dt_in = dt
 
     # Pad L to whole chunks. Padded steps have Δ = 0: no decay and no input, so they change
     # neither the outputs of real steps nor the last state.
     T = min(chunk_size, length)
     pad = (-length) % T
-    x, B, C = x_in, B.to(dtype), C_in
+    C = C_in
     if pad:
         x = F.pad(x, (0, 0, 0, 0, 0, pad))
         dt = F.pad(dt, (0, 0, 0, pad))
@@ -130,8 +138,27 @@ def ssd_chunked(
         last = _packed_last_states(cu_seqlens, T, s, dt, x, B, entering, continues, seq)  # (S, H, P, N)
         if initial_state is not None:
             y, last = _add_initial_states(y, last, initial_state.to(dtype), cu_seqlens, dt_in * A.to(dtype), C_in)
+    if poison is not None:
+        y, last = y.masked_fill(poison[0], float("nan")), last.masked_fill(poison[1], float("nan"))
     out = ssd_skip_and_gate(y, x_in, D, z)
     return out.to(out_dtype), last
+
+
+def _poison(x, dt, B, cu_seqlens, Hg: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the recurrence makes the result non-finite: y (B, L, H, P) at and after a non-finite
+    x[t, h, p], Δ[t, h] or B[t, g(h), ·] in its sequence, and the last states (B or S, H, P, N)
+    (only column n for a non-finite B[·, n]). x (B, L, H, P), dt (B, L, H), B (B, L, G, N)."""
+    since_xdt = poisoned_since(~torch.isfinite(x) | ~torch.isfinite(dt)[..., None], cu_seqlens)  # (B, L, H, P)
+    since_B = poisoned_since(~torch.isfinite(B), cu_seqlens)  # (B, L, G, N)
+    y = since_xdt | since_B.any(-1).repeat_interleave(Hg, dim=2)[..., None]
+    if cu_seqlens is None:
+        last_xdt, last_B = since_xdt[:, -1], since_B[:, -1]  # (B, H, P), (B, G, N)
+    else:
+        nonempty = (cu_seqlens[1:] > cu_seqlens[:-1])[:, None, None]
+        at = (cu_seqlens[1:] - 1).clamp(min=0)
+        last_xdt, last_B = since_xdt[0, at] & nonempty, since_B[0, at] & nonempty  # (S, H, P), (S, G, N)
+    last = last_xdt[..., None] | last_B.repeat_interleave(Hg, dim=1)[:, :, None, :]
+    return y, last
 
 
 def _sequence_of_each_step(cu_seqlens: torch.Tensor, length: int, pad: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from .._backends import BackendTable
 from . import triton
-from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor
+from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, empty_output
 from .cpu import linear_scan_cpu
 from .pscan import linear_scan_pscan
 from .reference import linear_scan_ref
@@ -82,6 +82,6 @@ def linear_scan(
     check_same_device("inputs", inputs, gates=gates, initial_state=initial_state)
     impl = BACKENDS.resolve(backend, inputs.device)
 
-    if inputs.shape[dim] == 0:
-        return inputs.new_empty(inputs.shape, dtype=torch.promote_types(gates.dtype, inputs.dtype))
+    if inputs.numel() == 0:  # nothing to scan (L or another dimension is 0): no backend runs
+        return empty_output(inputs.shape, torch.promote_types(gates.dtype, inputs.dtype), inputs, gates, initial_state)
     return impl.fn(gates, inputs, dim, initial_state, bool(reverse), cu_seqlens).contiguous()

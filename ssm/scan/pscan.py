@@ -44,11 +44,17 @@ def _pscan(
     h0: torch.Tensor | None,
     reverse: bool,
     out: torch.Tensor | None = None,
+    restart: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All states of h_t = a_t·h_prev + x_t along dim 1 of (E, L, F) tensors; h_prev is the
     previous step in scan order (t-1, or t+1 when ``reverse``) and ``h0`` (E, F) or 0 before
     the first step. Writes the states into ``out`` (any (E, L, F) view; a new tensor if None)
-    and returns it."""
+    and returns it.
+
+    ``restart`` (1, L, 1) bool (packed sequences): the steps that ignore h_prev, h_t = x_t. Their
+    gate is 0 as well, but 0·h_prev is NaN when h_prev is (a non-finite value of the sequence
+    before): so each step and each composed pair that restarts takes its own input by a
+    selection (where), never by a product with what came before."""
     if out is None:
         out = torch.empty_like(x)
     T = x.shape[1]
@@ -68,13 +74,13 @@ def _pscan(
     # states at the second step of every pair, written straight into their places in `out`.
     # h0 passes through unchanged, because composing the scan's first pair with h0 gives the
     # first composed step applied to h0.
-    h_pairs = _pscan(
-        a_second * a_first,  # (E, L/2, F)
-        torch.addcmul(x[:, second], a_second, x[:, first]),
-        h0,
-        reverse,
-        out=out[:, second],
-    )
+    gates, inputs = a_second * a_first, torch.addcmul(x[:, second], a_second, x[:, first])  # (E, L/2, F)
+    pair_restart = None
+    if restart is not None:  # a pair whose second step restarts is that step alone
+        r_second = restart[:, second]
+        gates, inputs = torch.where(r_second, 0.0, gates), torch.where(r_second, x[:, second], inputs)
+        pair_restart = r_second | restart[:, first]
+    h_pairs = _pscan(gates, inputs, h0, reverse, out=out[:, second], restart=pair_restart)
 
     # Every other step follows from the solved step just before it in scan order; the very
     # first step in scan order starts from h0.
@@ -82,7 +88,10 @@ def _pscan(
         start, rest, previous = T - 1, slice(1 - odd, T - 1, 2), h_pairs[:, 1 - odd :]
     else:
         start, rest, previous = 0, slice(2, T, 2), h_pairs[:, : (T - 1) // 2]
-    _into(out[:, rest], torch.addcmul, x[:, rest], a[:, rest], previous)
+    if restart is None:
+        _into(out[:, rest], torch.addcmul, x[:, rest], a[:, rest], previous)
+    else:
+        out[:, rest] = torch.where(restart[:, rest], x[:, rest], torch.addcmul(x[:, rest], a[:, rest], previous))
     if h0 is None:
         out[:, start] = x[:, start]
     else:
@@ -94,8 +103,8 @@ class LinearScanFn(torch.autograd.Function):
     """Differentiable parallel linear scan over dim 1 of (E, L, F) tensors of one dtype."""
 
     @staticmethod
-    def forward(ctx, a, x, h0, reverse: bool):
-        h = _pscan(a, x, h0, reverse)
+    def forward(ctx, a, x, h0, reverse: bool, restart=None):
+        h = _pscan(a, x, h0, reverse, restart=restart)
         ctx.reverse = reverse
         ctx.save_for_backward(a, h, h0)
         return h
@@ -104,7 +113,7 @@ class LinearScanFn(torch.autograd.Function):
     def backward(ctx, grad_h):
         a, h, h0 = ctx.saved_tensors
         reverse = ctx.reverse
-        need_a, need_x, need_h0, _ = ctx.needs_input_grad
+        need_a, need_x, need_h0, _, _ = ctx.needs_input_grad
         # Steps in `after` have their predecessor (in scan order) at the same place in `before`.
         if reverse:
             after, before, start, end = slice(None, -1), slice(1, None), -1, 0
@@ -125,7 +134,7 @@ class LinearScanFn(torch.autograd.Function):
             grad_a[:, start] = 0 if h0 is None else lam[:, start] * h0
         if need_h0:
             grad_h0 = a[:, start] * lam[:, start]
-        return grad_a, (lam if need_x else None), grad_h0, None
+        return grad_a, (lam if need_x else None), grad_h0, None, None
 
 
 def _restart_sequences(a, x, h0, cu_seqlens, reverse: bool):
@@ -133,17 +142,17 @@ def _restart_sequences(a, x, h0, cu_seqlens, reverse: bool):
     scans each sequence alone: at each sequence's first step in scan order (its first position,
     or its last when ``reverse``) the gate becomes 0, cutting the state carried from the
     sequence before, and that step's input gains gate·h0[s], the sequence's own initial state
-    (S, F), when given. Differentiable in a, x and h0 (gradients reach the true gate through
-    the injected term)."""
+    (S, F), when given; and those steps, (1, L, 1) bool, for the scan (``_pscan``'s restart).
+    Differentiable in a, x and h0 (gradients reach the true gate through the injected term)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     nonempty = (lengths > 0).nonzero()[:, 0]  # (S',) zero-length sequences have no first step
     first = (cu_seqlens[1:] - 1 if reverse else cu_seqlens[:-1])[nonempty]  # (S',)
-    keep = torch.ones(a.shape[1], dtype=a.dtype, device=a.device)
-    keep[first] = 0
-    gates = a * keep[None, :, None]
+    restart = torch.zeros(1, a.shape[1], 1, dtype=torch.bool, device=a.device)
+    restart[0, first] = True
+    gates = torch.where(restart, 0.0, a)
     if h0 is not None:
         x = x.index_add(1, first, a[:, first] * h0[nonempty][None])
-    return gates, x
+    return gates, x, restart
 
 
 def _last_states(h, h0, cu_seqlens, state_shape):
@@ -182,9 +191,9 @@ def linear_scan_pscan(
         h0 = None if initial_state is None else initial_state.to(dtype).reshape(a.shape[0], a.shape[2])
     else:
         h0_seq = None if initial_state is None else initial_state.to(dtype).reshape(-1, a.shape[2])  # (S, F)
-        a, x = _restart_sequences(a, x, h0_seq, cu_seqlens, reverse)
+        a, x, restart = _restart_sequences(a, x, h0_seq, cu_seqlens, reverse)
         h0 = None
-    h = LinearScanFn.apply(a.contiguous(), x.contiguous(), h0, reverse)
+    h = LinearScanFn.apply(a.contiguous(), x.contiguous(), h0, reverse, None if cu_seqlens is None else restart)
     return h.reshape(shape).to(out_dtype)
 
 
@@ -227,9 +236,10 @@ def selective_scan_pscan(
 
     gates, inputs = decay.view(batch, length, dim * N), drive.view(batch, length, dim * N)
     h0 = None if initial_state is None else initial_state.to(dtype).reshape(-1, dim * N)
+    restart = None
     if cu_seqlens is not None:  # h0: (S, D·N) per sequence
-        gates, inputs = _restart_sequences(gates, inputs, h0, cu_seqlens, False)
-    h = LinearScanFn.apply(gates, inputs, None if cu_seqlens is not None else h0, False)
+        gates, inputs, restart = _restart_sequences(gates, inputs, h0, cu_seqlens, False)
+    h = LinearScanFn.apply(gates, inputs, None if cu_seqlens is not None else h0, False, restart)
     if cu_seqlens is not None:
         last = _last_states(h, h0, cu_seqlens, (dim, N))
     h = h.view(batch, length, dim, N)

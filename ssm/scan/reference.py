@@ -294,7 +294,8 @@ def trapezoidal_scan_ref(
     ranks, groups, N = B.shape[2], B.shape[3], B.shape[4]
     M = angles.shape[-1]
     if rotary == "interleaved":
-        n0, n1 = torch.arange(0, 2 * M, 2), torch.arange(1, 2 * M, 2)
+        n0 = torch.arange(0, 2 * M, 2)
+        n1 = n0 + 1  # (not arange(1, 2·M, 2): with M = 0 no pair turns, and that range is an error)
     else:
         n0, n1 = torch.arange(M), torch.arange(M) + N // 2
     paired = torch.zeros(N, dtype=torch.bool)

@@ -6,7 +6,15 @@ import torch
 
 from .._backends import BackendTable
 from . import triton
-from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
+from ._checks import (
+    check_cu_seqlens,
+    check_same_device,
+    check_shape,
+    check_state_size,
+    check_tensor,
+    compute_dtype,
+    empty_output,
+)
 from .cpu import selective_scan_cpu
 from .pscan import selective_scan_pscan
 from .reference import selective_scan_ref
@@ -98,6 +106,7 @@ def selective_scan(
     if A.shape[0] != dim:
         raise ValueError(f"A must have shape (dim, N) with dim = {dim}, got {tuple(A.shape)}")
     N = A.shape[1]
+    check_state_size("A", A, N, "(dim, N)")
     B = _check_BC("B", B, batch, dim, N, length)
     C = _check_BC("C", C, batch, dim, N, length)
     for name, x in (("D", D), ("delta_bias", delta_bias)):
@@ -133,8 +142,8 @@ def selective_scan(
     )
     impl = BACKENDS.resolve(backend, u.device)
 
-    if length == 0:
-        out = u.new_empty(batch, dim, 0)
+    if length == 0 or batch * dim == 0:  # no output to compute: no backend runs
+        out = empty_output((batch, dim, length), u.dtype, u, delta, A, B, C, D, z, delta_bias, initial_state)
         if not return_last_state:
             return out
         state_dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)

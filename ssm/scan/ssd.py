@@ -8,7 +8,15 @@ import torch
 
 from .._backends import BackendTable
 from . import triton
-from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor, compute_dtype
+from ._checks import (
+    check_cu_seqlens,
+    check_same_device,
+    check_shape,
+    check_state_size,
+    check_tensor,
+    compute_dtype,
+    empty_output,
+)
 from .chunked import ssd_chunked
 from .cpu import ssd_cpu, subnormals_flushed
 from .reference import ssd_ref
@@ -107,6 +115,7 @@ def ssd(
     check_tensor("B", B, ndim=4)
     groups, N = B.shape[2], B.shape[3]
     check_shape("B", B, (batch, length, groups, N), "(batch, L, G, N)")
+    check_state_size("B", B, N, "(batch, L, G, N)")
     if groups == 0 or heads % groups != 0:
         raise ValueError(f"B has G = {groups} groups, but H = {heads} heads (from x) is not divisible by G")
     check_tensor("C", C, ndim=4)
@@ -151,8 +160,8 @@ def ssd(
     def run(*args):  # a backend that declines the inputs (triton: P or N too large) is replaced under "auto"
         return BACKENDS.run(backend, x.device, args, fallback="chunked", needs=lambda: _triton_needs(head_dim, N))
 
-    if length == 0:
-        out = x.new_empty(x.shape)
+    if x.numel() == 0:  # no output to compute (L, batch, H or P is 0): no backend runs
+        out = empty_output(x.shape, x.dtype, x, dt, A, B, C, D, z, dt_bias, initial_state)
         if not return_last_state:
             return out
         state_dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)

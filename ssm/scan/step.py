@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_shape, check_tensor, compute_dtype
+from ._checks import check_shape, check_state_size, check_tensor, compute_dtype
 from ._common import ssd_delta, ssd_skip_and_gate
 from ._common_trapezoidal import TrapezoidalState, gate_and_contract, per_head, rotate, values
 from .cpu import selective_step_cpu
@@ -39,6 +39,7 @@ def selective_scan_step(
     """
     check_tensor("state", state, ndim=3)
     batch, dim, N = state.shape
+    check_state_size("state", state, N, "(batch, dim, N)")
     for name, x in (("u", u), ("delta", delta), ("z", z)):
         if x is not None:
             check_tensor(name, x, ndim=2)
@@ -116,6 +117,7 @@ def ssd_step(
     """
     check_tensor("state", state, ndim=4)
     batch, heads, head_dim, N = state.shape
+    check_state_size("state", state, N, "(batch, H, P, N)")
     check_tensor("x", x, ndim=3)
     check_shape("x", x, (batch, heads, head_dim), "(batch, H, P)")
     check_tensor("dt", dt, ndim=2)
@@ -170,6 +172,7 @@ def trapezoidal_scan_step(
     phase, h, key, value = state
     check_tensor("state.ssm", h, ndim=4)
     batch, heads, head_dim, N = h.shape
+    check_state_size("state.ssm", h, N, "(batch, H, P, N)")
     check_tensor("x", x, ndim=3)
     check_shape("x", x, (batch, heads, head_dim), "(batch, H, P)")
     for name, t in (("dt", dt), ("A", A), ("trap", trap)):

@@ -12,7 +12,14 @@ import torch
 
 from .._backends import BackendTable
 from . import triton
-from ._checks import check_cu_seqlens, check_same_device, check_shape, check_tensor
+from ._checks import (
+    check_cu_seqlens,
+    check_same_device,
+    check_shape,
+    check_state_size,
+    check_tensor,
+    empty_output,
+)
 from ._common_trapezoidal import TrapezoidalArgs, TrapezoidalState
 from .cpu import subnormals_flushed
 from .reference import trapezoidal_scan_ref
@@ -126,9 +133,12 @@ def trapezoidal_scan(
     if rank_axis:
         ranks, groups, N = B.shape[2:]
         check_shape("B", B, (batch, length, ranks, groups, N), "(batch, L, R, G, N)")
+        if ranks < 1:
+            raise ValueError(f"B must have shape (batch, L, R, G, N) with a rank R >= 1, got {tuple(B.shape)}")
     else:
         ranks, (groups, N) = 1, B.shape[2:]
         check_shape("B", B, (batch, length, groups, N), "(batch, L, G, N)")
+    check_state_size("B", B, N, "(batch, L, R, G, N)" if rank_axis else "(batch, L, G, N)")
     if groups == 0 or heads % groups != 0:
         raise ValueError(f"B has G = {groups} groups, but H = {heads} heads (from x) is not divisible by G")
     check_tensor("C", C, ndim=B.ndim)
@@ -204,8 +214,9 @@ def trapezoidal_scan(
         impl = BACKENDS.resolve(auto_on_cuda(batch, heads, sms), x.device)
 
     per_rank = rank_axis and mimo_o is None
-    if length == 0:
-        out = x.new_empty(batch, 0, *((ranks,) if per_rank else ()), heads, head_dim)
+    if x.numel() == 0:  # no output to compute (L, batch, H or P is 0): no backend runs
+        shape = (batch, length, *((ranks,) if per_rank else ()), heads, head_dim)
+        out = empty_output(shape, x.dtype, *args.tensors().values())
         if not return_last_state:
             return out
         dtype = args.dtype

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import sequence_bounds
+from ._common import all_finite, finite_or_zero, poisoned_since
 from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, per_head, rotate, run_core, values
 from .chunked import entering_states
 
@@ -35,6 +36,12 @@ def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
     skip, the gate and the rank contraction) and the state after the last step."""
     batch, length, ranks, heads, N = k.shape
     P = v.shape[-1]
+    # A non-finite key, value, a, σ or c at step u makes the state non-finite from u on: 0 in the
+    # products here, NaN in the outputs and the state it reaches at the end (see _common.py,
+    # "non-finite inputs"); a query q_t reaches y_t alone.
+    poison = None if all_finite(k, v, a, sigma, c) else _poison(k, v, a, sigma, c)
+    if poison is not None:
+        k, v, a, sigma, c = (finite_or_zero(t) for t in (k, v, a, sigma, c))
     T = min(chunk_size, length)
     pad = (-length) % T
     if pad:  # padded steps: no decay (a = 0), no input: the state passes through unchanged
@@ -60,7 +67,20 @@ def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
     state = k.new_zeros(batch, heads, P, N) if H0 is None else H0
     entering, state = entering_states(chunk_decay, chunk_inputs, state)  # entering: (B, c, H, P, N)
     y = y + torch.einsum("bctrhn,bchpn,bcht->bctrhp", q, entering, torch.exp(s))
-    return y.reshape(batch, nc * T, ranks, heads, P)[:, :length], state
+    y = y.reshape(batch, nc * T, ranks, heads, P)[:, :length]
+    if poison is not None:
+        y, state = y.masked_fill(poison[0][:, :, None], float("nan")), state.masked_fill(poison[1], float("nan"))
+    return y, state
+
+
+def _poison(k, v, a, sigma, c) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the recurrence makes the result non-finite: y (B, L, H, P) at and after a non-finite
+    v[t, ·, h, p], k[t, ·, h, ·] or a, σ, c [t, h], and the last state (B, H, P, N) (only column n
+    for a non-finite k[·, n])."""
+    head = ~torch.isfinite(a) | ~torch.isfinite(sigma) | ~torch.isfinite(c)  # (B, L, H)
+    since_v = poisoned_since((~torch.isfinite(v)).any(2) | head[..., None], None)  # (B, L, H, P)
+    since_k = poisoned_since((~torch.isfinite(k)).any(2), None)  # (B, L, H, N)
+    return since_v | since_k.any(-1)[..., None], since_v[:, -1][..., None] | since_k[:, -1][:, :, None, :]
 
 
 def _core(args: TrapezoidalArgs, p: Prepared):

@@ -88,6 +88,18 @@ def first_order_combine(a_left, x_left, a_right, x_right):
 
 
 @triton.jit
+def restarting_combine(a_left, x_left, r_left, a_right, x_right, r_right):
+    """first_order_combine for packed sequences, with r > 0 marking steps (and runs of steps)
+    that restart a sequence: a run whose right part restarts is that part alone, chosen by a
+    selection. Its gate is 0, but 0·NaN is NaN: a product would carry a non-finite state of the
+    sequence before into this one."""
+    restart = r_right > 0
+    a = tl.where(restart, a_right, a_right * a_left)
+    x = tl.where(restart, x_right, a_right * x_left + x_right)
+    return a, x, tl.maximum(r_left, r_right)
+
+
+@triton.jit
 def softplus(x):
     """log(1 + e^x) without overflow; x itself above 20, as torch's softplus does."""
     return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))

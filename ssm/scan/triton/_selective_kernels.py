@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import at_time, first_order_combine, flip_time, softplus, tl_dtype
+from ._jit import at_time, first_order_combine, flip_time, restarting_combine, softplus, tl_dtype
 
 # Compile-time flags of both kernels, from their arguments.
 _FLAGS = {
@@ -149,11 +149,15 @@ def _chunk_states(delta, u, A, Bt, mask, h_start, starts, h0, PACKED: tl.constex
         restart = starts[None, None, :]
         scan_gate = tl.where(restart, 0.0, gate)
         scan_drive = drive + tl.where(restart, gate * h0, 0.0)
+        # the steps from a restart on take nothing from before it, selected (restarting_combine)
+        flags = tl.zeros_like(scan_gate) + tl.where(restart, 1.0, 0.0)
+        gate_prod, drive_sum, restarted = tl.associative_scan((scan_gate, scan_drive, flags), 2, restarting_combine)
+        states = tl.where(restarted > 0, drive_sum, drive_sum + gate_prod * h_start[:, :, None])
     else:
         scan_gate = gate
-        scan_drive = drive
-    gate_prod, drive_sum = tl.associative_scan((scan_gate, scan_drive), 2, first_order_combine)
-    return drive_sum + gate_prod * h_start[:, :, None], gate, drive, scan_gate
+        gate_prod, drive_sum = tl.associative_scan((scan_gate, drive), 2, first_order_combine)
+        states = drive_sum + gate_prod * h_start[:, :, None]
+    return states, gate, drive, scan_gate
 
 
 @triton.jit

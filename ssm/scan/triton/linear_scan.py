@@ -34,6 +34,7 @@ from ._jit import (
     compute_dtype,
     first_order_combine,
     next_power_of_2,
+    restarting_combine,
     sequence_of_steps,
     tl_dtype,
 )
@@ -123,6 +124,7 @@ def _linear_scan_kernel(
             t = L - 1 - s
         else:
             t = s
+        t = t.to(tl.int64)  # t·F below: past 2**31 elements in a row (e.g. ssd's chunk states at long L)
         mask = (s < L)[:, None] & f_mask[None, :]
         offsets = base + t[:, None] * F + f[None, :]  # (BLOCK_T, BLOCK_F)
         x = tl.load(inputs_ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
@@ -149,8 +151,13 @@ def _linear_scan_kernel(
                     h0 = tl.load(initial_state_ptr + seq[:, None] * F + f[None, :], mask=mask & cut[:, None], other=0.0)
                     x += tl.where(cut[:, None], a * h0.to(COMPUTE), 0.0)
                 a = tl.where(cut[:, None], 0.0, a)
-        a_prod, x_sum = tl.associative_scan((a, x), 0, first_order_combine)
-        h = x_sum + a_prod * carry[None, :]
+        if PACKED and not BACKWARD:  # a sequence's steps take nothing from before its start, selected
+            flags = tl.zeros_like(a) + tl.where(cut[:, None], 1.0, 0.0)
+            a_prod, x_sum, restarted = tl.associative_scan((a, x, flags), 0, restarting_combine)
+            h = tl.where(restarted > 0, x_sum, x_sum + a_prod * carry[None, :])
+        else:
+            a_prod, x_sum = tl.associative_scan((a, x), 0, first_order_combine)
+            h = x_sum + a_prod * carry[None, :]
         tl.store(out_ptr + offsets, h, mask=mask)
         carry = tl.sum(tl.where((s_local == BLOCK_T - 1)[:, None], h, 0.0), axis=0)
 
