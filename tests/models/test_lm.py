@@ -326,7 +326,10 @@ class _CountingSyncs(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in cls._READS:
+        # integer tensors only: the boundaries and what is computed from them (the data a mask
+        # built from them touches is a subclass too; the chunked CPU forms' cheap finiteness
+        # check reads a bool on the CPU only, never on CUDA)
+        if func in cls._READS and args[0].dtype in (torch.int32, torch.int64):
             _CountingSyncs.reads += 1
         return super().__torch_function__(func, types, args, kwargs or {})
 
