@@ -65,6 +65,9 @@ from bench import report as bench_report  # noqa: E402
 # is checked, not timed). --*-minutes override them; every step is cut to what TOTAL leaves.
 GPU_SECONDS = {"build": 300, "peers": 150, "tests": 120, "peers_built": 130, "bench": 40, "train": 0, "total": 480}
 DRY_SECONDS = {"build": 0, "peers": 300, "tests": 480, "peers_built": 300, "bench": 300, "train": 240, "total": 3600}
+# A pair's limit on a GPU: the first SSD pair took 15 s alone, 120 s beside an un-niced build; a
+# Mamba-3 pair had not finished after 175 s (2026-11-27).
+PAIR_SECONDS = 75
 PEER_CASES = {"peers": "ssd,mamba3", "peers_built": "selective,mamba2_layer,train_step"}
 
 # What step 2 runs: on a GPU the whole of each file; in a dry run a few of their cases.
@@ -310,6 +313,8 @@ def step_peers(args, out: Path, env: dict, device: str, phase: str, budget: floa
     repeats = ["--repeats", "1", "--warmup", "0"] if args.dry_run else ["--repeats", "7", "--warmup", "2"]
     cmd = [sys.executable, "scripts/benchmark.py", "--op", "gpu-peers", "--cases", PEER_CASES[phase],
            "--device", device, "--budget", f"{0.75 * budget:.0f}", *repeats, "--json", str(path)]  # fmt: skip
+    if not args.dry_run:
+        cmd += ["--pair-seconds", str(PAIR_SECONDS)]  # one pair that hangs leaves the others their time
     result = run(cmd, out / "peers.log", budget, env)
     if path.exists():
         measured = json.loads(path.read_text())
@@ -468,8 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--test-workers",
         type=int,
-        default=min(8, os.cpu_count() or 1),
-        help="pytest-xdist workers for the tests on a GPU, where xdist is installed",
+        default=1,
+        help="pytest-xdist workers for the tests on a GPU, where xdist is installed (default 1: in the "
+        "window of 2026-11-27, 8 workers beside the peer's build ran out of 120 s; alone, serially, 55 s)",
     )
     parser.add_argument("--apply", type=Path, metavar="DIR", help="write a GPU run's peer rows (DIR) into docs/")
     args = parser.parse_args(argv)

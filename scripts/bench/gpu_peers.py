@@ -12,13 +12,17 @@ sides taking turns; ms, or tokens/s for a training step), with the peak memory e
 (torch.cuda.max_memory_allocated above what was allocated before), and checked: the peer's
 outputs and gradients against ssm's within the dtype's tolerance ("agree"), so that a fast wrong
 answer cannot count. ``--cases`` picks cases, ``--budget`` seconds skips the pairs that would
-start after it, and each finished pair is written to --json at once (a run killed at its time
-limit keeps its rows). On the CPU the Triton kernels need TRITON_INTERPRET=1 and the shapes are
-tiny, float32 (``--tiny``, automatic there): a check of the argument mappings, not a timing."""
+start after it, ``--pair-seconds`` stops a pair that runs longer (its row says in which phase:
+building, checking, timing), and each finished pair is written to --json at once (a run killed
+at its time limit keeps its rows). Each phase is printed as it starts. On the CPU the Triton
+kernels need TRITON_INTERPRET=1 and the shapes are tiny, float32 (``--tiny``, automatic there):
+a check of the argument mappings, not a timing."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import signal
 import time
 import traceback
 
@@ -81,6 +85,7 @@ def add_arguments(parser) -> None:
     group.add_argument("--cases", type=comma_list, default=list(CASES), help="comma-separated, of " + ", ".join(CASES))
     group.add_argument("--tiny", action="store_true", help="the dry run's shapes, float32 (automatic on the CPU)")
     group.add_argument("--budget", type=float, default=None, help="seconds: no pair starts after them")
+    group.add_argument("--pair-seconds", type=float, default=None, help="seconds: a pair running longer is stopped")
 
 
 def check(args, parser) -> None:
@@ -147,14 +152,52 @@ def measure(pair: cases.Pair, train: bool, device, warmup: int, repeats: int) ->
     return result
 
 
-def run_pair(case: str, shape: dict, dtype_name: str, peer, args, device) -> list[dict]:
+class PairOverTime(BaseException):
+    """A pair past --pair-seconds (a BaseException: the pair's own ``except Exception`` blocks,
+    which turn one phase's failure into its row, must not swallow it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise PairOverTime in this (the main) thread after ``seconds``; None: no limit."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise PairOverTime()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Phases:
+    """The pair's current phase, printed as it starts, so that a pair stopped or killed in the
+    middle says where its time went."""
+
+    def __init__(self):
+        self.start, self.name = time.perf_counter(), "starting"
+
+    def __call__(self, name: str) -> None:
+        self.name = name
+        print(f"  [{time.perf_counter() - self.start:6.1f} s] {name}", flush=True)
+
+
+def run_pair(case: str, shape: dict, dtype_name: str, peer, args, device, phase=None) -> list[dict]:
     """The rows of one pair: forward and forward+backward, or one row saying why not."""
     base = {"op": case, "shape": shape_label(shape), "dtype": dtype_name, "device": device_name(device)}
     skip = peer_skip(case, shape, peer, device)
     if skip:
         return [base | {"skipped": skip}]
+    phase = phase or Phases()
     dtype = DTYPES[dtype_name]
     start = time.perf_counter()
+    phase("building both sides")
     try:
         pair = BUILDERS[case](peer, shape, dtype, device, TOLERANCE[dtype])
     except Exception as e:  # noqa: BLE001 - one pair's failure is its row, the others still run
@@ -165,12 +208,14 @@ def run_pair(case: str, shape: dict, dtype_name: str, peer, args, device) -> lis
         agreement, passes = {"agree": "unchecked", "why": INTERPRETER_ONLY_FORWARD}, (False,)
     else:
         try:
+            phase("checking: both sides' outputs and gradients (the first calls compile)")
             agreement = pair.check()
         except Exception as e:  # noqa: BLE001
             agreement = {"agree": False, "why": f"{type(e).__name__}: {e}"}
     rows = []
     for train in passes:
         row = base | {"pass": "fwd+bwd" if train else "fwd"} | agreement
+        phase(f"timing {row['pass']}")
         try:
             measured = measure(pair, train, device, args.warmup, args.repeats)
         except Exception as e:  # noqa: BLE001
@@ -218,7 +263,16 @@ def run(args) -> tuple[int, dict | None]:
             rows = [{"op": case, "shape": shape_label(shape), "dtype": dtype, "skipped": "out of the step's time"}]
         else:
             print(f"{case}: {shape_label(shape)}, {dtype} ...", flush=True)
-            rows = run_pair(case, shape, dtype, peer, args, device)
+            limit = args.pair_seconds if left is None else min(args.pair_seconds or left, left)
+            phase = Phases()
+            try:
+                with time_limit(limit):
+                    rows = run_pair(case, shape, dtype, peer, args, device, phase)
+            except PairOverTime:
+                why = f"stopped after {limit:.3g} s, while {phase.name}"
+                rows = [{"op": case, "shape": shape_label(shape), "dtype": dtype, "skipped": why}]
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         for row in rows:
             result["rows"].append(stamp | row if "ssm" in row else row)
             shown = ("pass", "agree", "worst", "why", "ssm", "peer", "unit", "skipped", "error", "seconds")
@@ -253,6 +307,9 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
         ahead = r["ssm"] / r["peer"] if r["unit"] == "tokens/s" else r["peer"] / r["ssm"]
         agree = {True: "yes", False: "**NO**"}.get(r["agree"], r["agree"])
         details = f"{agree} ({r['worst']}: {r['diff'][r['worst']]:.1e})" if "diff" in r else f"{agree}: {r.get('why')}"
+        if r.get("referee"):  # each side's distance from the peer in float32, at ssm's farthest tensor
+            ref = r["referee"]
+            details += f"; from float32: ssm {ref['ssm']:.1e}, peer {ref['peer']:.1e} ({ref['tensor']})"
         peaks = f"{cell(r.get('peak_mib_ssm'))} / {cell(r.get('peak_mib_peer'))}"
         out.append([what, r["pass"], f"{cell(r['ssm'], r['unit'])} {r['unit']}", f"{cell(r['peer'], r['unit'])}",
                     f"{ahead:.2f}x", peaks, details, r.get("note", "")])  # fmt: skip

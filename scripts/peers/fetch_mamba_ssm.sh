@@ -26,7 +26,17 @@ MAMBA_SSM_VERSION="${MAMBA_SSM_VERSION:-2.3.2.post1}"
 CAUSAL_CONV1D_VERSION="${CAUSAL_CONV1D_VERSION:-1.7.0}"
 NINJA_VERSION="${NINJA_VERSION:-1.13.2}"
 DEST="${1:-third_party}"
-PYTHON="${PYTHON:-python3}"
+# reading mamba-ssm's setup.py imports torch: the project's environment (make .venv/.installed-test)
+# where there is one, else python3
+if [ -z "${PYTHON:-}" ]; then
+    PYTHON=python3
+    [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
+fi
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    echo "fetch_mamba_ssm.sh: $PYTHON cannot import torch, which reading mamba-ssm's setup.py needs;" \
+        "run 'make .venv/.installed-test' first, or set PYTHON to a python with torch" >&2
+    exit 1
+fi
 
 mkdir -p "$DEST"
 DEST="$(cd "$DEST" && pwd)"
@@ -40,8 +50,13 @@ fetch() {
         echo "$name $version: already in $DEST/$folder"
         return
     fi
-    env "$skip=TRUE" "$PYTHON" -m pip download --quiet --no-deps --no-build-isolation --no-binary :all: \
-        "$name==$version" -d "$tmp/$folder"
+    # reading setup.py imports wheel at its top; a python without it (this machine's python3 on
+    # 2026-11-27) gets it for the download only, in $tmp
+    if ! "$PYTHON" -c "import wheel" 2>/dev/null && [ ! -d "$tmp/wheel" ]; then
+        "$PYTHON" -m pip install --quiet --target "$tmp/wheel" wheel
+    fi
+    env "$skip=TRUE" PYTHONPATH="$tmp/wheel${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m pip download --quiet --no-deps \
+        --no-build-isolation --no-binary :all: "$name==$version" -d "$tmp/$folder"
     tar -xzf "$tmp/$folder"/*.tar.gz -C "$tmp/$folder"
     rm -rf "${DEST:?}/$folder"
     mv "$tmp/$folder"/*/ "$DEST/$folder"
