@@ -51,6 +51,14 @@ typedef struct {
     void *out, *new_state;                 /* out (batch, dim) contiguous */
 } StepArgs;
 
+/* The groups [first, last] that channels [part·D/nparts, (part+1)·D/nparts) belong to, when D
+   channels are split into G groups of D/G; first > last for a block without channels. */
+static inline void groups_of_part(i64 part, i64 nparts, i64 Dn, i64 G, i64 *first, i64 *last) {
+    const i64 d0 = part * Dn / nparts, d1 = (part + 1) * Dn / nparts;
+    *first = d0 / (Dn / G);
+    *last = d1 > d0 ? (d1 - 1) / (Dn / G) : *first - 1;
+}
+
 #endif /* SSM_SELECTIVE_TYPES */
 
 /* ------------------------------------------------------------------ for one REAL */
@@ -322,7 +330,30 @@ static inline __attribute__((always_inline)) void SUF(adjoint_steps)(
      softplus, and summed into the bias)     d initial_state = exp(Δ_first A)·λ_first
    with gy = grad_out·silu(z), dz = grad_out·y·silu'(z), dD = Σ gy·u. λ after a sequence's last
    step is its grad_last. Sums over channels of time-varying B and C go to per-block scratch
-   (part_B, part_C), added up at the end. */
+   (part_B, part_C), added up at the end; a block's scratch holds rows for every group, but it
+   zeroes, and the sum reads, only those of the groups its channels are in (groups_of_part): with
+   a group per head (Mamba-3's rotated keys) the rest would be G times the memory traffic. */
+
+/* d_B (or d_C), (batch, G, L, N): each row the sum, in block order, of the blocks whose channels
+   are in its group (the others never wrote there). Called by every thread of the team. */
+static void SUF(sum_group_parts)(const SelectiveArgs *a, const REAL *parts, REAL *out, i64 part_size, i64 G) {
+    if (!part_size) return;
+    const i64 rows = a->batch * G, row_size = a->length * a->N;
+#pragma omp for schedule(static)
+    for (i64 r = 0; r < rows; r++) {
+        const i64 g = r % G;
+        REAL *o = out + r * row_size;
+        for (i64 i = 0; i < row_size; i++) o[i] = 0;
+        for (i64 k = 0; k < a->nparts; k++) {
+            i64 g0, g1;
+            groups_of_part(k, a->nparts, a->dim, G, &g0, &g1);
+            if (g < g0 || g > g1) continue;
+            const REAL *p = parts + k * part_size + r * row_size;
+            for (i64 i = 0; i < row_size; i++) o[i] += p[i];
+        }
+    }
+}
+
 void SUF(selective_bwd)(const SelectiveArgs *a) {
     const i64 T = a->chunk;
     const i64 Bn = a->batch, Dn = a->dim, L = a->length, N = a->N;
@@ -355,8 +386,17 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
         for (i64 part = 0; part < a->nparts; part++) {
             REAL *pB = a->B_fixed ? NULL : (REAL *)a->part_B + part * part_size_B;
             REAL *pC = a->C_fixed ? NULL : (REAL *)a->part_C + part * part_size_C;
-            if (pB) memset(pB, 0, sizeof(REAL) * part_size_B);
-            if (pC) memset(pC, 0, sizeof(REAL) * part_size_C);
+            i64 g0, g1;
+            if (pB) {
+                groups_of_part(part, a->nparts, Dn, GB, &g0, &g1);
+                for (i64 b = 0; b < Bn && g1 >= g0; b++)
+                    memset(pB + (b * GB + g0) * L * N, 0, sizeof(REAL) * (g1 - g0 + 1) * L * N);
+            }
+            if (pC) {
+                groups_of_part(part, a->nparts, Dn, GC, &g0, &g1);
+                for (i64 b = 0; b < Bn && g1 >= g0; b++)
+                    memset(pC + (b * GC + g0) * L * N, 0, sizeof(REAL) * (g1 - g0 + 1) * L * N);
+            }
             for (i64 d = part * Dn / a->nparts; d < (part + 1) * Dn / a->nparts; d++) {
                 const REAL Dd = a->D ? ((const REAL *)a->D)[d] : 0;
                 const i64 gB = d / (Dn / GB), gC = d / (Dn / GC);
@@ -457,22 +497,8 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
             }
         }
         /* add up the blocks' sums over channels of time-varying B and C */
-        if (part_size_B) {
-#pragma omp for schedule(static)
-            for (i64 i = 0; i < part_size_B; i++) {
-                REAL sum = 0;
-                for (i64 k = 0; k < a->nparts; k++) sum += ((const REAL *)a->part_B)[k * part_size_B + i];
-                ((REAL *)a->d_B)[i] = sum;
-            }
-        }
-        if (part_size_C) {
-#pragma omp for schedule(static)
-            for (i64 i = 0; i < part_size_C; i++) {
-                REAL sum = 0;
-                for (i64 k = 0; k < a->nparts; k++) sum += ((const REAL *)a->part_C)[k * part_size_C + i];
-                ((REAL *)a->d_C)[i] = sum;
-            }
-        }
+        SUF(sum_group_parts)(a, (const REAL *)a->part_B, (REAL *)a->d_B, part_size_B, GB);
+        SUF(sum_group_parts)(a, (const REAL *)a->part_C, (REAL *)a->d_C, part_size_C, GC);
         free(scratch);
         restore_fp_mode(fp);
     }

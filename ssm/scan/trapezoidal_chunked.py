@@ -83,9 +83,9 @@ def _poison(k, v, a, sigma, c) -> tuple[torch.Tensor, torch.Tensor]:
     return since_v | since_k.any(-1)[..., None], since_v[:, -1][..., None] | since_k[:, -1][:, :, None, :]
 
 
-def _core(args: TrapezoidalArgs, p: Prepared):
+def chunked_core(args: TrapezoidalArgs, p: Prepared):
     """The core (see _common_trapezoidal.py) by chunks: out in x's dtype and H_{L-1}; packed
-    sequences one after another."""
+    sequences one after another. (Also what the "cpu" backend runs where its sweeps cannot.)"""
     x, cu_seqlens, dtype = args.x, args.cu_seqlens, args.dtype
     heads, ranks = x.shape[2], args.B.shape[2]
     cos, sin = p.cos[:, :, None], p.sin[:, :, None]  # (B, L, 1, H, M): the same for every rank
@@ -115,4 +115,4 @@ def _core(args: TrapezoidalArgs, p: Prepared):
 
 def trapezoidal_scan_chunked(args: TrapezoidalArgs):
     """Backend "chunked" of :func:`ssm.scan.trapezoidal_scan`: (out, last state)."""
-    return run_core(_core, args)
+    return run_core(chunked_core, args)

@@ -466,3 +466,17 @@ def test_sweeps_leave_the_callers_floating_point_mode_alone():
     subnormal = torch.full((1 << 20,), 1e-39)  # big enough for torch to split over its threads
     assert (subnormal * 1.0).ne(0).all()
     assert (subnormal[:1] * 1.0).item() == pytest.approx(1e-39, rel=1e-3)
+
+
+def test_selective_channel_blocks_that_span_two_groups():
+    """The backward splits the channels into min(D, 4·threads) blocks, each summing dB and dC of
+    its channels into rows of its own that only its groups' rows are zeroed in, and the final sum
+    reads only the blocks of each group. With 2 threads, 8 blocks over 12 channels in 3 groups of
+    4: block 5 holds channels 7 and 8, one in group 1, one in group 2 (scratch NaN-poisoned)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for form in ("grouped", "varying"):
+            check_selective(selective_inputs(2 * T + 3, dim=12, groups=3, B_form=form, C_form="grouped"), "cpu")
+    finally:
+        torch.set_num_threads(threads)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from ssm.scan import TrapezoidalState, backends, trapezoidal_scan, trapezoidal_scan_step
+from ssm.scan.cpu import ssd_cpu
+from ssm.scan.trapezoidal_chunked import chunked_core
 from tests.helpers import assert_close, check_trapezoidal, trapezoidal_call, trapezoidal_inputs
 
 FAST_BACKENDS = [b for b in backends("trapezoidal_scan", "cpu") if b not in ("ref", "triton")]
@@ -311,3 +313,51 @@ def test_auto_on_cuda_takes_the_chunked_form_where_triton_would_leave_the_gpu_id
     assert auto_on_cuda(1, 131, 132) == "chunked"
     assert auto_on_cuda(1, 132, 132) == "triton"
     assert auto_on_cuda(8, 96, 132) == "triton"
+
+
+# ----------------------------------------------------------------------------- backend "cpu"
+
+
+def test_cpu_backend_runs_siso_on_the_sweeps(monkeypatch):
+    """The "cpu" cases above run the C sweeps for rank 1 (not its chunked fallback), and "auto"
+    takes it on CPU tensors; MIMO goes to the chunked core."""
+    import ssm.scan.trapezoidal_cpu as cpu_backend
+
+    calls = []
+    monkeypatch.setattr(cpu_backend, "ssd_cpu", lambda *a, **k: calls.append("sweeps") or ssd_cpu(*a, **k))
+    monkeypatch.setattr(cpu_backend, "chunked_core", lambda *a: calls.append("chunked") or chunked_core(*a))
+    check_trapezoidal(trapezoidal_inputs(19), "auto")
+    check_trapezoidal(trapezoidal_inputs(19, ranks=2), "cpu")
+    check_trapezoidal(trapezoidal_inputs(19, N=34, M=2), "auto")  # N > 32: "auto" is the chunked backend
+    assert calls == ["sweeps", "chunked"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_backend_half_precision_siso(dtype):
+    check_trapezoidal(trapezoidal_inputs(40, dtype=dtype), "cpu")
+
+
+def test_cpu_backend_gradcheck_siso():
+    inputs = trapezoidal_inputs(5, batch=1, heads=2, head_dim=2, groups=1, N=4, M=1, dtype=torch.float64)
+    names = list(inputs)
+
+    def f(*tensors):
+        return trapezoidal_call("interleaved", 2)(dict(zip(names, tensors)), "cpu")
+
+    assert torch.autograd.gradcheck(f, tuple(inputs.values()))
+
+
+@pytest.mark.parametrize("a", [0.0, -1e-320, -math.inf])
+def test_cpu_backend_where_the_sweeps_cannot_divide(a):
+    """The sweeps take x·s/(−a): a step with no decay (a = 0), a rate below 1e-30 (1e-320: the
+    division overflows) or an infinite one goes to the chunked core. The answer is the
+    reference's, except at a = −∞: there the chunked forms' rule for non-finite inputs (NaN from
+    that step on, _common.py) holds, where the reference's exp(−∞) = 0 stays finite; "cpu" must
+    give what "chunked" gives."""
+    inputs = {k: v.detach() for k, v in trapezoidal_inputs(9, dtype=torch.float64).items()}
+    inputs["A"] = inputs["A"].clone()
+    inputs["A"][0, 4, 1] = a / float(inputs["dt"][0, 4, 1])
+    call = trapezoidal_call("interleaved", 4)
+    got, want = call(inputs, "cpu"), call(inputs, "ref" if math.isfinite(a) else "chunked")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, equal_nan=not math.isfinite(a))
