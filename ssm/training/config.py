@@ -72,13 +72,17 @@ def _model_section() -> type:
 ModelSection = _model_section()
 
 
-TASKS = ("selective_copying", "induction_heads", "text")
+TASKS = ("selective_copying", "induction_heads", "parity", "text")
 
 
 @dataclass
 class DataSection:
-    task: str = "selective_copying"  # selective_copying | induction_heads | text
+    task: str = "selective_copying"  # selective_copying | induction_heads | parity | text
     seq_len: int = 64  # context length L (synthetic tasks) or window length in bytes (text)
+    # parity, training only: each optimiser step's length drawn uniformly from [min_seq_len,
+    # seq_len] (the same for every sequence of the step); 0: every step at seq_len
+    min_seq_len: int = 0
+    val_seq_len: int = 0  # validation length; 0: seq_len (parity: trained short, validated long)
     batch_size: int = 32  # sequences per device per step
     num_tokens: int = 8  # size of the data alphabet (synthetic tasks)
     num_memorize: int = 8  # K: tokens to copy (selective_copying)
@@ -347,6 +351,8 @@ RANGES: dict[str, tuple] = {
     "log_every": _int_from(1),
     "data.task": ((lambda v: v in TASKS), f"one of {list(TASKS)}"),
     "data.seq_len": _int_from(1),
+    "data.min_seq_len": ((lambda v: _is_int(v) and v >= 0), "an int >= 0 (0: every step at data.seq_len)"),
+    "data.val_seq_len": ((lambda v: _is_int(v) and v >= 0), "an int >= 0 (0: data.seq_len)"),
     "data.batch_size": _int_from(1),
     "data.num_tokens": _int_from(1),
     "data.num_memorize": _int_from(1),

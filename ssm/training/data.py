@@ -106,6 +106,41 @@ class InductionHeads(Dataset):
         return inputs, targets
 
 
+class Parity(Dataset):
+    """Parity, the state-tracking task of the Mamba-3 paper (section 4.2, after Grazzi et al.
+    2025): bits, and at every position the parity of the bits so far, that position's included.
+    Tokens: 0 and 1 are the bits; every position is scored.
+
+        inputs   1 0 1 1 0 0 1
+        targets  1 1 0 1 1 1 0
+
+    Training sequences of one optimiser step (``per_step`` consecutive indices) share a length
+    drawn uniformly from [min_len, seq_len], from the step's own seed stream (so every rank and
+    every accumulated batch of the step agrees); other splits are seq_len long."""
+
+    def __init__(self, seq_len: int, seed: int, split: str, size: int, min_len: int = 0, per_step: int = 1):
+        if min_len > seq_len:
+            raise ValueError(f"data.min_seq_len ({min_len}) must be <= data.seq_len ({seq_len})")
+        self.L, self.seed, self.split, self.size = seq_len, seed, split, size
+        self.min_len = min_len if (split == "train" and min_len) else seq_len
+        self.per_step = per_step
+        self.vocab_size = 2
+
+    def __len__(self) -> int:
+        return self.size
+
+    def length(self, index: int) -> int:
+        if self.min_len == self.L:
+            return self.L
+        g = _generator(self.seed, f"{self.split}/length", index // self.per_step)
+        return int(torch.randint(self.min_len, self.L + 1, (), generator=g))
+
+    def __getitem__(self, index: int):
+        g = _generator(self.seed, self.split, index)
+        bits = torch.randint(0, 2, (self.length(index),), generator=g)
+        return bits, bits.cumsum(0) % 2
+
+
 class ByteText(Dataset):
     """Language modelling: windows of L + 1 tokens (bytes, or a tokenizer's ids) from a corpus,
     at offsets drawn from (seed, split, index). Every position is scored.
@@ -289,9 +324,14 @@ class TaskDataModule(pl.LightningDataModule):
             self.tokenizer = make_tokenizer(config.tokenizer, self.train_files)
         self.vocab_size = self.dataset("val", 1).vocab_size
 
-    def dataset(self, split: str, size: int, seq_len: int | None = None, streams: int | None = None) -> Dataset:
-        """``streams``: text read as that many streams of consecutive segments (data.stateful)."""
+    def dataset(
+        self, split: str, size: int, seq_len: int | None = None, streams: int | None = None, per_step: int = 1
+    ) -> Dataset:
+        """``streams``: text read as that many streams of consecutive segments (data.stateful);
+        ``per_step``: examples per optimiser step (parity's lengths are drawn per step)."""
         c, L = self.config, seq_len or self.config.seq_len
+        if c.task == "parity":
+            return Parity(L, self.seed, split, size, c.min_seq_len, per_step)
         if c.task == "selective_copying":
             return SelectiveCopying(L, c.num_tokens, c.num_memorize, self.seed, split, size)
         if c.task == "induction_heads":
@@ -342,7 +382,7 @@ class TaskDataModule(pl.LightningDataModule):
             )
         streams = per_step if self.config.stateful else None  # each row of a step continues its stream
         return DataLoader(
-            self.dataset("train", stop, streams=streams),
+            self.dataset("train", stop, streams=streams, per_step=per_step),
             batch_size=self.config.batch_size,
             sampler=StepSampler(start, stop, rank, world),
             num_workers=self.config.num_workers,
@@ -353,7 +393,7 @@ class TaskDataModule(pl.LightningDataModule):
         rank, world = self._world()
         n = self.config.val_samples
         return DataLoader(
-            self.dataset("val", n, seq_len),
+            self.dataset("val", n, seq_len or self.config.val_seq_len or None),
             batch_size=self.config.batch_size,
             sampler=StepSampler(0, n, rank, world),
             num_workers=self.config.num_workers,

@@ -177,7 +177,7 @@ def test_unknown_model_key_lists_mamba_config_fields(tmp_path):
         ("trainer.num_nodes=0", r"trainer.num_nodes must be an int >= 1"),
         ("trainer.limit_val_batches=0", r"trainer.limit_val_batches must be null \(all\), an int >= 1"),
         ("trainer.limit_val_batches=1.5", r"trainer.limit_val_batches must be null \(all\)"),
-        ("data.task=copying", r"data.task must be one of \['selective_copying', 'induction_heads', 'text'\]"),
+        ("data.task=copying", r"data.task must be one of \['selective_copying', 'induction_heads', 'parity', 'text'\]"),
         ("data.seq_len=0", r"data.seq_len must be an int >= 1, got 0"),
         ("data.batch_size=0", r"data.batch_size must be an int >= 1"),
         ("data.num_tokens=0", r"data.num_tokens must be an int >= 1"),
@@ -205,7 +205,7 @@ def test_values_out_of_range_name_the_key(override, message):
 
 
 def test_the_backend_must_be_one_of_the_mixers_scan():
-    for layer, good, bad in (("Mamba2", "chunked", "pscan"), ("Mamba3", "chunked", "cpu")):
+    for layer, good, bad in (("Mamba2", "chunked", "pscan"), ("Mamba3", "cpu", "pscan")):
         cfg = f"model.ssm_cfg={{layer: {layer}, d_state: 4, headdim: 8}}"
         assert load_config(DEFAULT, [cfg, f"model.backend={good}"]).model.backend == good
         with pytest.raises(ConfigError, match=rf"model.backend must be one of .* got '{bad}'"):

@@ -11,6 +11,7 @@ from ssm.training.data import (
     IGNORE,
     ByteText,
     InductionHeads,
+    Parity,
     SelectiveCopying,
     StepSampler,
     TaskDataModule,
@@ -158,3 +159,39 @@ def test_text_defaults_to_the_standard_library():
     unpacked = TaskDataModule(DataSection(task="text", seq_len=32, val_samples=4, batch_size=2, pack_documents=False))
     x, y = next(iter(unpacked.val_dataloader()))
     assert x.shape == (2, 32)
+
+
+def test_parity_targets_are_the_running_parity_at_every_position():
+    """Against a parity kept by hand (xor, one bit at a time): every position is a target, none
+    ignored; the inputs are bits; the vocabulary is the two bits."""
+    for seed in SEEDS:
+        ds = Parity(37, seed, "val", PER_SEED)
+        assert ds.vocab_size == 2
+        for i in range(PER_SEED):
+            inputs, targets = ds[i]
+            assert inputs.shape == targets.shape == (37,) and set(inputs.tolist()) <= {0, 1}
+            running, expected = 0, []
+            for bit in inputs.tolist():
+                running ^= bit
+                expected.append(running)
+            assert targets.tolist() == expected
+
+
+def test_parity_training_lengths_are_drawn_per_step_and_other_splits_are_fixed():
+    """Training: one length per optimiser step (per_step consecutive examples), drawn in
+    [min, max] and covering it; validation: seq_len; bad bounds are refused by name."""
+    train = Parity(20, 0, "train", 400, min_len=3, per_step=8)
+    lengths = [len(train[i][0]) for i in range(400)]
+    for step in range(50):
+        assert len(set(lengths[8 * step : 8 * step + 8])) == 1
+    assert min(lengths) >= 3 and max(lengths) <= 20 and len(set(lengths)) >= 10
+    assert {len(Parity(20, 0, "val", 5, min_len=3, per_step=8)[i][0]) for i in range(5)} == {20}
+    with pytest.raises(ValueError, match="min_seq_len"):
+        Parity(5, 0, "train", 1, min_len=6)
+
+
+def test_the_data_module_validates_parity_at_val_seq_len():
+    config = load_config(None, ["data.task=parity", "data.seq_len=16", "data.min_seq_len=3", "data.val_seq_len=48"])
+    module = TaskDataModule(config.data, seed=0)
+    inputs, targets = next(iter(module.val_dataloader()))
+    assert inputs.shape[1] == 48 and module.vocab_size == 2
