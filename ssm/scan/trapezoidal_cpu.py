@@ -14,8 +14,8 @@ groups are the heads), the diagonal term −c·(q̃·k̃)·v, D and the gate are
 
 That division needs −a_t positive and finite. Where some a_t is 0 (no decay), below 1e-30 or not
 finite, and for MIMO ranks above 1 (a rank-R input is not one sweep), the chunked core runs
-instead: the same answer, by another route. ``chunk_size`` is the chunked core's; the sweeps
-walk every step.
+instead, as under torch.compile: the same answer, by another route. ``chunk_size`` is the
+chunked core's; the sweeps walk every step.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ SMALLEST_DECAY_RATE = 1e-30
 
 
 def sweeps_take(args: TrapezoidalArgs, p: Prepared) -> bool:
-    """Whether the sweeps compute this call's core: rank 1, and every −a_t in [1e-30, ∞)."""
-    if args.B.shape[2] != 1:
+    """Whether the sweeps compute this call's core: rank 1, and every −a_t in [1e-30, ∞). Not
+    under torch.compile, where reading the decays would break the graph: the chunked core
+    traces whole."""
+    if args.B.shape[2] != 1 or torch.compiler.is_compiling():
         return False
     rate = -p.a
     return bool(((rate >= SMALLEST_DECAY_RATE) & (rate < float("inf"))).all())

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssm.scan import linear_scan, selective_scan
-from tests.helpers import assert_compiled_matches_eager
+from ssm.scan import TrapezoidalState, linear_scan, selective_scan, trapezoidal_scan
+from tests.helpers import assert_compiled_matches_eager, trapezoidal_inputs
 
 
 @pytest.mark.parametrize("backend", ["pscan", "cpu"])
@@ -50,3 +50,21 @@ def test_linear_scan_compiles_without_graph_breaks(backend):
         return linear_scan(a, x, dim=1, initial_state=h0, reverse=True, backend=backend).pow(2).sum()
 
     assert_compiled_matches_eager(f, inputs)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "cpu"])
+def test_trapezoidal_scan_compiles_without_graph_breaks(backend):
+    """Mamba-3's scan, SISO with every option: "cpu" reads its decays to choose the
+    sweeps, which a trace cannot, so under torch.compile it runs the chunked core."""
+    inputs = {k: v.detach().requires_grad_() for k, v in trapezoidal_inputs(19).items()}
+    names = list(inputs)
+
+    def f(*tensors):
+        kw = dict(zip(names, tensors))
+        state = TrapezoidalState(*(kw.pop(f"initial_{n}") for n in TrapezoidalState._fields))
+        out, last = trapezoidal_scan(**kw, initial_state=state, return_last_state=True, backend=backend)
+        return out.pow(2).sum() + last.ssm.pow(2).sum()
+
+    assert_compiled_matches_eager(
+        f, list(inputs.values()), **({"rtol": 1e-4, "atol": 1e-4} if backend == "cpu" else {})
+    )
