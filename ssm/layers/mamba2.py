@@ -7,10 +7,12 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..distributed import conv_state_from_previous_rank, scan_with_passed_state
 from ..ops import GatedMLPWeights, Mamba2BlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import ssd, ssd_step
 from .arguments import check_divides, check_dt_range, check_int, check_number
 from .cache import LayerCache, check_packing, check_sequence, check_token
+from .context import check_context_parallel
 from .linear import Linear
 from .mamba import decoding_A, dt_bias_init, no_weight_decay
 from .norm import RMSNorm, RMSNormGated, upcast
@@ -154,9 +156,17 @@ class Mamba2(nn.Module):
         cache: LayerCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
         last: int = 0,
+        cp_group=None,
     ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
         leave the state after the last token in it (prefill).
+
+        ``cp_group``: a torch.distributed process group of W ranks over which each sequence is
+        split (context parallelism): this rank's ``hidden_states`` are positions
+        [r·L/W, (r+1)·L/W) of the whole, and its output those positions of the whole's output.
+        The conv reads its halo from the previous rank and the scan starts from the state the
+        ranks before pass it (``ssm.distributed``); every rank of the group must call this
+        together. Not with ``cache``, ``cu_seqlens`` or ``last``.
 
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
         ``ssm.scan.ssd``); neither the convolution nor the scan crosses a boundary, so each
@@ -168,40 +178,59 @@ class Mamba2(nn.Module):
         if last > 0 and cu_seqlens is not None:
             raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         check_sequence("hidden_states", hidden_states, self.d_model)
+        if cp_group is not None:
+            check_context_parallel("Mamba2", cache, cu_seqlens, last)
         batch, length, _ = hidden_states.shape
         packed = check_packing(cu_seqlens, hidden_states)  # validated once; the ops take its tensor
         cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
             cache.check_batch(batch if packed is None else packed.num_sequences)
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
-        xBC, conv_state = causal_conv1d_silu(
-            xBC, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state, cu_seqlens
-        )
+        conv_state = None if cache is None else cache.conv_state
+        if cp_group is not None:  # the previous rank's last d_conv - 1 inputs
+            conv_state = conv_state_from_previous_rank(xBC, self.d_conv, cp_group)
+        xBC, conv_state = causal_conv1d_silu(xBC, self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens)
         x, B, C = xBC.split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         x = rearrange(x, "b l (h p) -> b l h p", p=self.headdim)
         B, C = (rearrange(t, "b l (g n) -> b l g n", g=self.ngroups) for t in (B, C))
-        y, last_state = ssd(
-            x,
-            dt,
-            -torch.exp(upcast(self.A_log)),
-            B,
-            C,
-            self._D(),
-            None if self.rmsnorm else rearrange(z, "b l (h p) -> b l h p", p=self.headdim),
-            dt_bias=upcast(self.dt_bias),
-            dt_softplus=True,
-            dt_limit=self.dt_limit,
-            initial_state=None if cache is None else cache.ssm_state,
-            return_last_state=True,
-            chunk_size=self.chunk_size,
-            cu_seqlens=packed,
-            backend=self.backend,
-        )
+        A = -torch.exp(upcast(self.A_log))
+
+        def scan(initial_state):
+            return ssd(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                self._D(),
+                None if self.rmsnorm else rearrange(z, "b l (h p) -> b l h p", p=self.headdim),
+                dt_bias=upcast(self.dt_bias),
+                dt_softplus=True,
+                dt_limit=self.dt_limit,
+                initial_state=initial_state,
+                return_last_state=True,
+                chunk_size=self.chunk_size,
+                cu_seqlens=packed,
+                backend=self.backend,
+            )
+
+        if cp_group is not None:
+            y = scan_with_passed_state(scan, self._log_decay(dt, A), cp_group)
+            return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
+        y, last_state = scan(None if cache is None else cache.ssm_state)
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
         if last > 0:  # every op after the scan acts on each position alone
             y, z, z0, x0 = (t[:, -last:] for t in (y, z, z0, x0))
         return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
+
+    def _log_decay(self, dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """log of the slice's total decay per head, (batch, H, 1, 1) against the state (batch,
+        H, P, N): A·Σ_t Δ_t, with Δ as ``ssd`` makes it from dt (bias, softplus, dt_limit)."""
+        delta = F.softplus(dt.to(A.dtype) + upcast(self.dt_bias))
+        if tuple(self.dt_limit) != (0.0, float("inf")):
+            delta = delta.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
+        return (delta.sum(1) * A)[..., None, None]
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the

@@ -1,0 +1,33 @@
+"""Context parallelism: a sequence split across the ranks of a torch.distributed group, each
+rank running every layer over its own contiguous slice only.
+
+The layers call this package when given ``cp_group=`` (``Mamba.forward``, ``Mamba2.forward``,
+``MambaLM.forward``); the scan core never sees a process group: the layers hand the public
+scans an initial state that this package computed. Two exchanges per Mamba layer:
+- the causal convolution's halo, the previous rank's last d_conv - 1 inputs, point to point
+  (``conv_state_from_previous_rank``);
+- the state summaries, one all_gather per layer (``scan_with_passed_state``; state_passing.py
+  says why all_gather and what it moves).
+Both are autograd functions whose backward sends each gradient back to the rank it came from.
+"""
+
+from .collectives import all_gather_stacked, attach, from_previous_rank, group_rank_and_size
+from .state_passing import (
+    conv_state_from_previous_rank,
+    entering_state,
+    scan_with_passed_state,
+    shard_sequence,
+    slice_offset,
+)
+
+__all__ = [
+    "all_gather_stacked",
+    "attach",
+    "conv_state_from_previous_rank",
+    "entering_state",
+    "from_previous_rank",
+    "group_rank_and_size",
+    "scan_with_passed_state",
+    "shard_sequence",
+    "slice_offset",
+]

@@ -1,0 +1,110 @@
+"""State passing: a linear recurrence over a sequence split across the ranks of a group.
+
+Rank r holds positions [r·L/W, (r+1)·L/W) of every sequence. The recurrence
+h_t = a_t ⊙ h_{t-1} + b_t maps the state entering a slice to the state leaving it by an affine
+map h ↦ Π_t a_t ⊙ h + S, where S is the slice's final state from a zero state. Each rank
+summarises its slice as that pair (the log of the product, the decay, and S), the ranks gather
+the pairs, and each composes those of the ranks before it (an exclusive scan) into the state
+that truly enters its slice. It then runs its slice again from that state.
+
+Why an all_gather of the summaries, not a chain of point-to-point sends: the summaries are
+small (W·batch·H·P·N numbers for the whole group, the size of W states; the decay adds
+batch·H per rank for Mamba-2, nothing beyond the state's size for Mamba-1), one collective
+has a latency of one step where a chain has W - 1 dependent steps, and every rank computes
+its entering state locally from the gathered pairs. The backward is one all_reduce of the
+gradients of the gathered pairs (``collectives.all_gather_stacked``), through which each
+rank's gradient reaches the states and decays of the ranks before it.
+
+Rescan or add: after the exchange a rank either scans its slice again from the entering state
+(what ``scan_with_passed_state`` does: two scans on every rank but the first, each the scan
+the layer runs anyway, with its gating and skip term) or adds the entering state's
+contribution C_t·(Π_{s<=t} a_s ⊙ h) to the first scan's outputs, which is cheaper only where
+that contribution is cheap to form and the scan's output is linear in the state (Mamba-2
+without a gate inside the scan). The rescan is the one used here: it is the same code path
+for every mixer and needs nothing of the scan's internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .collectives import all_gather_stacked, attach, from_previous_rank, group_rank_and_size
+
+
+def shard_sequence(x: torch.Tensor, group, dim: int = 1, argument: str = "input_ids") -> torch.Tensor:
+    """This rank's contiguous slice of ``x`` along ``dim``: positions [r·L/W, (r+1)·L/W).
+    A ValueError naming ``argument`` when W does not divide L."""
+    rank, size = group_rank_and_size(group)
+    length = x.shape[dim]
+    if length % size:
+        raise ValueError(
+            f"{argument}: its length L = {length} (dim {dim}) is not divisible by the context-parallel "
+            f"group's size W = {size}; every rank must hold L / W positions"
+        )
+    return x.narrow(dim, rank * (length // size), length // size)
+
+
+def slice_offset(length: int, group) -> int:
+    """The position of this rank's first element in the whole sequence, when every rank holds
+    ``length`` positions: r·length."""
+    rank, _ = group_rank_and_size(group)
+    return rank * length
+
+
+def conv_state_from_previous_rank(x: torch.Tensor, kernel: int, group, argument: str = "hidden_states"):
+    """The causal convolution's state (batch, D, K) holding the previous rank's last K - 1
+    inputs of ``x`` (batch, L, D) (zeros on rank 0: no history), for ``causal_conv1d_silu``;
+    None for K = 1 (no taps reach back). The halo's gradient goes back to the previous rank.
+    A ValueError naming ``argument`` when the slice is shorter than K - 1 positions (the halo
+    would need more than one neighbour)."""
+    if kernel <= 1:
+        return None
+    if x.shape[1] < kernel - 1:
+        raise ValueError(
+            f"{argument}: this rank's slice has {x.shape[1]} positions, fewer than the causal "
+            f"convolution's d_conv - 1 = {kernel - 1} that the next rank reads from it"
+        )
+    halo = from_previous_rank(x[:, x.shape[1] - (kernel - 1) :], group)  # (batch, K - 1, D)
+    return F.pad(halo.transpose(1, 2), (1, 0))  # (batch, D, K); the oldest slot is never read
+
+
+def entering_state(log_decay: torch.Tensor, final_state: torch.Tensor, group) -> torch.Tensor:
+    """The state entering this rank's slice, from every rank's summary of its own: ``log_decay``
+    (broadcastable to ``final_state``: the log of the slice's total decay) and ``final_state``
+    (the slice's last state from a zero state). One all_gather of both, flattened together;
+    rank r then composes ranks 0 .. r - 1: h ← exp(log_decay_k)·h + S_k. Zeros on rank 0 (still
+    attached to the gathered tensor, so that rank 0's backward joins the collective)."""
+    rank, _ = group_rank_and_size(group)
+    log_decay = log_decay.to(final_state.dtype)
+    n = final_state.numel()
+    gathered = all_gather_stacked(torch.cat([final_state.reshape(-1), log_decay.reshape(-1)]), group)
+    state = final_state.new_zeros(final_state.shape)
+    for k in range(rank):
+        S_k = gathered[k, :n].view(final_state.shape)
+        decay_k = gathered[k, n:].view(log_decay.shape).exp()
+        state = decay_k * state + S_k
+    return attach(state, gathered) if rank == 0 else state
+
+
+def scan_with_passed_state(
+    scan: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
+    log_decay: torch.Tensor,
+    group,
+) -> torch.Tensor:
+    """The output of this rank's slice of a recurrence split across ``group``.
+
+    ``scan(initial_state)`` runs the slice (from zero for None) and returns (out, last_state);
+    ``log_decay``, broadcastable to last_state, is the log of the product of the slice's
+    decays (with gradients: they reach the parameters and inputs that made them). Rank 0 scans
+    once; every other rank scans from zero for its summary, then again from the state the
+    exchange gives it."""
+    rank, _ = group_rank_and_size(group)
+    out, last_state = scan(None)
+    state = entering_state(log_decay, last_state, group)
+    if rank == 0:  # its entering state is zero: the first scan's output is the answer
+        return attach(out, state)
+    out, _ = scan(state)
+    return out
