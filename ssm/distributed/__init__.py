@@ -8,13 +8,16 @@ scans an initial state that this package computed. Two exchanges per Mamba layer
   (``conv_state_from_previous_rank``);
 - the state summaries, one all_gather per layer (``scan_with_passed_state``; state_passing.py
   says why all_gather and what it moves).
-Both are autograd functions whose backward sends each gradient back to the rank it came from.
+Attention (``MHA.forward``) gathers every rank's keys and values (``gather_sequence``) and masks
+with positions counted from the sequence's start; its conv, if any, takes the same halo.
+All are autograd functions whose backward sends each gradient back to the rank it came from.
 """
 
 from .collectives import all_gather_stacked, attach, from_previous_rank, group_rank_and_size
 from .state_passing import (
     conv_state_from_previous_rank,
     entering_state,
+    gather_sequence,
     scan_with_passed_state,
     shard_sequence,
     slice_offset,
@@ -26,6 +29,7 @@ __all__ = [
     "conv_state_from_previous_rank",
     "entering_state",
     "from_previous_rank",
+    "gather_sequence",
     "group_rank_and_size",
     "scan_with_passed_state",
     "shard_sequence",

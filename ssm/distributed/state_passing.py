@@ -54,6 +54,15 @@ def slice_offset(length: int, group) -> int:
     return rank * length
 
 
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's slice ``x`` (batch, L / W, ...) joined in rank order along dim 1: the whole
+    (batch, L, ...). For attention's keys and values (the simplest correct scheme: each rank
+    receives all of them, W·|x| per rank; a ring would hold one slice at a time). The gradient
+    of each slice goes back to its rank."""
+    gathered = all_gather_stacked(x, group)  # (W, batch, L / W, ...)
+    return gathered.transpose(0, 1).flatten(1, 2)
+
+
 def conv_state_from_previous_rank(x: torch.Tensor, kernel: int, group, argument: str = "hidden_states"):
     """The causal convolution's state (batch, D, K) holding the previous rank's last K - 1
     inputs of ``x`` (batch, L, D) (zeros on rank 0: no history), for ``causal_conv1d_silu``;

@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import conv_state_from_previous_rank, gather_sequence, slice_offset
 from ..ops import AttentionBlockWeights, GatedMLPWeights, causal_conv1d, causal_conv1d_step
 from ..scan import PackedSequences
 from .cache import AttentionCache, check_packing, check_sequence, check_token
+from .context import check_context_parallel
 from .linear import Linear
 from .norm import RMSNorm
 from .quant import decoding_matrix, float_dtype_and_device
@@ -262,8 +264,14 @@ class MHA(nn.Module):
 
     # ------------------------------------------------------------------ forward and step
 
+    context_parallel = True  # forward(cp_group=): see ssm.distributed
+
     def forward(
-        self, hidden_states: torch.Tensor, cache: AttentionCache | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        cache: AttentionCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cp_group=None,
     ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue each row from the
         tokens it holds and append these (prefill, or a chunk of one).
@@ -271,8 +279,16 @@ class MHA(nn.Module):
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one. No query attends
         to another sequence's keys, and positions (rotary) and the convolution restart at each
         sequence's start: each sequence's outputs are those it would get alone. With a cache,
-        the cache has batch S: each sequence continues its own row."""
+        the cache has batch S: each sequence continues its own row.
+
+        ``cp_group``: context parallelism, as in ``Mamba2.forward``: this rank holds positions
+        [r·L/W, (r+1)·L/W). Its queries attend to every rank's keys and values, gathered
+        (``ssm.distributed.gather_sequence``), under the causal mask of the whole sequence;
+        rotary positions count from the sequence's start; the conv, if any, takes the
+        previous rank's last d_conv - 1 inputs. Not with ``cache`` or ``cu_seqlens``."""
         check_sequence("hidden_states", hidden_states, self.embed_dim)
+        if cp_group is not None:
+            check_context_parallel("MHA", cache, cu_seqlens, 0)
         batch, length, _ = hidden_states.shape
         packed = check_packing(cu_seqlens, hidden_states)
         cu_seqlens = None if packed is None else packed.cu_seqlens
@@ -280,17 +296,16 @@ class MHA(nn.Module):
             cache.check_batch(batch if packed is None else packed.num_sequences)
         qkv, mlp = self._project(hidden_states)
         if self.d_conv > 0:
-            conv, conv_state = causal_conv1d(
-                qkv.transpose(1, 2),
-                self.conv1d.weight,
-                self.conv1d.bias,
-                None if cache is None else cache.conv_state,
-                cu_seqlens,
-            )
+            conv_state = None if cache is None else cache.conv_state
+            if cp_group is not None:
+                conv_state = conv_state_from_previous_rank(qkv, self.d_conv, cp_group)
+            conv, conv_state = causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens)
             qkv = conv.transpose(1, 2)
             if cache is not None:
                 cache.conv_state = conv_state
-        if length == 0:
+        if cp_group is not None:
+            context = self._context_parallel(qkv, cp_group)
+        elif length == 0:
             context = qkv.new_zeros(batch, 0, self.num_heads, self.head_dim)
         elif cu_seqlens is not None:
             context = self._packed(qkv, packed, cache)
@@ -301,6 +316,19 @@ class MHA(nn.Module):
             positions = torch.arange(length, device=qkv.device)
             context = self._sdpa(self._rotate(q, positions), self._rotate(k, positions), v, is_causal=self.causal)
         return self._finish(context, mlp)
+
+    def _context_parallel(self, qkv: torch.Tensor, group) -> torch.Tensor:
+        """This rank's queries against the whole sequence's keys and values (one all_gather of
+        both), positions counted from the sequence's start."""
+        q, k, v = self._heads(qkv)
+        length = qkv.shape[1]
+        positions = slice_offset(length, group) + torch.arange(length, device=qkv.device)
+        q, k = self._rotate(q, positions), self._rotate(k, positions)
+        k, v = gather_sequence(torch.cat([k, v], dim=-1), group).chunk(2, dim=-1)
+        mask = None
+        if self.causal:
+            mask = positions[:, None] >= torch.arange(k.shape[1], device=qkv.device)  # (L / W, L)
+        return self._sdpa(q, k, v, mask=mask)
 
     def _packed(self, qkv: torch.Tensor, packed: PackedSequences, cache: AttentionCache | None) -> torch.Tensor:
         """Packed attention: qkv (1, L, (H + 2Hk)·P) → context (1, L, H, P). One call over the

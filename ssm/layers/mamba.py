@@ -115,6 +115,7 @@ class Mamba(nn.Module):
         return LayerCache.zeros(batch, self.conv1d, (self.d_inner, self.d_state), dtype, device)
 
     computes_last = True  # forward(last=k): see Block.forward
+    context_parallel = True  # forward(cp_group=): see ssm.distributed
 
     def forward(
         self,

@@ -149,6 +149,7 @@ class Mamba2(nn.Module):
         return LayerCache.zeros(batch, self.conv1d, (self.nheads, self.headdim, self.d_state), dtype, device)
 
     computes_last = True  # forward(last=k): see Block.forward
+    context_parallel = True  # forward(cp_group=): see ssm.distributed
 
     def forward(
         self,

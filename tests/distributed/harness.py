@@ -6,7 +6,11 @@ gradient summed over the ranks the single-process gradient.
 ``run_ranks(body, world, tmp_path, *args)`` spawns ``world`` processes (torch.multiprocessing,
 spawn: a fork would inherit the parent's OpenMP pool) joined by a file:// rendezvous in
 ``tmp_path``; each calls ``body(rank, world, *args)``, a module-level function. An assertion in
-any rank fails the test with that rank's traceback."""
+any rank fails the test with that rank's traceback (the others are terminated).
+
+``groups(world)``: the context-parallel groups one spawn checks, to pay the start of the
+processes (seconds each: they import torch) once: the whole world (W = 4), then pairs
+[0, 1], [2, 3] (W = 2, the second with group ranks that are not the global ones)."""
 
 from __future__ import annotations
 
@@ -31,14 +35,17 @@ def _entry(rank, world, init, body, args):
         dist.destroy_process_group()
 
 
-def assert_gradients_match(module: torch.nn.Module, reference: dict[str, torch.Tensor], group=None, **tol) -> None:
-    """Every parameter's gradient, summed over ``group``'s ranks, equals ``reference[name]``
-    (the single-process gradient); a parameter without a gradient counts as zeros."""
-    assert set(reference) == {n for n, _ in module.named_parameters()}
-    for name, p in module.named_parameters():
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        dist.all_reduce(grad, group=group)
-        torch.testing.assert_close(grad, reference[name], msg=lambda m, name=name: f"gradient of {name}: {m}", **tol)
+def groups(rank: int, world: int) -> list:
+    """[the whole world, this rank's pair] (every rank creates every group, as new_group asks)."""
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    return [dist.group.WORLD, pairs[rank // 2]]
+
+
+def shard(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's slice of a whole (batch, L, ...) tensor (the test's own cut, not the library's)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = x.shape[1] // size
+    return x[:, rank * n : (rank + 1) * n]
 
 
 def reference_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -46,3 +53,14 @@ def reference_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     grads = {n: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()}
     module.zero_grad(set_to_none=True)
     return grads
+
+
+def assert_gradients_match(module: torch.nn.Module, reference: dict[str, torch.Tensor], group, what: str) -> None:
+    """Every parameter's gradient, summed over ``group``'s ranks, equals ``reference[name]``
+    (the single-process gradient); a parameter without a gradient counts as zeros. Clears them."""
+    assert set(reference) == {n for n, _ in module.named_parameters()}
+    for name, p in module.named_parameters():
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        torch.testing.assert_close(grad, reference[name], msg=lambda m, name=name: f"{what}: gradient of {name}: {m}")
+    module.zero_grad(set_to_none=True)
