@@ -3,10 +3,13 @@ test makes: each rank's slice of the output equals the single-process output's s
 rank's input gradient the slice of the single-process input gradient, and every parameter's
 gradient summed over the ranks the single-process gradient.
 
-``run_ranks(body, world, tmp_path, *args)`` spawns ``world`` processes (torch.multiprocessing,
-spawn: a fork would inherit the parent's OpenMP pool) joined by a file:// rendezvous in
-``tmp_path``; each calls ``body(rank, world, *args)``, a module-level function. An assertion in
-any rank fails the test with that rank's traceback (the others are terminated).
+``run_ranks(body, world, tmp_path, *args)`` starts ``world`` processes joined by a file://
+rendezvous in ``tmp_path``; each calls ``body(rank, world, *args)``, a module-level function. An
+assertion in any rank fails the test with that rank's traceback (the others are terminated).
+The processes are forked from a fork server (torch.multiprocessing, "forkserver") that has
+imported torch, torch._dynamo (which the first custom-op call imports) and ssm once per test
+session: a plain spawn pays those imports, some 10 s on a busy 2-core machine, in every process
+of every test; a plain fork would inherit pytest's OpenMP pool.
 
 ``groups(world)``: the context-parallel groups one spawn checks, to pay the start of the
 processes (seconds each: they import torch) once: the whole world (W = 4), then pairs
@@ -14,6 +17,7 @@ processes (seconds each: they import torch) once: the whole world (W = 4), then 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 import torch
@@ -21,9 +25,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "ssm", "ssm.distributed", __name__]
+
+
 def run_ranks(body, world: int, tmp_path, *args) -> None:
     init = tmp_path / f"rendezvous-{os.getpid()}-{world}"
-    mp.spawn(_entry, args=(world, str(init), body, args), nprocs=world, join=True)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD + [body.__module__])  # read when the server starts
+    mp.start_processes(_entry, args=(world, str(init), body, args), nprocs=world, start_method="forkserver")
 
 
 def _entry(rank, world, init, body, args):
