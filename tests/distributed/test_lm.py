@@ -1,0 +1,89 @@
+"""``MambaLM.forward(input_ids, cp_group=group)``: hybrid models (Mamba-1 or Mamba-2 layers, an
+MLP after each mixer, attention layers with a conv and rotary) on 4 gloo processes, float64,
+against the whole sequence in one process: the logits of each rank's slice, and every
+parameter's gradient (the tied embedding included) summed over the ranks, for W = 4 and W = 2.
+Then the arguments cp_group refuses, each by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ssm import MambaConfig, MambaLM
+from ssm.distributed import shard_sequence
+from ssm.layers import Mamba, Mamba2
+
+from .harness import assert_gradients_match, groups, reference_gradients, run_ranks, shard
+
+ATTN = dict(num_heads=4, num_heads_kv=2, causal=True, rotary_emb_dim=4, d_conv=3)
+MODELS = {
+    "mamba1": dict(ssm_cfg={"d_state": 8, "dt_min": 0.05, "dt_max": 0.3}, attn_layer_idx=[1], attn_cfg=ATTN),
+    "mamba2": dict(
+        ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4, "A_init_range": (0.2, 2.0)},
+        d_intermediate=40,
+        attn_layer_idx=[2],
+        attn_cfg={**ATTN, "mlp_dim": 20, "rotary_emb_interleaved": True},
+    ),
+}
+BATCH, LENGTH, VOCAB = 2, 32, 45
+
+
+def tiny(kind: str) -> MambaLM:
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig(d_model=32, n_layer=3, vocab_size=VOCAB, **MODELS[kind]))
+    with torch.no_grad():  # larger embeddings than N(0, 0.02²): states and logits that vary
+        model.backbone.embedding.weight.normal_()
+    return model.double()
+
+
+def lm_body(rank: int, world: int, kind: str) -> None:
+    model = tiny(kind)
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(BATCH, LENGTH, model.config.padded_vocab_size, dtype=torch.float64)
+    whole = model(ids)
+    (whole * weights).sum().backward()
+    grads = reference_gradients(model)
+    for group in groups(rank, world):
+        what = f"{kind}, W = {dist.get_world_size(group)}"
+        logits = model(shard_sequence(ids, group), cp_group=group)
+        torch.testing.assert_close(logits, shard(whole.detach(), group), msg=lambda m: f"{what}: logits: {m}")
+        (logits * shard(weights, group)).sum().backward()
+        assert_gradients_match(model, grads, group, what)
+    # refused on every rank alike, before any exchange
+    with pytest.raises(ValueError, match=r"input_ids: its length L = 30 .* not divisible .* W = 4"):
+        shard_sequence(ids[:, :30], dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"hidden_states: this rank's slice has 2 positions, fewer than .* 3"):
+        model(ids[:, 2 * rank : 2 * rank + 2], cp_group=dist.group.WORLD)  # d_conv 4: a halo of 3
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_lm_logits_and_gradients_equal_one_process(tmp_path, kind):
+    run_ranks(lm_body, 4, tmp_path, kind)
+
+
+def test_cp_group_refuses_what_it_does_not_take():
+    model = tiny("mamba2")
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    for kwargs, name in (
+        (dict(cache=model.allocate_inference_cache(1)), "cache"),
+        (dict(num_last_tokens=1), "num_last_tokens"),
+        (dict(cu_seqlens=torch.tensor([0, 8])), "cu_seqlens"),
+    ):
+        with pytest.raises(ValueError, match=f"MambaLM.forward: {name} is not supported with cp_group"):
+            model(ids, cp_group=object(), **kwargs)
+    x = torch.zeros(1, 8, 16, dtype=torch.float64)
+    for mixer in (Mamba(16, dtype=torch.float64), Mamba2(16, headdim=8, dtype=torch.float64)):
+        cache = mixer.allocate_inference_cache(1)
+        with pytest.raises(ValueError, match=r"forward: cache is not supported with cp_group"):
+            mixer(x, cache=cache, cp_group=object())
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="cp_group: torch.distributed is not initialised"):
+            model(ids, cp_group=object())
+
+
+def test_a_model_with_a_mixer_without_context_parallelism_is_refused_by_name():
+    config = MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, ssm_cfg={"layer": "Mamba3", "headdim": 8})
+    model = MambaLM(config)
+    with pytest.raises(ValueError, match="cp_group: layer 0's mixer Mamba3 has no context parallelism"):
+        model(torch.zeros(1, 8, dtype=torch.long), cp_group=object())
