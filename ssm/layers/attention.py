@@ -299,7 +299,9 @@ class MHA(nn.Module):
             conv_state = None if cache is None else cache.conv_state
             if cp_group is not None:
                 conv_state = conv_state_from_previous_rank(qkv, self.d_conv, cp_group)
-            conv, conv_state = causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens)
+            conv, conv_state = causal_conv1d(
+                qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens
+            )
             qkv = conv.transpose(1, 2)
             if cache is not None:
                 cache.conv_state = conv_state

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "ssm", "ssm.distributed", __name__]
 
 

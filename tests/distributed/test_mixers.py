@@ -26,9 +26,7 @@ def make_mixer(name: str) -> torch.nn.Module:
             dt_min=0.05, dt_max=0.3, A_init_range=(0.2, 2.0), **f64,
         )  # fmt: skip
     if name == "mha":  # GQA, rotary on part of each head, a conv on qkv, a fused MLP
-        return MHA(
-            D_MODEL, num_heads=4, num_heads_kv=2, causal=True, d_conv=4, rotary_emb_dim=2, mlp_dim=8, **f64
-        )
+        return MHA(D_MODEL, num_heads=4, num_heads_kv=2, causal=True, d_conv=4, rotary_emb_dim=2, mlp_dim=8, **f64)
     raise ValueError(name)
 
 
