@@ -1,15 +1,19 @@
 """Context parallelism: a sequence split across the ranks of a torch.distributed group, each
 rank running every layer over its own contiguous slice only.
 
-The layers call this package when given ``cp_group=`` (``Mamba.forward``, ``Mamba2.forward``,
-``MambaLM.forward``); the scan core never sees a process group: the layers hand the public
-scans an initial state that this package computed. Two exchanges per Mamba layer:
+The layers call this package when given ``cp_group=`` (the forwards of Mamba, Mamba2, Mamba3,
+MHA, and MambaLM.forward, which passes it to every layer); the scan core never sees a process
+group: the layers hand the public scans an initial state that this package computed. Two
+exchanges per Mamba-1 or Mamba-2 layer:
 - the causal convolution's halo, the previous rank's last d_conv - 1 inputs, point to point
   (``conv_state_from_previous_rank``);
 - the state summaries, one all_gather per layer (``scan_with_passed_state``; state_passing.py
   says why all_gather and what it moves).
-Attention (``MHA.forward``) gathers every rank's keys and values (``gather_sequence``) and masks
-with positions counted from the sequence's start; its conv, if any, takes the same halo.
+Mamba-3 (``Mamba3.forward``) has no conv; its state carries a phase, and its first step reads the
+previous position: an all_gather of the phases, a halo of one position, the state summaries
+(``scan_with_passed_rotating_state``). Attention (``MHA.forward``) gathers every rank's keys and
+values (``gather_sequence``) and masks with positions counted from the sequence's start; its
+conv, if any, takes the same halo.
 All are autograd functions whose backward sends each gradient back to the rank it came from.
 """
 
@@ -18,6 +22,7 @@ from .state_passing import (
     conv_state_from_previous_rank,
     entering_state,
     gather_sequence,
+    scan_with_passed_rotating_state,
     scan_with_passed_state,
     shard_sequence,
     slice_offset,
@@ -31,6 +36,7 @@ __all__ = [
     "from_previous_rank",
     "gather_sequence",
     "group_rank_and_size",
+    "scan_with_passed_rotating_state",
     "scan_with_passed_state",
     "shard_sequence",
     "slice_offset",

@@ -117,3 +117,42 @@ def scan_with_passed_state(
         return attach(out, state)
     out, _ = scan(state)
     return out
+
+
+def scan_with_passed_rotating_state(
+    scan: Callable[[tuple], tuple[torch.Tensor, tuple]],
+    last_step: Callable[[torch.Tensor], tuple],
+    phase_steps: torch.Tensor,
+    log_decay: torch.Tensor,
+    group,
+) -> torch.Tensor:
+    """The output of this rank's slice of Mamba-3's trapezoidal scan split across ``group``.
+
+    Its state is (phase, ssm, key, value) (``ssm.scan.TrapezoidalState``): the ssm state in
+    absolute (rotated) coordinates decays by a real scalar per head and step, the keys it adds
+    are rotated by the phase, and the first step also adds the previous step's rotated key and
+    input (the trapezoidal rule). So, in three exchanges:
+    1. the phase: an all_gather of each slice's increment Σ_t Δ_t·θ_t (``phase_steps`` (batch,
+       L, H, M), one per step); rank r enters at the sum of those before it;
+    2. the previous position (a halo of one): the previous rank scans its own last position
+       alone, from the phase before that position (``last_step(phase)`` → the state after
+       it), and sends the rotated key and the input it leaves; rank 0 gets zeros;
+    3. the ssm state, as ``scan_with_passed_state``: ``scan(initial_state)`` from (the
+       entering phase, zero, the halo's key and value) gives the slice's state from zero,
+       ``log_decay`` (broadcastable to it: Σ_t Δ_t·A_t) its decay; every rank but the first
+       then scans again from the composed state.
+    ``scan(state)`` and ``last_step(phase)`` return (out, last state) and the last state."""
+    rank, _ = group_rank_and_size(group)
+    increments = all_gather_stacked(phase_steps.sum(1), group)  # (W, batch, H, M)
+    phase = increments[:rank].sum(0)  # zeros on rank 0, still part of the graph
+    tail = last_step(phase + increments[rank] - phase_steps[:, -1])
+    key, value = tail.key, tail.value
+    halo = from_previous_rank(torch.cat([key.flatten(1), value.flatten(1)], dim=1), group)
+    key, value = halo[:, : key[0].numel()].view_as(key), halo[:, key[0].numel() :].view_as(value)
+    ssm = tail.ssm.new_zeros(tail.ssm.shape)
+    out, last_state = scan(type(tail)(phase, ssm, key, value))
+    ssm = entering_state(log_decay, last_state.ssm, group)
+    if rank == 0:
+        return attach(out, ssm)
+    out, _ = scan(type(tail)(phase, ssm, key, value))
+    return out

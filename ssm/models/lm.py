@@ -198,8 +198,8 @@ class MambaLM(nn.Module):
         same number on every rank, and it gets the logits of those positions, equal to the
         whole sequence's forward's. Gradients summed over the ranks are the whole's. No rank
         runs a layer over more than its slice (attention gathers keys and values). Not with
-        ``cache``, ``num_last_tokens`` or ``cu_seqlens``; every mixer must take it (Mamba,
-        Mamba2, MHA).
+        ``cache``, ``num_last_tokens`` or ``cu_seqlens``; every mixer takes it (Mamba, Mamba2,
+        Mamba3, MHA).
 
         ``cu_seqlens`` (S + 1,) int32/int64: S sequences (documents, prompts) packed along L in
         a batch of one, 0 = cu_seqlens[0] <= ... <= cu_seqlens[S] = L. No layer carries
@@ -238,7 +238,7 @@ class MambaLM(nn.Module):
             if not getattr(layer.mixer, "context_parallel", False):
                 raise ValueError(
                     f"MambaLM.forward: cp_group: layer {i}'s mixer {type(layer.mixer).__name__} has no context "
-                    "parallelism (Mamba, Mamba2 and MHA have)"
+                    "parallelism (Mamba, Mamba2, Mamba3 and MHA have)"
                 )
 
     def _blocks(self, input_ids, cache, packed, last: int, tokens: int) -> torch.Tensor:

@@ -85,5 +85,6 @@ def test_cp_group_refuses_what_it_does_not_take():
 def test_a_model_with_a_mixer_without_context_parallelism_is_refused_by_name():
     config = MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, ssm_cfg={"layer": "Mamba3", "headdim": 8})
     model = MambaLM(config)
+    model.backbone.layers[0].mixer.context_parallel = False  # as a mixer without it would say
     with pytest.raises(ValueError, match="cp_group: layer 0's mixer Mamba3 has no context parallelism"):
         model(torch.zeros(1, 8, dtype=torch.long), cp_group=object())

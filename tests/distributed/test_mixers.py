@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssm.layers import MHA, Mamba, Mamba2
+from ssm.layers import MHA, Mamba, Mamba2, Mamba3
 
 from .harness import assert_gradients_match, groups, reference_gradients, run_ranks, shard
 
@@ -25,6 +25,9 @@ def make_mixer(name: str) -> torch.nn.Module:
             D_MODEL, d_state=8, d_conv=4, expand=2, headdim=8, ngroups=2, chunk_size=8,
             dt_min=0.05, dt_max=0.3, A_init_range=(0.2, 2.0), **f64,
         )  # fmt: skip
+    if name.startswith("mamba3"):  # SISO, and MIMO with the per-head gated norm
+        mimo = dict(is_mimo=True, mimo_rank=2, is_outproj_norm=True) if name == "mamba3-mimo" else {}
+        return Mamba3(D_MODEL, d_state=8, headdim=8, ngroups=2, chunk_size=4, dt_min=0.05, dt_max=0.3, **mimo, **f64)
     if name == "mha":  # GQA, rotary on part of each head, a conv on qkv, a fused MLP
         return MHA(D_MODEL, num_heads=4, num_heads_kv=2, causal=True, d_conv=4, rotary_emb_dim=2, mlp_dim=8, **f64)
     raise ValueError(name)
@@ -48,6 +51,6 @@ def mixer_body(rank: int, world: int, name: str) -> None:
         assert_gradients_match(mixer, grads, group, what)
 
 
-@pytest.mark.parametrize("name", ["mamba2", "mamba1", "mha"])
+@pytest.mark.parametrize("name", ["mamba2", "mamba1", "mamba3", "mamba3-mimo", "mha"])
 def test_mixer_slices_and_gradients_equal_one_process(tmp_path, name):
     run_ranks(mixer_body, 4, tmp_path, name)
