@@ -1,5 +1,5 @@
-"""``MambaLM.forward(input_ids, cp_group=group)``: hybrid models (Mamba-1 or Mamba-2 layers, an
-MLP after each mixer, attention layers with a conv and rotary) on 4 gloo processes, float64,
+"""``MambaLM.forward(input_ids, cp_group=group)``: hybrid models (Mamba-1, Mamba-2 or Mamba-3
+layers; an MLP after each mixer; attention layers with rotary, and a conv) on 4 gloo processes, float64,
 against the whole sequence in one process: the logits of each rank's slice, and every
 parameter's gradient (the tied embedding included) summed over the ranks, for W = 4 and W = 2.
 Then the arguments cp_group refuses, each by name."""
@@ -24,6 +24,11 @@ MODELS = {
         d_intermediate=40,
         attn_layer_idx=[2],
         attn_cfg={**ATTN, "mlp_dim": 20, "rotary_emb_interleaved": True},
+    ),
+    "mamba3": dict(
+        ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": 4, "dt_min": 0.05},
+        attn_layer_idx=[1],
+        attn_cfg=dict(num_heads=2, num_heads_kv=1, head_dim=12, causal=True, rotary_emb_dim=12),
     ),
 }
 BATCH, LENGTH, VOCAB = 2, 32, 45
@@ -53,8 +58,9 @@ def lm_body(rank: int, world: int, kind: str) -> None:
     # refused on every rank alike, before any exchange
     with pytest.raises(ValueError, match=r"input_ids: its length L = 30 .* not divisible .* W = 4"):
         shard_sequence(ids[:, :30], dist.group.WORLD)
-    with pytest.raises(ValueError, match=r"hidden_states: this rank's slice has 2 positions, fewer than .* 3"):
-        model(ids[:, 2 * rank : 2 * rank + 2], cp_group=dist.group.WORLD)  # d_conv 4: a halo of 3
+    if kind != "mamba3":  # (its attention has no conv; Mamba-3's halo is one position)
+        with pytest.raises(ValueError, match=r"hidden_states: this rank's slice has 2 positions, fewer than .* 3"):
+            model(ids[:, 2 * rank : 2 * rank + 2], cp_group=dist.group.WORLD)  # d_conv 4: a halo of 3
 
 
 @pytest.mark.parametrize("kind", MODELS)
