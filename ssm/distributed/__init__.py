@@ -14,10 +14,13 @@ previous position: an all_gather of the phases, a halo of one position, the stat
 (``scan_with_passed_rotating_state``). Attention (``MHA.forward``) gathers every rank's keys and
 values (``gather_sequence``) and masks with positions counted from the sequence's start; its
 conv, if any, takes the same halo.
+Packed sequences (``cu_seqlens`` of the whole row, the same on every rank) may cross rank
+boundaries: ``slice_packing`` gives a rank its view of them (packing.py).
 All are autograd functions whose backward sends each gradient back to the rank it came from.
 """
 
 from .collectives import all_gather_stacked, attach, from_previous_rank, group_rank_and_size
+from .packing import SlicePacking, slice_packing
 from .state_passing import (
     conv_state_from_previous_rank,
     entering_state,
@@ -29,6 +32,8 @@ from .state_passing import (
 )
 
 __all__ = [
+    "SlicePacking",
+    "slice_packing",
     "all_gather_stacked",
     "attach",
     "conv_state_from_previous_rank",

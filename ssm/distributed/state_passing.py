@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import all_gather_stacked, attach, from_previous_rank, group_rank_and_size
+from .packing import SlicePacking
 
 
 def shard_sequence(x: torch.Tensor, group, dim: int = 1, argument: str = "input_ids") -> torch.Tensor:
@@ -63,12 +64,18 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return gathered.transpose(0, 1).flatten(1, 2)
 
 
-def conv_state_from_previous_rank(x: torch.Tensor, kernel: int, group, argument: str = "hidden_states"):
+def conv_state_from_previous_rank(
+    x: torch.Tensor, kernel: int, group, packing: SlicePacking | None = None, argument: str = "hidden_states"
+):
     """The causal convolution's state (batch, D, K) holding the previous rank's last K - 1
     inputs of ``x`` (batch, L, D) (zeros on rank 0: no history), for ``causal_conv1d_silu``;
     None for K = 1 (no taps reach back). The halo's gradient goes back to the previous rank.
     A ValueError naming ``argument`` when the slice is shorter than K - 1 positions (the halo
-    would need more than one neighbour)."""
+    would need more than one neighbour).
+
+    With ``packing``: (S, D, K), one row per local sequence, zero but for the sequence that
+    continues from the previous rank, whose row holds the halo's positions of that sequence
+    (those of an earlier one are zeros: the convolution never reads across a boundary)."""
     if kernel <= 1:
         return None
     if x.shape[1] < kernel - 1:
@@ -77,44 +84,69 @@ def conv_state_from_previous_rank(x: torch.Tensor, kernel: int, group, argument:
             f"convolution's d_conv - 1 = {kernel - 1} that the next rank reads from it"
         )
     halo = from_previous_rank(x[:, x.shape[1] - (kernel - 1) :], group)  # (batch, K - 1, D)
-    return F.pad(halo.transpose(1, 2), (1, 0))  # (batch, D, K); the oldest slot is never read
+    state = F.pad(halo.transpose(1, 2), (1, 0))  # (batch, D, K); the oldest slot is never read
+    if packing is None:
+        return state
+    start = packing.whole.bounds[packing.first]  # global positions offset - K .. offset - 1 below
+    keep = [packing.continues and p >= start for p in range(packing.offset - kernel, packing.offset)]
+    state = state * torch.tensor(keep, dtype=state.dtype, device=state.device)
+    rows = state.new_zeros(packing.local.num_sequences, *state.shape[1:])
+    return rows.index_copy(0, torch.tensor([packing.first], device=state.device), state)
 
 
-def entering_state(log_decay: torch.Tensor, final_state: torch.Tensor, group) -> torch.Tensor:
+def entering_state(log_decay: torch.Tensor, final_state: torch.Tensor, group, carries: bool = True) -> torch.Tensor:
     """The state entering this rank's slice, from every rank's summary of its own: ``log_decay``
     (broadcastable to ``final_state``: the log of the slice's total decay) and ``final_state``
     (the slice's last state from a zero state). One all_gather of both, flattened together;
-    rank r then composes ranks 0 .. r - 1: h ← exp(log_decay_k)·h + S_k. Zeros on rank 0 (still
-    attached to the gathered tensor, so that rank 0's backward joins the collective)."""
+    rank r then composes ranks 0 .. r - 1: h ← exp(log_decay_k)·h + S_k. ``carries`` False (a
+    packed sequence that starts on this rank): the state entering rank k does not reach its end,
+    h ← S_k. Zeros on rank 0 (still attached to the gathered tensor, so that rank 0's backward
+    joins the collective)."""
     rank, _ = group_rank_and_size(group)
     log_decay = log_decay.to(final_state.dtype)
-    n = final_state.numel()
-    gathered = all_gather_stacked(torch.cat([final_state.reshape(-1), log_decay.reshape(-1)]), group)
+    n, m = final_state.numel(), log_decay.numel()
+    flag = final_state.new_full((1,), float(carries))
+    gathered = all_gather_stacked(torch.cat([final_state.reshape(-1), log_decay.reshape(-1), flag]), group)
     state = final_state.new_zeros(final_state.shape)
     for k in range(rank):
         S_k = gathered[k, :n].view(final_state.shape)
-        decay_k = gathered[k, n:].view(log_decay.shape).exp()
+        decay_k = gathered[k, n : n + m].view(log_decay.shape).exp() * gathered[k, n + m].detach()
         state = decay_k * state + S_k
     return attach(state, gathered) if rank == 0 else state
 
 
 def scan_with_passed_state(
     scan: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
-    log_decay: torch.Tensor,
+    log_decay: Callable[[int], torch.Tensor],
     group,
+    packing: SlicePacking | None = None,
 ) -> torch.Tensor:
     """The output of this rank's slice of a recurrence split across ``group``.
 
     ``scan(initial_state)`` runs the slice (from zero for None) and returns (out, last_state);
-    ``log_decay``, broadcastable to last_state, is the log of the product of the slice's
-    decays (with gradients: they reach the parameters and inputs that made them). Rank 0 scans
-    once; every other rank scans from zero for its summary, then again from the state the
-    exchange gives it."""
+    ``log_decay(start)``, broadcastable to last_state, is the log of the product of the
+    slice's decays from position ``start`` on (with gradients: they reach the parameters and
+    inputs that made them). Rank 0 scans once; every other rank scans from zero for its
+    summary, then again from the state the exchange gives it.
+
+    With ``packing`` (batch 1; the scan runs ``packing.local``, its states one per local
+    sequence): the summary is the last local sequence's, from where it starts; the entering
+    state goes to the first local sequence, and only if it continues from the previous rank
+    (else the first scan's output is the answer)."""
     rank, _ = group_rank_and_size(group)
     out, last_state = scan(None)
-    state = entering_state(log_decay, last_state, group)
-    if rank == 0:  # its entering state is zero: the first scan's output is the answer
+    if packing is None:
+        state = entering_state(log_decay(0), last_state, group)
+        continues = rank > 0
+    else:
+        final = last_state[packing.last : packing.last + 1]
+        state = entering_state(log_decay(packing.last_start), final, group, packing.carries)
+        continues = packing.continues
+    if not continues:  # its entering state is zero: the first scan's output is the answer
         return attach(out, state)
+    if packing is not None:
+        rows = state.new_zeros(last_state.shape)
+        state = rows.index_copy(0, torch.tensor([packing.first], device=state.device), state)
     out, _ = scan(state)
     return out
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import conv_state_from_previous_rank, gather_sequence, slice_offset
+from ..distributed import conv_state_from_previous_rank, gather_sequence, group_rank_and_size, slice_packing
 from ..ops import AttentionBlockWeights, GatedMLPWeights, causal_conv1d, causal_conv1d_step
 from ..scan import PackedSequences
 from .cache import AttentionCache, check_packing, check_sequence, check_token
@@ -285,11 +285,17 @@ class MHA(nn.Module):
         [r·L/W, (r+1)·L/W). Its queries attend to every rank's keys and values, gathered
         (``ssm.distributed.gather_sequence``), under the causal mask of the whole sequence;
         rotary positions count from the sequence's start; the conv, if any, takes the
-        previous rank's last d_conv - 1 inputs. Not with ``cache`` or ``cu_seqlens``."""
+        previous rank's last d_conv - 1 inputs. Not with ``cache``; ``cu_seqlens`` then holds
+        the whole row's boundaries (a sequence may cross ranks; the mask keeps each query to its
+        own sequence's keys, and rotary counts from each sequence's start)."""
         check_sequence("hidden_states", hidden_states, self.embed_dim)
-        if cp_group is not None:
-            check_context_parallel("MHA", cache, cu_seqlens, 0)
         batch, length, _ = hidden_states.shape
+        packing = None
+        if cp_group is not None:
+            check_context_parallel("MHA", cache, None, 0)
+            if cu_seqlens is not None:
+                packing = slice_packing(cu_seqlens, length, cp_group, hidden_states.device)
+                cu_seqlens = packing.local
         packed = check_packing(cu_seqlens, hidden_states)
         cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
@@ -298,7 +304,7 @@ class MHA(nn.Module):
         if self.d_conv > 0:
             conv_state = None if cache is None else cache.conv_state
             if cp_group is not None:
-                conv_state = conv_state_from_previous_rank(qkv, self.d_conv, cp_group)
+                conv_state = conv_state_from_previous_rank(qkv, self.d_conv, cp_group, packing)
             conv, conv_state = causal_conv1d(
                 qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens
             )
@@ -306,7 +312,7 @@ class MHA(nn.Module):
             if cache is not None:
                 cache.conv_state = conv_state
         if cp_group is not None:
-            context = self._context_parallel(qkv, cp_group)
+            context = self._context_parallel(qkv, cp_group, packing)
         elif length == 0:
             context = qkv.new_zeros(batch, 0, self.num_heads, self.head_dim)
         elif cu_seqlens is not None:
@@ -319,17 +325,31 @@ class MHA(nn.Module):
             context = self._sdpa(self._rotate(q, positions), self._rotate(k, positions), v, is_causal=self.causal)
         return self._finish(context, mlp)
 
-    def _context_parallel(self, qkv: torch.Tensor, group) -> torch.Tensor:
-        """This rank's queries against the whole sequence's keys and values (one all_gather of
-        both), positions counted from the sequence's start."""
+    def _context_parallel(self, qkv: torch.Tensor, group, packing) -> torch.Tensor:
+        """This rank's queries against the whole row's keys and values (one all_gather of both),
+        positions counted from the row's start, or with ``packing`` from each sequence's."""
         q, k, v = self._heads(qkv)
-        length = qkv.shape[1]
-        positions = slice_offset(length, group) + torch.arange(length, device=qkv.device)
-        q, k = self._rotate(q, positions), self._rotate(k, positions)
+        length, device = qkv.shape[1], qkv.device
+        rank, size = group_rank_and_size(group)
+        total, offset = length * size, length * rank
+        where = torch.arange(total, device=device)  # positions in the whole row
+        if packing is not None:
+            cu_seqlens = packing.whole.cu_seqlens
+            seq = torch.repeat_interleave(
+                torch.arange(cu_seqlens.numel() - 1, device=device), cu_seqlens.diff(), output_size=total
+            )
+            positions = where - cu_seqlens[seq]  # from each sequence's start
+        else:
+            positions = where
+        mine = slice(offset, offset + length)
+        q, k = self._rotate(q, positions[mine]), self._rotate(k, positions[mine])
         k, v = gather_sequence(torch.cat([k, v], dim=-1), group).chunk(2, dim=-1)
         mask = None
         if self.causal:
-            mask = positions[:, None] >= torch.arange(k.shape[1], device=qkv.device)  # (L / W, L)
+            mask = where[mine, None] >= where  # (L / W, L)
+        if packing is not None:
+            same = seq[mine, None] == seq
+            mask = same if mask is None else mask & same
         return self._sdpa(q, k, v, mask=mask)
 
     def _packed(self, qkv: torch.Tensor, packed: PackedSequences, cache: AttentionCache | None) -> torch.Tensor:

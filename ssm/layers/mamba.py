@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import conv_state_from_previous_rank, scan_with_passed_state
+from ..distributed import conv_state_from_previous_rank, scan_with_passed_state, slice_packing
 from ..ops import MambaBlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import selective_scan, selective_scan_step
 from .arguments import check_dt_range, check_int, check_number
@@ -130,8 +130,8 @@ class Mamba(nn.Module):
 
         ``cp_group``: context parallelism over a torch.distributed process group, as in
         ``Mamba2.forward``: this rank's ``hidden_states`` are its slice [r·L/W, (r+1)·L/W) of
-        the whole sequence, and its output that slice of the whole's. Not with ``cache``,
-        ``cu_seqlens`` or ``last``.
+        the whole sequence, and its output that slice of the whole's. Not with ``cache`` or
+        ``last``; ``cu_seqlens`` then holds the whole row's boundaries, as there.
 
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
         ``ssm.scan.selective_scan``); neither the convolution nor the scan crosses a boundary,
@@ -144,8 +144,12 @@ class Mamba(nn.Module):
         if last > 0 and cu_seqlens is not None:
             raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         check_sequence("hidden_states", hidden_states, self.d_model)
+        packing = None
         if cp_group is not None:
-            check_context_parallel("Mamba", cache, cu_seqlens, last)
+            check_context_parallel("Mamba", cache, None, last)
+            if cu_seqlens is not None:  # the whole row's boundaries, seen from this slice
+                packing = slice_packing(cu_seqlens, hidden_states.shape[1], cp_group, hidden_states.device)
+                cu_seqlens = packing.local
         packed = check_packing(cu_seqlens, hidden_states)  # validated once; the ops take its tensor
         cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
@@ -153,7 +157,7 @@ class Mamba(nn.Module):
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (b, l, d) each
         conv_state = None if cache is None else cache.conv_state
         if cp_group is not None:  # the previous rank's last d_conv - 1 inputs
-            conv_state = conv_state_from_previous_rank(x, self.d_conv, cp_group)
+            conv_state = conv_state_from_previous_rank(x, self.d_conv, cp_group, packing)
         # x (b, l, d) for x_proj and u (b, d, l) for the scan
         (x, u), conv_state = causal_conv1d_silu(x, self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens, True)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], -1)
@@ -189,7 +193,7 @@ class Mamba(nn.Module):
         if cp_group is not None:
             # log of the slice's decay per (batch, channel, state): A·Σ_t softplus(Δ_t + bias)
             delta = F.softplus(dt.to(A.dtype) + upcast(self.dt_proj.bias)[:, None])
-            y = scan_with_passed_state(scan, delta.sum(-1)[..., None] * A, cp_group)
+            y = scan_with_passed_state(scan, lambda start: delta[..., start:].sum(-1)[..., None] * A, cp_group, packing)
             return self.out_proj(y.transpose(1, 2))
         y, last_state = scan(None if cache is None else cache.ssm_state)
         if cache is not None:

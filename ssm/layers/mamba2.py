@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ..distributed import conv_state_from_previous_rank, scan_with_passed_state
+from ..distributed import conv_state_from_previous_rank, scan_with_passed_state, slice_packing
 from ..ops import GatedMLPWeights, Mamba2BlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import ssd, ssd_step
 from .arguments import check_divides, check_dt_range, check_int, check_number
@@ -167,7 +167,8 @@ class Mamba2(nn.Module):
         [r·L/W, (r+1)·L/W) of the whole, and its output those positions of the whole's output.
         The conv reads its halo from the previous rank and the scan starts from the state the
         ranks before pass it (``ssm.distributed``); every rank of the group must call this
-        together. Not with ``cache``, ``cu_seqlens`` or ``last``.
+        together. Not with ``cache`` or ``last``. With it, ``cu_seqlens`` holds the boundaries of
+        the whole row (up to W·L), the same on every rank; a sequence may cross ranks.
 
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
         ``ssm.scan.ssd``); neither the convolution nor the scan crosses a boundary, so each
@@ -179,9 +180,13 @@ class Mamba2(nn.Module):
         if last > 0 and cu_seqlens is not None:
             raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         check_sequence("hidden_states", hidden_states, self.d_model)
-        if cp_group is not None:
-            check_context_parallel("Mamba2", cache, cu_seqlens, last)
         batch, length, _ = hidden_states.shape
+        packing = None
+        if cp_group is not None:
+            check_context_parallel("Mamba2", cache, None, last)
+            if cu_seqlens is not None:  # the whole row's boundaries, seen from this slice
+                packing = slice_packing(cu_seqlens, length, cp_group, hidden_states.device)
+                cu_seqlens = packing.local
         packed = check_packing(cu_seqlens, hidden_states)  # validated once; the ops take its tensor
         cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
@@ -189,7 +194,7 @@ class Mamba2(nn.Module):
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
         conv_state = None if cache is None else cache.conv_state
         if cp_group is not None:  # the previous rank's last d_conv - 1 inputs
-            conv_state = conv_state_from_previous_rank(xBC, self.d_conv, cp_group)
+            conv_state = conv_state_from_previous_rank(xBC, self.d_conv, cp_group, packing)
         xBC, conv_state = causal_conv1d_silu(xBC, self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens)
         x, B, C = xBC.split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         x = rearrange(x, "b l (h p) -> b l h p", p=self.headdim)
@@ -216,7 +221,7 @@ class Mamba2(nn.Module):
             )
 
         if cp_group is not None:
-            y = scan_with_passed_state(scan, self._log_decay(dt, A), cp_group)
+            y = scan_with_passed_state(scan, lambda start: self._log_decay(dt[:, start:], A), cp_group, packing)
             return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
         y, last_state = scan(None if cache is None else cache.ssm_state)
         if cache is not None:

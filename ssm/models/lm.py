@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from ..distributed import slice_packing
 from ..layers import MHA, Block, GatedMLP, Mamba, Mamba2, Mamba3, RMSNorm
 from ..layers.linear import Linear
 from ..scan import PackedSequences, packed_sequences
@@ -198,8 +199,9 @@ class MambaLM(nn.Module):
         same number on every rank, and it gets the logits of those positions, equal to the
         whole sequence's forward's. Gradients summed over the ranks are the whole's. No rank
         runs a layer over more than its slice (attention gathers keys and values). Not with
-        ``cache``, ``num_last_tokens`` or ``cu_seqlens``; every mixer takes it (Mamba, Mamba2,
-        Mamba3, MHA).
+        ``cache`` or ``num_last_tokens``; every mixer takes it (Mamba, Mamba2, Mamba3, MHA).
+        With it, ``cu_seqlens`` holds the boundaries of the whole row (batch 1, up to W·L), the
+        same on every rank, and sequences may cross ranks (not with Mamba-3 layers yet).
 
         ``cu_seqlens`` (S + 1,) int32/int64: S sequences (documents, prompts) packed along L in
         a batch of one, 0 = cu_seqlens[0] <= ... <= cu_seqlens[S] = L. No layer carries
@@ -209,8 +211,10 @@ class MambaLM(nn.Module):
         sync; none for a ``ssm.scan.PackedSequences``) and handed to every layer validated."""
         check_ids(self.config, input_ids, 2, "(batch, L)")
         if cp_group is not None:
-            self._check_context_parallel(cache, num_last_tokens, cu_seqlens)
-            return self.lm_head(self.backbone(input_ids, cp_group=cp_group))
+            self._check_context_parallel(cache, num_last_tokens)
+            if cu_seqlens is not None:  # validated once for every layer
+                cu_seqlens = slice_packing(cu_seqlens, input_ids.shape[1], cp_group, input_ids.device)
+            return self.lm_head(self.backbone(input_ids, cu_seqlens=cu_seqlens, cp_group=cp_group))
         packed = None
         if cu_seqlens is not None:
             packed = packed_sequences(cu_seqlens, input_ids.shape[1], input_ids.shape[0], input_ids.device)
@@ -228,12 +232,10 @@ class MambaLM(nn.Module):
             hidden = hidden[:, -num_last_tokens:]
         return self.lm_head(hidden)
 
-    def _check_context_parallel(self, cache, num_last_tokens, cu_seqlens) -> None:
+    def _check_context_parallel(self, cache, num_last_tokens) -> None:
         for name, given in (("cache", cache is not None), ("num_last_tokens", num_last_tokens > 0)):
             if given:
                 raise ValueError(f"MambaLM.forward: {name} is not supported with cp_group (context parallelism)")
-        if cu_seqlens is not None:
-            raise ValueError("MambaLM.forward: cu_seqlens is not supported with cp_group (context parallelism)")
         for i, layer in enumerate(self.backbone.layers):
             if not getattr(layer.mixer, "context_parallel", False):
                 raise ValueError(

@@ -1,6 +1,7 @@
 """Context parallelism of each mixer (``forward(x, cp_group=group)``) on gloo processes, float64,
 against the same mixer run on the whole sequence in one process: each rank's output slice, its
-input gradient, and every parameter's gradient summed over ranks. One spawn of 4 processes checks
+input gradient, and every parameter's gradient summed over ranks; then packed rows whose
+documents cross rank boundaries (``cu_seqlens`` of the whole row), for Mamba-1, Mamba-2, MHA. One spawn of 4 processes checks
 W = 4 (ranks 2 and 3 enter with a state that composes the decay of the ranks before them) and
 W = 2 (two pairs). L / W = 8 positions, longer than the conv halo (d_conv - 1 = 3)."""
 
@@ -33,18 +34,31 @@ def make_mixer(name: str) -> torch.nn.Module:
     raise ValueError(name)
 
 
+# Packed rows of 32 positions (slices of 8 at W = 4, 16 at W = 2). "crossing": a document over
+# ranks 0-1 (3..13), one of one position (13), one over ranks 1-3 (14..27: rank 2 passes its
+# state on, rank 3 masks the conv halo's position 13), an empty one. "at the edges": documents
+# that start exactly where a rank's slice starts (8, 16, 24): no state, no halo.
+PACKINGS = {"crossing": [0, 3, 3, 13, 14, 27, 32], "at the edges": [0, 8, 11, 16, 24, 32]}
+
+
 def mixer_body(rank: int, world: int, name: str) -> None:
+    cases = [(None, BATCH)] + ([] if name.startswith("mamba3") else [(cu, 1) for cu in PACKINGS.values()])
+    for cu, batch in cases:
+        check_mixer(rank, world, name, batch, None if cu is None else torch.tensor(cu))
+
+
+def check_mixer(rank: int, world: int, name: str, batch: int, cu_seqlens) -> None:
     torch.manual_seed(0)  # the same mixer, input and output weights on every rank
     mixer = make_mixer(name)
-    x = torch.randn(BATCH, LENGTH, D_MODEL, dtype=torch.float64, requires_grad=True)
-    weights = torch.randn(BATCH, LENGTH, D_MODEL, dtype=torch.float64)
-    whole = mixer(x)  # the single-process computation
+    x = torch.randn(batch, LENGTH, D_MODEL, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(batch, LENGTH, D_MODEL, dtype=torch.float64)
+    whole = mixer(x, cu_seqlens=cu_seqlens)  # the single-process computation
     (whole * weights).sum().backward()
     grads, x_grad = reference_gradients(mixer), x.grad
     for group in groups(rank, world):
-        what = f"{name}, W = {torch.distributed.get_world_size(group)}"
+        what = f"{name}, W = {torch.distributed.get_world_size(group)}, cu_seqlens {cu_seqlens}"
         mine = shard(x.detach(), group).clone().requires_grad_()
-        out = mixer(mine, cp_group=group)
+        out = mixer(mine, cu_seqlens=cu_seqlens, cp_group=group)
         torch.testing.assert_close(out, shard(whole.detach(), group), msg=lambda m: f"{what}: output: {m}")
         (out * shard(weights, group)).sum().backward()
         torch.testing.assert_close(mine.grad, shard(x_grad, group), msg=lambda m: f"{what}: input gradient: {m}")
