@@ -1,9 +1,9 @@
 """Context parallelism of each mixer (``forward(x, cp_group=group)``) on gloo processes, float64,
 against the same mixer run on the whole sequence in one process: each rank's output slice, its
 input gradient, and every parameter's gradient summed over ranks; then packed rows whose
-documents cross rank boundaries (``cu_seqlens`` of the whole row), for Mamba-1, Mamba-2, MHA. One spawn of 4 processes checks
-W = 4 (ranks 2 and 3 enter with a state that composes the decay of the ranks before them) and
-W = 2 (two pairs). L / W = 8 positions, longer than the conv halo (d_conv - 1 = 3)."""
+documents cross rank boundaries (``cu_seqlens`` of the whole row), for Mamba-1, Mamba-2, MHA.
+One spawn of 4 processes checks W = 4 (ranks 2 and 3 enter with a state that composes the decay
+of the ranks before them) and W = 2 (two pairs). L / W = 8 positions, longer than the conv halo (d_conv - 1 = 3)."""
 
 from __future__ import annotations
 
