@@ -2,7 +2,8 @@
 layers; an MLP after each mixer; attention layers with rotary, and a conv) on 4 gloo processes, float64,
 against the whole sequence in one process: the logits of each rank's slice, and every
 parameter's gradient (the tied embedding included) summed over the ranks, for W = 4 and W = 2.
-Then the arguments cp_group refuses, each by name."""
+A packed row (``cu_seqlens`` of the whole row) whose document crosses every rank. Then the
+arguments cp_group refuses, each by name."""
 
 from __future__ import annotations
 
@@ -43,21 +44,38 @@ def tiny(kind: str) -> MambaLM:
 
 
 def lm_body(rank: int, world: int, kind: str) -> None:
+    check_lm(rank, world, kind, BATCH, None)
+    if kind != "mamba3":  # a packed row whose second document runs over ranks 0-3 (W = 4)
+        check_lm(rank, world, kind, 1, torch.tensor([0, 5, 29, 32]))
+    refusals(rank, kind)
+
+
+def check_lm(rank: int, world: int, kind: str, batch: int, cu_seqlens) -> None:
     model = tiny(kind)
-    ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
-    weights = torch.randn(BATCH, LENGTH, model.config.padded_vocab_size, dtype=torch.float64)
-    whole = model(ids)
+    ids = torch.randint(0, VOCAB, (batch, LENGTH), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(batch, LENGTH, model.config.padded_vocab_size, dtype=torch.float64)
+    whole = model(ids, cu_seqlens=cu_seqlens)
     (whole * weights).sum().backward()
     grads = reference_gradients(model)
     for group in groups(rank, world):
-        what = f"{kind}, W = {dist.get_world_size(group)}"
-        logits = model(shard_sequence(ids, group), cp_group=group)
+        what = f"{kind}, W = {dist.get_world_size(group)}, cu_seqlens {cu_seqlens}"
+        logits = model(shard_sequence(ids, group), cu_seqlens=cu_seqlens, cp_group=group)
         torch.testing.assert_close(logits, shard(whole.detach(), group), msg=lambda m: f"{what}: logits: {m}")
         (logits * shard(weights, group)).sum().backward()
         assert_gradients_match(model, grads, group, what)
-    # refused on every rank alike, before any exchange
+
+
+def refusals(rank: int, kind: str) -> None:
+    """Refused on every rank alike, before any exchange."""
+    model = tiny(kind)
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match=r"input_ids: its length L = 30 .* not divisible .* W = 4"):
         shard_sequence(ids[:, :30], dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"cu_seqlens must end at the packed length L = 32, got 31"):
+        model(ids[:1, :8], cu_seqlens=torch.tensor([0, 31]), cp_group=dist.group.WORLD)  # the whole row's
+    if kind == "mamba3":
+        with pytest.raises(ValueError, match="Mamba3.forward: cu_seqlens is not supported with cp_group"):
+            model(ids[:1, :8], cu_seqlens=torch.tensor([0, 32]), cp_group=dist.group.WORLD)
     if kind != "mamba3":  # (its attention has no conv; Mamba-3's halo is one position)
         with pytest.raises(ValueError, match=r"hidden_states: this rank's slice has 2 positions, fewer than .* 3"):
             model(ids[:, 2 * rank : 2 * rank + 2], cp_group=dist.group.WORLD)  # d_conv 4: a halo of 3
@@ -74,7 +92,6 @@ def test_cp_group_refuses_what_it_does_not_take():
     for kwargs, name in (
         (dict(cache=model.allocate_inference_cache(1)), "cache"),
         (dict(num_last_tokens=1), "num_last_tokens"),
-        (dict(cu_seqlens=torch.tensor([0, 8])), "cu_seqlens"),
     ):
         with pytest.raises(ValueError, match=f"MambaLM.forward: {name} is not supported with cp_group"):
             model(ids, cp_group=object(), **kwargs)
