@@ -155,8 +155,9 @@ def scan_with_passed_rotating_state(
     scan: Callable[[tuple], tuple[torch.Tensor, tuple]],
     last_step: Callable[[torch.Tensor], tuple],
     phase_steps: torch.Tensor,
-    log_decay: torch.Tensor,
+    log_decay: Callable[[int], torch.Tensor],
     group,
+    packing: SlicePacking | None = None,
 ) -> torch.Tensor:
     """The output of this rank's slice of Mamba-3's trapezoidal scan split across ``group``.
 
@@ -171,20 +172,43 @@ def scan_with_passed_rotating_state(
        it), and sends the rotated key and the input it leaves; rank 0 gets zeros;
     3. the ssm state, as ``scan_with_passed_state``: ``scan(initial_state)`` from (the
        entering phase, zero, the halo's key and value) gives the slice's state from zero,
-       ``log_decay`` (broadcastable to it: Σ_t Δ_t·A_t) its decay; every rank but the first
-       then scans again from the composed state.
-    ``scan(state)`` and ``last_step(phase)`` return (out, last state) and the last state."""
+       ``log_decay(start)`` (broadcastable to it: Σ_t Δ_t·A_t from ``start`` on) its decay;
+       every rank but the first then scans again from the composed state.
+    ``scan(state)`` and ``last_step(phase)`` return (out, last state) and the last state.
+
+    With ``packing`` (batch 1, the scan over ``packing.local``, one state per local sequence):
+    the phase and the ssm state are summarised for the last local sequence from where it
+    starts, and restart where a sequence starts; the entering phase, halo and state go to the
+    first local sequence's row, and only if it continues from the previous rank."""
     rank, _ = group_rank_and_size(group)
-    increments = all_gather_stacked(phase_steps.sum(1), group)  # (W, batch, H, M)
-    phase = increments[:rank].sum(0)  # zeros on rank 0, still part of the graph
-    tail = last_step(phase + increments[rank] - phase_steps[:, -1])
+    start = 0 if packing is None else packing.last_start
+    carries = 1.0 if packing is None or packing.carries else 0.0
+    continues = rank > 0 if packing is None else packing.continues
+    increment = phase_steps[:, start:].sum(1)  # (batch, H, M): the last sequence's turn here
+    n = increment.numel()
+    gathered = all_gather_stacked(torch.cat([increment.reshape(-1), increment.new_full((1,), carries)]), group)
+    phase = gathered[:0, :n].sum(0).view_as(increment)  # zeros, still part of the graph
+    for k in range(rank):
+        phase = phase * gathered[k, n].detach() + gathered[k, :n].view_as(increment)
+    tail = last_step(phase * carries + increment - phase_steps[:, -1])  # before the last position
     key, value = tail.key, tail.value
     halo = from_previous_rank(torch.cat([key.flatten(1), value.flatten(1)], dim=1), group)
+    halo = halo * float(continues)  # (kept in the graph: the neighbours' backward waits for it)
     key, value = halo[:, : key[0].numel()].view_as(key), halo[:, key[0].numel() :].view_as(value)
-    ssm = tail.ssm.new_zeros(tail.ssm.shape)
-    out, last_state = scan(type(tail)(phase, ssm, key, value))
-    ssm = entering_state(log_decay, last_state.ssm, group)
-    if rank == 0:
+    phase = phase * float(continues)
+
+    def entering(ssm):
+        state = type(tail)(phase, ssm, key, value)
+        if packing is None:
+            return state
+        index = torch.tensor([packing.first], device=phase.device)
+        rows = packing.local.num_sequences
+        return type(tail)(*(t.new_zeros(rows, *t.shape[1:]).index_copy(0, index, t) for t in state))
+
+    out, last_state = scan(entering(tail.ssm.new_zeros(tail.ssm.shape)))
+    final = last_state.ssm if packing is None else last_state.ssm[packing.last : packing.last + 1]
+    ssm = entering_state(log_decay(start), final, group, bool(carries))
+    if not continues:
         return attach(out, ssm)
-    out, _ = scan(type(tail)(phase, ssm, key, value))
+    out, _ = scan(entering(ssm))
     return out

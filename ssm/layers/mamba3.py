@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import scan_with_passed_rotating_state
+from ..distributed import scan_with_passed_rotating_state, slice_packing
 from ..ops import GatedMLPWeights, Mamba3BlockWeights
 from ..scan import TrapezoidalState, trapezoidal_scan, trapezoidal_scan_step
 from .arguments import check_dt_range, check_int, check_number
@@ -228,10 +228,15 @@ class Mamba3(nn.Module):
         ``Mamba2.forward``: this rank's slice [r·L/W, (r+1)·L/W) in, that slice of the whole's
         output out. The rotary phase counts from the sequence's start, and the first step reads
         the previous rank's last position (``ssm.distributed.scan_with_passed_rotating_state``).
-        Not with ``cache`` or ``cu_seqlens``."""
+        Not with ``cache``; ``cu_seqlens`` then holds the whole row's boundaries (a sequence may
+        cross ranks; the phase restarts at each sequence's start)."""
         check_sequence("hidden_states", hidden_states, self.d_model)
+        packing = None
         if cp_group is not None:
-            check_context_parallel("Mamba3", cache, cu_seqlens, 0)
+            check_context_parallel("Mamba3", cache, None, 0)
+            if cu_seqlens is not None:  # the whole row's boundaries, seen from this slice
+                packing = slice_packing(cu_seqlens, hidden_states.shape[1], cp_group, hidden_states.device)
+                cu_seqlens = packing.local
         packed = check_packing(cu_seqlens, hidden_states)
         if cache is not None:
             cache.check_batch(hidden_states.shape[0] if packed is None else packed.num_sequences)
@@ -239,7 +244,7 @@ class Mamba3(nn.Module):
         options, z_scan = self._scan_options(z)
         B, C = self._BC(B), self._BC(C)
 
-        def scan(initial_state, positions=slice(None)):
+        def scan(initial_state, positions=slice(None), packed=packed):
             return trapezoidal_scan(
                 x[:, positions],
                 dt[:, positions],
@@ -262,11 +267,16 @@ class Mamba3(nn.Module):
             zeros = self.allocate_inference_cache(x.shape[0], dtype=x.dtype, device=x.device).state
 
             def last_step(phase):  # the state after this slice's last position alone, from ``phase``
-                return scan(zeros._replace(phase=phase), slice(-1, None))[1]
+                return scan(zeros._replace(phase=phase), slice(-1, None), None)[1]
 
             phase_steps = dt[..., None] * theta  # (batch, L, H, M): Δ_t·θ_t
             y = scan_with_passed_rotating_state(
-                scan, last_step, phase_steps, (dt * A).sum(1)[..., None, None], cp_group
+                scan,
+                last_step,
+                phase_steps,
+                lambda start: (dt * A)[:, start:].sum(1)[..., None, None],
+                cp_group,
+                packing,
             )
             return self._finish(y, z, hidden_states.dtype)
         y, last = scan(None if cache is None else cache.state)

@@ -201,7 +201,7 @@ class MambaLM(nn.Module):
         runs a layer over more than its slice (attention gathers keys and values). Not with
         ``cache`` or ``num_last_tokens``; every mixer takes it (Mamba, Mamba2, Mamba3, MHA).
         With it, ``cu_seqlens`` holds the boundaries of the whole row (batch 1, up to W·L), the
-        same on every rank, and sequences may cross ranks (not with Mamba-3 layers yet).
+        same on every rank, and sequences may cross ranks.
 
         ``cu_seqlens`` (S + 1,) int32/int64: S sequences (documents, prompts) packed along L in
         a batch of one, 0 = cu_seqlens[0] <= ... <= cu_seqlens[S] = L. No layer carries

@@ -45,8 +45,7 @@ def tiny(kind: str) -> MambaLM:
 
 def lm_body(rank: int, world: int, kind: str) -> None:
     check_lm(rank, world, kind, BATCH, None)
-    if kind != "mamba3":  # a packed row whose second document runs over ranks 0-3 (W = 4)
-        check_lm(rank, world, kind, 1, torch.tensor([0, 5, 29, 32]))
+    check_lm(rank, world, kind, 1, torch.tensor([0, 5, 29, 32]))  # a document over ranks 0-3 (W = 4)
     refusals(rank, kind)
 
 
@@ -73,9 +72,6 @@ def refusals(rank: int, kind: str) -> None:
         shard_sequence(ids[:, :30], dist.group.WORLD)
     with pytest.raises(ValueError, match=r"cu_seqlens must end at the packed length L = 32, got 31"):
         model(ids[:1, :8], cu_seqlens=torch.tensor([0, 31]), cp_group=dist.group.WORLD)  # the whole row's
-    if kind == "mamba3":
-        with pytest.raises(ValueError, match="Mamba3.forward: cu_seqlens is not supported with cp_group"):
-            model(ids[:1, :8], cu_seqlens=torch.tensor([0, 32]), cp_group=dist.group.WORLD)
     if kind != "mamba3":  # (its attention has no conv; Mamba-3's halo is one position)
         with pytest.raises(ValueError, match=r"hidden_states: this rank's slice has 2 positions, fewer than .* 3"):
             model(ids[:, 2 * rank : 2 * rank + 2], cp_group=dist.group.WORLD)  # d_conv 4: a halo of 3

@@ -1,7 +1,7 @@
 """Context parallelism of each mixer (``forward(x, cp_group=group)``) on gloo processes, float64,
 against the same mixer run on the whole sequence in one process: each rank's output slice, its
 input gradient, and every parameter's gradient summed over ranks; then packed rows whose
-documents cross rank boundaries (``cu_seqlens`` of the whole row), for Mamba-1, Mamba-2, MHA.
+documents cross rank boundaries (``cu_seqlens`` of the whole row).
 One spawn of 4 processes checks W = 4 (ranks 2 and 3 enter with a state that composes the decay
 of the ranks before them) and W = 2 (two pairs). L / W = 8 positions, longer than the conv halo (d_conv - 1 = 3)."""
 
@@ -42,7 +42,7 @@ PACKINGS = {"crossing": [0, 3, 3, 13, 14, 27, 32], "at the edges": [0, 8, 11, 16
 
 
 def mixer_body(rank: int, world: int, name: str) -> None:
-    cases = [(None, BATCH)] + ([] if name.startswith("mamba3") else [(cu, 1) for cu in PACKINGS.values()])
+    cases = [(None, BATCH)] + [(cu, 1) for cu in PACKINGS.values()]
     for cu, batch in cases:
         check_mixer(rank, world, name, batch, None if cu is None else torch.tensor(cu))
 
