@@ -221,7 +221,9 @@ class Mamba2(nn.Module):
             )
 
         if cp_group is not None:
-            y = scan_with_passed_state(scan, lambda start: self._log_decay(dt[:, start:], A), cp_group, packing)
+            # the gated norm leaves the scan linear in its state: add the entering state's part
+            added = (lambda h, n: self._contribution(h, dt[:, :n], A, C[:, :n])) if self.rmsnorm else None
+            y = scan_with_passed_state(scan, lambda start: self._log_decay(dt[:, start:], A), cp_group, packing, added)
             return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
         y, last_state = scan(None if cache is None else cache.ssm_state)
         if cache is not None:
@@ -230,13 +232,25 @@ class Mamba2(nn.Module):
             y, z, z0, x0 = (t[:, -last:] for t in (y, z, z0, x0))
         return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
 
-    def _log_decay(self, dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-        """log of the slice's total decay per head, (batch, H, 1, 1) against the state (batch,
-        H, P, N): A·Σ_t Δ_t, with Δ as ``ssd`` makes it from dt (bias, softplus, dt_limit)."""
+    def _delta(self, dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """Δ as ``ssd`` makes it from dt (bias, softplus, dt_limit), in A's dtype."""
         delta = F.softplus(dt.to(A.dtype) + upcast(self.dt_bias))
         if tuple(self.dt_limit) != (0.0, float("inf")):
             delta = delta.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
-        return (delta.sum(1) * A)[..., None, None]
+        return delta
+
+    def _log_decay(self, dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """log of the slice's total decay per head, (batch, H, 1, 1) against the state (batch,
+        H, P, N): A·Σ_t Δ_t."""
+        return (self._delta(dt, A).sum(1) * A)[..., None, None]
+
+    def _contribution(self, state, dt, A, C) -> torch.Tensor:
+        """What ``state`` (batch, H, P, N), entering before the first of dt's positions, adds
+        to ``ssd``'s outputs there (no gate inside the scan): y_t += C_t·(exp(A·Σ_{s<=t} Δ_s)·h),
+        (batch, n, H, P)."""
+        decay = torch.exp(torch.cumsum(self._delta(dt, A), 1) * A)  # (batch, n, H)
+        C = C.to(state.dtype).repeat_interleave(self.nheads // self.ngroups, dim=2)  # (batch, n, H, N)
+        return torch.einsum("blhn,bhpn->blhp", C, state) * decay[..., None]
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the
