@@ -5,15 +5,17 @@ h_t = a_t ⊙ h_{t-1} + b_t maps the state entering a slice to the state leaving
 map h ↦ Π_t a_t ⊙ h + S, where S is the slice's final state from a zero state. Each rank
 summarises its slice as that pair (the log of the product, the decay, and S), the ranks gather
 the pairs, and each composes those of the ranks before it (an exclusive scan) into the state
-that truly enters its slice. It then runs its slice again from that state.
+that truly enters its slice. It then adds that state's part to its outputs, or runs its
+slice again from it (below).
 
 Why an all_gather of the summaries, not a chain of point-to-point sends: the summaries are
-small (W·batch·H·P·N numbers for the whole group, the size of W states; the decay adds
-batch·H per rank for Mamba-2, nothing beyond the state's size for Mamba-1), one collective
-has a latency of one step where a chain has W - 1 dependent steps, and every rank computes
-its entering state locally from the gathered pairs. The backward is one all_reduce of the
-gradients of the gathered pairs (``collectives.all_gather_stacked``), through which each
-rank's gradient reaches the states and decays of the ranks before it.
+small, O(W·batch·H·P·N) numbers received per rank (W states: batch·H·P·N each for Mamba-2,
+plus batch·H for its decay per head; batch·D·N each for Mamba-1, whose decay per channel and
+state doubles it), independent of L; one collective has the latency of one step where a chain
+has W - 1 dependent steps; and every rank composes its entering state locally from the
+gathered pairs. The backward is one all_reduce of the gradients of the gathered pairs
+(``collectives.all_gather_stacked``), through which each rank's gradient reaches the states
+and decays of the ranks before it.
 
 Rescan or add: after the exchange a rank either scans its slice again from the entering state
 (two scans on every rank but the first, each the scan the layer runs anyway, with its gating
