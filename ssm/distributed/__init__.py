@@ -28,7 +28,6 @@ from .state_passing import (
     scan_with_passed_rotating_state,
     scan_with_passed_state,
     shard_sequence,
-    slice_offset,
 )
 
 __all__ = [
@@ -44,5 +43,4 @@ __all__ = [
     "scan_with_passed_rotating_state",
     "scan_with_passed_state",
     "shard_sequence",
-    "slice_offset",
 ]

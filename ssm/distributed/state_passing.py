@@ -53,13 +53,6 @@ def shard_sequence(x: torch.Tensor, group, dim: int = 1, argument: str = "input_
     return x.narrow(dim, rank * (length // size), length // size)
 
 
-def slice_offset(length: int, group) -> int:
-    """The position of this rank's first element in the whole sequence, when every rank holds
-    ``length`` positions: r·length."""
-    rank, _ = group_rank_and_size(group)
-    return rank * length
-
-
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's slice ``x`` (batch, L / W, ...) joined in rank order along dim 1: the whole
     (batch, L, ...). For attention's keys and values (the simplest correct scheme: each rank
