@@ -22,6 +22,7 @@ All are autograd functions whose backward sends each gradient back to the rank i
 from .collectives import all_gather_stacked, attach, from_previous_rank, group_rank_and_size
 from .packing import SlicePacking, slice_packing
 from .state_passing import (
+    check_slices,
     conv_state_from_previous_rank,
     entering_state,
     gather_sequence,
@@ -34,6 +35,7 @@ __all__ = [
     "SlicePacking",
     "slice_packing",
     "all_gather_stacked",
+    "check_slices",
     "attach",
     "conv_state_from_previous_rank",
     "entering_state",

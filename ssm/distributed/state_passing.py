@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .collectives import all_gather_stacked, attach, from_previous_rank, group_rank_and_size
@@ -51,6 +52,23 @@ def shard_sequence(x: torch.Tensor, group, dim: int = 1, argument: str = "input_
             f"group's size W = {size}; every rank must hold L / W positions"
         )
     return x.narrow(dim, rank * (length // size), length // size)
+
+
+def check_slices(x: torch.Tensor, group, argument: str = "input_ids") -> None:
+    """Every rank of ``group`` holds a slice of the same shape (batch, L / W, ...): one
+    all_gather of the shape, so that a rank that passed another length or batch gets a
+    ValueError naming ``argument`` (on every rank alike), not a hang or a wrong position."""
+    _, size = group_rank_and_size(group)
+    shape = torch.tensor(x.shape, dtype=torch.int64)
+    shapes = [torch.empty_like(shape) for _ in range(size)]
+    dist.all_gather(shapes, shape, group=group)
+    for k, other in enumerate(shapes):
+        if not torch.equal(other, shapes[0]):
+            raise ValueError(
+                f"{argument}: the ranks of cp_group hold slices of different shapes (rank 0 "
+                f"{tuple(shapes[0].tolist())}, rank {k} {tuple(other.tolist())}); every rank must "
+                "pass its L / W positions of the same batch"
+            )
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:

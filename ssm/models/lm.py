@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from ..distributed import slice_packing
+from ..distributed import check_slices, slice_packing
 from ..layers import MHA, Block, GatedMLP, Mamba, Mamba2, Mamba3, RMSNorm
 from ..layers.linear import Linear
 from ..scan import PackedSequences, packed_sequences
@@ -196,7 +196,7 @@ class MambaLM(nn.Module):
         split (context parallelism, ``ssm.distributed``). Every rank of the group calls this
         together with its slice of the same sequences, in rank order: rank r's ``input_ids``
         are positions [r·L/W, (r+1)·L/W) (``ssm.distributed.shard_sequence`` cuts them), the
-        same number on every rank, and it gets the logits of those positions, equal to the
+        same number on every rank (checked: one all_gather of the shape), and it gets the logits of those positions, equal to the
         whole sequence's forward's. Gradients summed over the ranks are the whole's. No rank
         runs a layer over more than its slice (attention gathers keys and values). Not with
         ``cache`` or ``num_last_tokens``; every mixer takes it (Mamba, Mamba2, Mamba3, MHA).
@@ -212,6 +212,7 @@ class MambaLM(nn.Module):
         check_ids(self.config, input_ids, 2, "(batch, L)")
         if cp_group is not None:
             self._check_context_parallel(cache, num_last_tokens)
+            check_slices(input_ids, cp_group)  # one small all_gather: the same slice shape on every rank
             if cu_seqlens is not None:  # validated once for every layer
                 cu_seqlens = slice_packing(cu_seqlens, input_ids.shape[1], cp_group, input_ids.device)
             return self.lm_head(self.backbone(input_ids, cu_seqlens=cu_seqlens, cp_group=cp_group))

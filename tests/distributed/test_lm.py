@@ -70,6 +70,8 @@ def refusals(rank: int, kind: str) -> None:
     ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match=r"input_ids: its length L = 30 .* not divisible .* W = 4"):
         shard_sequence(ids[:, :30], dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"input_ids: the ranks of cp_group hold slices of different shapes"):
+        model(ids[:, : 8 + (rank == 2)], cp_group=dist.group.WORLD)  # rank 2 passes 9 positions
     with pytest.raises(ValueError, match=r"cu_seqlens must end at the packed length L = 32, got 31"):
         model(ids[:1, :8], cu_seqlens=torch.tensor([0, 31]), cp_group=dist.group.WORLD)  # the whole row's
     if kind != "mamba3":  # (its attention has no conv; Mamba-3's halo is one position)
