@@ -19,7 +19,7 @@ boundaries: ``slice_packing`` gives a rank its view of them (packing.py).
 All are autograd functions whose backward sends each gradient back to the rank it came from.
 """
 
-from .collectives import all_gather_stacked, attach, from_previous_rank, group_rank_and_size
+from .collectives import all_gather_stacked, attach, from_last_rank, from_previous_rank, group_rank_and_size
 from .packing import SlicePacking, slice_packing
 from .state_passing import (
     check_slices,
@@ -39,6 +39,7 @@ __all__ = [
     "attach",
     "conv_state_from_previous_rank",
     "entering_state",
+    "from_last_rank",
     "from_previous_rank",
     "gather_sequence",
     "group_rank_and_size",

@@ -3,6 +3,7 @@ matching collective, so that a rank's gradient reaches the ranks whose tensors i
 
     group_rank_and_size(group, argument)   (rank, W) of a process group, or a ValueError naming it
     all_gather_stacked(x, group)           (W, *x.shape): every rank's x, in rank order
+    from_last_rank(x, group)               the last rank's x, on every rank
     from_previous_rank(x, group)           the previous rank's x (zeros on rank 0): the halo
     attach(y, *others)                     y, with ``others`` made part of its graph
 
@@ -62,6 +63,12 @@ def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
     (W, *x.shape). Gradients flow back to each rank's ``x``."""
     rank, size = group_rank_and_size(group)
     return _AllGather.apply(x, group, rank, size)
+
+
+def from_last_rank(x: torch.Tensor, group) -> torch.Tensor:
+    """The last rank's ``x`` on every rank (what a cache keeps after the whole sequence); one
+    all_gather."""
+    return all_gather_stacked(x, group)[-1]
 
 
 class _FromPrevious(torch.autograd.Function):

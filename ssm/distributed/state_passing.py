@@ -81,7 +81,12 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def conv_state_from_previous_rank(
-    x: torch.Tensor, kernel: int, group, packing: SlicePacking | None = None, argument: str = "hidden_states"
+    x: torch.Tensor,
+    kernel: int,
+    group,
+    packing: SlicePacking | None = None,
+    initial: torch.Tensor | None = None,
+    argument: str = "hidden_states",
 ):
     """The causal convolution's state (batch, D, K) holding the previous rank's last K - 1
     inputs of ``x`` (batch, L, D) (zeros on rank 0: no history), for ``causal_conv1d_silu``;
@@ -91,7 +96,10 @@ def conv_state_from_previous_rank(
 
     With ``packing``: (S, D, K), one row per local sequence, zero but for the sequence that
     continues from the previous rank, whose row holds the halo's positions of that sequence
-    (those of an earlier one are zeros: the convolution never reads across a boundary)."""
+    (those of an earlier one are zeros: the convolution never reads across a boundary).
+
+    ``initial`` (batch, D, K): the state before the whole sequence (a cache's), rank 0's in
+    place of zeros."""
     if kernel <= 1:
         return None
     if x.shape[1] < kernel - 1:
@@ -101,6 +109,8 @@ def conv_state_from_previous_rank(
         )
     halo = from_previous_rank(x[:, x.shape[1] - (kernel - 1) :], group)  # (batch, K - 1, D)
     state = F.pad(halo.transpose(1, 2), (1, 0))  # (batch, D, K); the oldest slot is never read
+    if initial is not None and group_rank_and_size(group)[0] == 0:
+        return attach(initial.to(state.dtype), state)
     if packing is None:
         return state
     start = packing.whole.bounds[packing.first]  # global positions offset - K .. offset - 1 below
@@ -110,25 +120,30 @@ def conv_state_from_previous_rank(
     return rows.index_copy(0, torch.tensor([packing.first], device=state.device), state)
 
 
-def entering_state(log_decay: torch.Tensor, final_state: torch.Tensor, group, carries: bool = True) -> torch.Tensor:
-    """The state entering this rank's slice, from every rank's summary of its own: ``log_decay``
-    (broadcastable to ``final_state``: the log of the slice's total decay) and ``final_state``
-    (the slice's last state from a zero state). One all_gather of both, flattened together;
-    rank r then composes ranks 0 .. r - 1: h ← exp(log_decay_k)·h + S_k. ``carries`` False (a
-    packed sequence that starts on this rank): the state entering rank k does not reach its end,
-    h ← S_k. Zeros on rank 0 (still attached to the gathered tensor, so that rank 0's backward
-    joins the collective)."""
-    rank, _ = group_rank_and_size(group)
+def entering_state(
+    log_decay: torch.Tensor, final_state: torch.Tensor, group, carries: bool = True, initial=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(The state entering this rank's slice, the state after the whole sequence), from every
+    rank's summary of its own: ``log_decay`` (broadcastable to ``final_state``: the log of the
+    slice's total decay) and ``final_state`` (the slice's last state from a zero state). One
+    all_gather of both, flattened together; rank r then composes ranks 0 .. r - 1 (and all W
+    for the second): h ← exp(log_decay_k)·h + S_k, from h = ``initial`` (the state before the
+    whole sequence) or zero. ``carries`` False (a packed sequence that starts on this rank): the
+    state entering rank k does not reach its end, h ← S_k. Rank 0's entering state is still
+    attached to the gathered tensor, so that rank 0's backward joins the collective."""
+    rank, size = group_rank_and_size(group)
     log_decay = log_decay.to(final_state.dtype)
     n, m = final_state.numel(), log_decay.numel()
     flag = final_state.new_full((1,), float(carries))
     gathered = all_gather_stacked(torch.cat([final_state.reshape(-1), log_decay.reshape(-1), flag]), group)
-    state = final_state.new_zeros(final_state.shape)
-    for k in range(rank):
+    state = final_state.new_zeros(final_state.shape) if initial is None else initial.to(final_state.dtype)
+    for k in range(size):
+        if k == rank:
+            entering = attach(state, gathered) if rank == 0 else state
         S_k = gathered[k, :n].view(final_state.shape)
         decay_k = gathered[k, n : n + m].view(log_decay.shape).exp() * gathered[k, n + m].detach()
         state = decay_k * state + S_k
-    return attach(state, gathered) if rank == 0 else state
+    return entering, state
 
 
 def scan_with_passed_state(
@@ -137,8 +152,10 @@ def scan_with_passed_state(
     group,
     packing: SlicePacking | None = None,
     contribution: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The output of this rank's slice of a recurrence split across ``group``.
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(The output of this rank's slice of a recurrence split across ``group``, the state after
+    the whole sequence, the same on every rank).
 
     ``scan(initial_state)`` runs the slice (from zero for None) and returns (out, last_state);
     ``log_decay(start)``, broadcastable to last_state, is the log of the product of the
@@ -153,26 +170,30 @@ def scan_with_passed_state(
 
     ``contribution(state, n)``, where the output is linear in the entering state: what the
     entering ``state`` (as it enters the first local sequence) adds to the first ``n`` outputs
-    (batch, n, ...), added to the first scan's output in place of a second scan."""
+    (batch, n, ...), added to the first scan's output in place of a second scan.
+
+    ``initial_state`` (not with ``packing``): the state before the whole sequence (a cache's),
+    the same on every rank; rank 0 enters with it. The state after the whole sequence is then
+    its composition with every rank's summary (with ``packing``, the last sequence's)."""
     rank, _ = group_rank_and_size(group)
     out, last_state = scan(None)
     if packing is None:
-        state = entering_state(log_decay(0), last_state, group)
-        continues = rank > 0
+        state, whole = entering_state(log_decay(0), last_state, group, initial=initial_state)
+        continues = rank > 0 or initial_state is not None
     else:
         final = last_state[packing.last : packing.last + 1]
-        state = entering_state(log_decay(packing.last_start), final, group, packing.carries)
+        state, whole = entering_state(log_decay(packing.last_start), final, group, packing.carries)
         continues = packing.continues
     if not continues:  # its entering state is zero: the first scan's output is the answer
-        return attach(out, state)
+        return attach(out, state), whole
     if contribution is not None:  # the positions the entering state reaches: the first sequence's
         n = out.shape[1] if packing is None else packing.local.bounds[packing.first + 1]
-        return torch.cat([out[:, :n] + contribution(state, n).to(out.dtype), out[:, n:]], dim=1)
+        return torch.cat([out[:, :n] + contribution(state, n).to(out.dtype), out[:, n:]], dim=1), whole
     if packing is not None:
         rows = state.new_zeros(last_state.shape)
         state = rows.index_copy(0, torch.tensor([packing.first], device=state.device), state)
     out, _ = scan(state)
-    return out
+    return out, whole
 
 
 def scan_with_passed_rotating_state(
@@ -182,8 +203,10 @@ def scan_with_passed_rotating_state(
     log_decay: Callable[[int], torch.Tensor],
     group,
     packing: SlicePacking | None = None,
-) -> torch.Tensor:
-    """The output of this rank's slice of Mamba-3's trapezoidal scan split across ``group``.
+    initial_state: tuple | None = None,
+) -> tuple[torch.Tensor, tuple | None]:
+    """(The output of this rank's slice of Mamba-3's trapezoidal scan split across ``group``,
+    and with ``initial_state`` the state after the whole sequence, the same on every rank).
 
     Its state is (phase, ssm, key, value) (``ssm.scan.TrapezoidalState``): the ssm state in
     absolute (rotated) coordinates decays by a real scalar per head and step, the keys it adds
@@ -203,20 +226,34 @@ def scan_with_passed_rotating_state(
     With ``packing`` (batch 1, the scan over ``packing.local``, one state per local sequence):
     the phase and the ssm state are summarised for the last local sequence from where it
     starts, and restart where a sequence starts; the entering phase, halo and state go to the
-    first local sequence's row, and only if it continues from the previous rank."""
-    rank, _ = group_rank_and_size(group)
+    first local sequence's row, and only if it continues from the previous rank.
+
+    ``initial_state`` (not with ``packing``): the state before the whole sequence (a cache's),
+    the same on every rank: its phase starts the sum, rank 0 takes its key and value as its
+    halo, its ssm state starts the composition. The state after the whole sequence is then
+    returned too: the phases summed, the composed ssm state, the last rank's key and value (one
+    more all_gather, only then)."""
+    rank, size = group_rank_and_size(group)
     start = 0 if packing is None else packing.last_start
     carries = 1.0 if packing is None or packing.carries else 0.0
-    continues = rank > 0 if packing is None else packing.continues
+    if packing is None:
+        continues = rank > 0 or initial_state is not None
+    else:
+        continues = packing.continues
     increment = phase_steps[:, start:].sum(1)  # (batch, H, M): the last sequence's turn here
     n = increment.numel()
     gathered = all_gather_stacked(torch.cat([increment.reshape(-1), increment.new_full((1,), carries)]), group)
     phase = gathered[:0, :n].sum(0).view_as(increment)  # zeros, still part of the graph
+    if initial_state is not None:
+        phase = phase + initial_state.phase.to(phase.dtype)
     for k in range(rank):
         phase = phase * gathered[k, n].detach() + gathered[k, :n].view_as(increment)
     tail = last_step(phase * carries + increment - phase_steps[:, -1])  # before the last position
     key, value = tail.key, tail.value
     halo = from_previous_rank(torch.cat([key.flatten(1), value.flatten(1)], dim=1), group)
+    if initial_state is not None and rank == 0:
+        given = torch.cat([initial_state.key.flatten(1), initial_state.value.flatten(1)], dim=1)
+        halo = attach(given.to(halo.dtype), halo)
     halo = halo * float(continues)  # (kept in the graph: the neighbours' backward waits for it)
     key, value = halo[:, : key[0].numel()].view_as(key), halo[:, key[0].numel() :].view_as(value)
     phase = phase * float(continues)
@@ -231,8 +268,18 @@ def scan_with_passed_rotating_state(
 
     out, last_state = scan(entering(tail.ssm.new_zeros(tail.ssm.shape)))
     final = last_state.ssm if packing is None else last_state.ssm[packing.last : packing.last + 1]
-    ssm = entering_state(log_decay(start), final, group, bool(carries))
+    initial_ssm = None if initial_state is None else initial_state.ssm
+    ssm, whole_ssm = entering_state(log_decay(start), final, group, bool(carries), initial_ssm)
+    whole = None
+    if initial_state is not None:  # after the whole sequence: the last rank's key and value
+        ends = all_gather_stacked(torch.cat([tail.key.flatten(1), tail.value.flatten(1)], dim=1), group)[-1]
+        whole = type(tail)(
+            initial_state.phase.to(phase.dtype) + gathered[:, :n].sum(0).view_as(increment),
+            whole_ssm,
+            ends[:, : key[0].numel()].view_as(key),
+            ends[:, key[0].numel() :].view_as(value),
+        )
     if not continues:
-        return attach(out, ssm)
+        return attach(out, ssm), whole
     out, _ = scan(entering(ssm))
-    return out
+    return out, whole

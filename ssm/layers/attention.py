@@ -292,7 +292,7 @@ class MHA(nn.Module):
         batch, length, _ = hidden_states.shape
         packing = None
         if cp_group is not None:
-            check_context_parallel("MHA", cache, None, 0)
+            check_context_parallel("MHA", cache, None, 0, takes_cache=False)
             if cu_seqlens is not None:
                 packing = slice_packing(cu_seqlens, length, cp_group, hidden_states.device)
                 cu_seqlens = packing.local

@@ -96,7 +96,7 @@ class Block(nn.Module):
         residual = self._add(hidden, residual)
         normed = self.norm(residual.to(self.norm.weight.dtype))
         if cp_group is not None:
-            hidden = self.mixer(normed, cu_seqlens=cu_seqlens, cp_group=cp_group)
+            hidden = self.mixer(normed, cache=cache, cu_seqlens=cu_seqlens, cp_group=cp_group)
         elif step:
             hidden = self.mixer.step(normed, cache)
         elif cu_seqlens is not None:

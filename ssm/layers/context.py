@@ -4,10 +4,14 @@ the arguments that do not combine with it. The exchanges themselves are ``ssm.di
 from __future__ import annotations
 
 
-def check_context_parallel(mixer: str, cache, cu_seqlens, last: int) -> None:
-    """A ValueError naming the argument that ``cp_group`` does not take yet: a cache (prefill
-    continues one sequence on one process), ``last``, and packed sequences where the mixer
-    passes None for ``cu_seqlens`` here because it takes them."""
-    for name, given in (("cache", cache is not None), ("cu_seqlens", cu_seqlens is not None), ("last", last > 0)):
-        if given:
-            raise ValueError(f"{mixer}.forward: {name} is not supported with cp_group (context parallelism)")
+def check_context_parallel(mixer: str, cache, cu_seqlens, last: int, takes_cache: bool = True) -> None:
+    """A ValueError naming the argument that ``cp_group`` does not take: ``last``; a cache where
+    the mixer takes none under it (``takes_cache`` False), or together with ``cu_seqlens``."""
+    if last > 0:
+        raise ValueError(f"{mixer}.forward: last is not supported with cp_group (context parallelism)")
+    if cache is not None and not takes_cache:
+        raise ValueError(f"{mixer}.forward: cache is not supported with cp_group (context parallelism)")
+    if cache is not None and cu_seqlens is not None:
+        raise ValueError(
+            f"{mixer}.forward: cache together with cu_seqlens is not supported with cp_group (context parallelism)"
+        )

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import conv_state_from_previous_rank, scan_with_passed_state, slice_packing
+from ..distributed import conv_state_from_previous_rank, from_last_rank, scan_with_passed_state, slice_packing
 from ..ops import MambaBlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import selective_scan, selective_scan_step
 from .arguments import check_dt_range, check_int, check_number
@@ -130,7 +130,8 @@ class Mamba(nn.Module):
 
         ``cp_group``: context parallelism over a torch.distributed process group, as in
         ``Mamba2.forward``: this rank's ``hidden_states`` are its slice [r·L/W, (r+1)·L/W) of
-        the whole sequence, and its output that slice of the whole's. Not with ``cache`` or
+        the whole sequence, and its output that slice of the whole's; a ``cache`` (the same on
+        every rank) is continued and left holding the state after the whole sequence. Not with
         ``last``; ``cu_seqlens`` then holds the whole row's boundaries, as there.
 
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
@@ -146,7 +147,7 @@ class Mamba(nn.Module):
         check_sequence("hidden_states", hidden_states, self.d_model)
         packing = None
         if cp_group is not None:
-            check_context_parallel("Mamba", cache, None, last)
+            check_context_parallel("Mamba", cache, cu_seqlens, last)
             if cu_seqlens is not None:  # the whole row's boundaries, seen from this slice
                 packing = slice_packing(cu_seqlens, hidden_states.shape[1], cp_group, hidden_states.device)
                 cu_seqlens = packing.local
@@ -157,7 +158,7 @@ class Mamba(nn.Module):
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (b, l, d) each
         conv_state = None if cache is None else cache.conv_state
         if cp_group is not None:  # the previous rank's last d_conv - 1 inputs
-            conv_state = conv_state_from_previous_rank(x, self.d_conv, cp_group, packing)
+            conv_state = conv_state_from_previous_rank(x, self.d_conv, cp_group, packing, conv_state)
         # x (b, l, d) for x_proj and u (b, d, l) for the scan
         (x, u), conv_state = causal_conv1d_silu(x, self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens, True)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], -1)
@@ -192,8 +193,16 @@ class Mamba(nn.Module):
 
         if cp_group is not None:
             # log of the slice's decay per (batch, channel, state): A·Σ_t softplus(Δ_t + bias)
-            delta = F.softplus(dt.to(A.dtype) + upcast(self.dt_proj.bias)[:, None])
-            y = scan_with_passed_state(scan, lambda start: delta[..., start:].sum(-1)[..., None] * A, cp_group, packing)
+            # (in the scan's compute dtype: float64 for float64 inputs, though A_log is float32)
+            delta = F.softplus(dt.to(torch.promote_types(dt.dtype, A.dtype)) + upcast(self.dt_proj.bias)[:, None])
+            initial = None if cache is None else cache.ssm_state
+            y, whole = scan_with_passed_state(
+                scan, lambda start: delta[..., start:].sum(-1)[..., None] * A, cp_group, packing, None, initial
+            )
+            if cache is not None:  # the state after the whole sequence, on every rank
+                cache.ssm_state = whole
+                if conv_state is not None:
+                    cache.conv_state = from_last_rank(conv_state, cp_group)
             return self.out_proj(y.transpose(1, 2))
         y, last_state = scan(None if cache is None else cache.ssm_state)
         if cache is not None:

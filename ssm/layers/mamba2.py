@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ..distributed import conv_state_from_previous_rank, scan_with_passed_state, slice_packing
+from ..distributed import conv_state_from_previous_rank, from_last_rank, scan_with_passed_state, slice_packing
 from ..ops import GatedMLPWeights, Mamba2BlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import ssd, ssd_step
 from .arguments import check_divides, check_dt_range, check_int, check_number
@@ -167,8 +167,10 @@ class Mamba2(nn.Module):
         [r·L/W, (r+1)·L/W) of the whole, and its output those positions of the whole's output.
         The conv reads its halo from the previous rank and the scan starts from the state the
         ranks before pass it (``ssm.distributed``); every rank of the group must call this
-        together. Not with ``cache`` or ``last``. With it, ``cu_seqlens`` holds the boundaries of
-        the whole row (up to W·L), the same on every rank; a sequence may cross ranks.
+        together. With ``cache`` (the same on every rank: the state before the whole sequence),
+        every rank's cache is left holding the state after the whole sequence. Not with
+        ``last``. With it, ``cu_seqlens`` holds the boundaries of the whole row (up to W·L), the
+        same on every rank; a sequence may cross ranks (not with a cache).
 
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
         ``ssm.scan.ssd``); neither the convolution nor the scan crosses a boundary, so each
@@ -183,7 +185,7 @@ class Mamba2(nn.Module):
         batch, length, _ = hidden_states.shape
         packing = None
         if cp_group is not None:
-            check_context_parallel("Mamba2", cache, None, last)
+            check_context_parallel("Mamba2", cache, cu_seqlens, last)
             if cu_seqlens is not None:  # the whole row's boundaries, seen from this slice
                 packing = slice_packing(cu_seqlens, length, cp_group, hidden_states.device)
                 cu_seqlens = packing.local
@@ -194,7 +196,7 @@ class Mamba2(nn.Module):
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
         conv_state = None if cache is None else cache.conv_state
         if cp_group is not None:  # the previous rank's last d_conv - 1 inputs
-            conv_state = conv_state_from_previous_rank(xBC, self.d_conv, cp_group, packing)
+            conv_state = conv_state_from_previous_rank(xBC, self.d_conv, cp_group, packing, conv_state)
         xBC, conv_state = causal_conv1d_silu(xBC, self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens)
         x, B, C = xBC.split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         x = rearrange(x, "b l (h p) -> b l h p", p=self.headdim)
@@ -223,7 +225,14 @@ class Mamba2(nn.Module):
         if cp_group is not None:
             # the gated norm leaves the scan linear in its state: add the entering state's part
             added = (lambda h, n: self._contribution(h, dt[:, :n], A, C[:, :n])) if self.rmsnorm else None
-            y = scan_with_passed_state(scan, lambda start: self._log_decay(dt[:, start:], A), cp_group, packing, added)
+            initial = None if cache is None else cache.ssm_state
+            y, whole = scan_with_passed_state(
+                scan, lambda start: self._log_decay(dt[:, start:], A), cp_group, packing, added, initial
+            )
+            if cache is not None:  # the state after the whole sequence, on every rank
+                cache.ssm_state = whole
+                if conv_state is not None:
+                    cache.conv_state = from_last_rank(conv_state, cp_group)
             return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
         y, last_state = scan(None if cache is None else cache.ssm_state)
         if cache is not None:
@@ -233,8 +242,9 @@ class Mamba2(nn.Module):
         return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
 
     def _delta(self, dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-        """Δ as ``ssd`` makes it from dt (bias, softplus, dt_limit), in A's dtype."""
-        delta = F.softplus(dt.to(A.dtype) + upcast(self.dt_bias))
+        """Δ as ``ssd`` makes it from dt (bias, softplus, dt_limit), in the scan's compute dtype
+        (float64 for float64 inputs, though A_log is float32; float32 for 16-bit ones)."""
+        delta = F.softplus(dt.to(torch.promote_types(dt.dtype, A.dtype)) + upcast(self.dt_bias))
         if tuple(self.dt_limit) != (0.0, float("inf")):
             delta = delta.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
         return delta

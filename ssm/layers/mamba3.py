@@ -228,12 +228,13 @@ class Mamba3(nn.Module):
         ``Mamba2.forward``: this rank's slice [r·L/W, (r+1)·L/W) in, that slice of the whole's
         output out. The rotary phase counts from the sequence's start, and the first step reads
         the previous rank's last position (``ssm.distributed.scan_with_passed_rotating_state``).
-        Not with ``cache``; ``cu_seqlens`` then holds the whole row's boundaries (a sequence may
+        A ``cache`` (the same on every rank) is continued and left holding the state after the
+        whole sequence. ``cu_seqlens`` (not with a cache) then holds the whole row's boundaries (a sequence may
         cross ranks; the phase restarts at each sequence's start)."""
         check_sequence("hidden_states", hidden_states, self.d_model)
         packing = None
         if cp_group is not None:
-            check_context_parallel("Mamba3", cache, None, 0)
+            check_context_parallel("Mamba3", cache, cu_seqlens, 0)
             if cu_seqlens is not None:  # the whole row's boundaries, seen from this slice
                 packing = slice_packing(cu_seqlens, hidden_states.shape[1], cp_group, hidden_states.device)
                 cu_seqlens = packing.local
@@ -270,14 +271,17 @@ class Mamba3(nn.Module):
                 return scan(zeros._replace(phase=phase), slice(-1, None), None)[1]
 
             phase_steps = dt[..., None] * theta  # (batch, L, H, M): Δ_t·θ_t
-            y = scan_with_passed_rotating_state(
+            y, whole = scan_with_passed_rotating_state(
                 scan,
                 last_step,
                 phase_steps,
                 lambda start: (dt * A)[:, start:].sum(1)[..., None, None],
                 cp_group,
                 packing,
+                None if cache is None else cache.state,
             )
+            if cache is not None:  # the state after the whole sequence, on every rank
+                cache.state = _wrapped(whole)
             return self._finish(y, z, hidden_states.dtype)
         y, last = scan(None if cache is None else cache.state)
         if cache is not None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ssm import MambaConfig, MambaLM
 from ssm.distributed import shard_sequence
-from ssm.layers import Mamba, Mamba2
+from ssm.layers import MHA, Mamba, Mamba2
 
 from .harness import assert_gradients_match, groups, reference_gradients, run_ranks, shard
 
@@ -79,25 +79,64 @@ def refusals(rank: int, kind: str) -> None:
             model(ids[:, 2 * rank : 2 * rank + 2], cp_group=dist.group.WORLD)  # d_conv 4: a halo of 3
 
 
+def prefill_body(rank: int, world: int, layer: str) -> None:
+    """A prompt prefilled over the ranks of the group (each its slice, into a cache of its own),
+    then decoded: every rank's cache holds the whole prompt's state, and the next tokens'
+    logits equal one process's prefill and steps."""
+    torch.manual_seed(0)
+    heads = {} if layer == "Mamba1" else {"headdim": 8}
+    config = MambaConfig(d_model=32, n_layer=2, vocab_size=VOCAB, ssm_cfg={"layer": layer, "d_state": 8, **heads})
+    model = MambaLM(config).double()
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH + 3), generator=torch.Generator().manual_seed(1))
+    prompt, continuation = ids[:, :LENGTH], ids[:, LENGTH:]
+    with torch.no_grad():
+        cache = model.allocate_inference_cache(BATCH, dtype=torch.float64)
+        model(prompt, cache=cache)
+        expected = [model.step(continuation[:, i], cache) for i in range(continuation.shape[1])]
+        for group in groups(rank, world):
+            what = f"{layer} prefill, W = {dist.get_world_size(group)}"
+            mine = model.allocate_inference_cache(BATCH, dtype=torch.float64)
+            model(shard_sequence(prompt, group), cache=mine, cp_group=group)
+            assert mine.seqlen_offset == LENGTH
+            for i, step in enumerate(expected):
+                got = model.step(continuation[:, i], mine)
+                torch.testing.assert_close(got, step, msg=lambda m, i=i: f"{what}: step {i}: {m}")
+
+
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2", "Mamba3"])
+def test_a_prompt_prefilled_over_ranks_decodes_as_one_process(tmp_path, layer):
+    run_ranks(prefill_body, 4, tmp_path, layer)
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_lm_logits_and_gradients_equal_one_process(tmp_path, kind):
     run_ranks(lm_body, 4, tmp_path, kind)
 
 
 def test_cp_group_refuses_what_it_does_not_take():
-    model = tiny("mamba2")
+    model = tiny("mamba2")  # a hybrid: attention layers take no cache under cp_group
     ids = torch.zeros(1, 8, dtype=torch.long)
-    for kwargs, name in (
-        (dict(cache=model.allocate_inference_cache(1)), "cache"),
-        (dict(num_last_tokens=1), "num_last_tokens"),
+    cu_seqlens = torch.tensor([0, 8])
+    for kwargs, message in (
+        (
+            dict(cache=model.allocate_inference_cache(1)),
+            "cache is not supported with cp_group in a model with attention",
+        ),
+        (dict(cache=model.allocate_inference_cache(1), cu_seqlens=cu_seqlens), "cache together with cu_seqlens"),
+        (dict(num_last_tokens=1), "num_last_tokens is not supported with cp_group"),
     ):
-        with pytest.raises(ValueError, match=f"MambaLM.forward: {name} is not supported with cp_group"):
+        with pytest.raises(ValueError, match=f"MambaLM.forward: {message}"):
             model(ids, cp_group=object(), **kwargs)
     x = torch.zeros(1, 8, 16, dtype=torch.float64)
     for mixer in (Mamba(16, dtype=torch.float64), Mamba2(16, headdim=8, dtype=torch.float64)):
         cache = mixer.allocate_inference_cache(1)
-        with pytest.raises(ValueError, match=r"forward: cache is not supported with cp_group"):
-            mixer(x, cache=cache, cp_group=object())
+        with pytest.raises(ValueError, match=r"forward: cache together with cu_seqlens is not supported with cp_group"):
+            mixer(x, cache=cache, cu_seqlens=cu_seqlens, cp_group=object())
+        with pytest.raises(ValueError, match=r"forward: last is not supported with cp_group"):
+            mixer(x, last=1, cp_group=object())
+    attention = MHA(16, num_heads=2, causal=True, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"MHA.forward: cache is not supported with cp_group"):
+        attention(x, cache=attention.allocate_inference_cache(1), cp_group=object())
     if not dist.is_initialized():
         with pytest.raises(ValueError, match="cp_group: torch.distributed is not initialised"):
             model(ids, cp_group=object())

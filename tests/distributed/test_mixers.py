@@ -1,7 +1,7 @@
 """Context parallelism of each mixer (``forward(x, cp_group=group)``) on gloo processes, float64,
 against the same mixer run on the whole sequence in one process: each rank's output slice, its
 input gradient, and every parameter's gradient summed over ranks; then packed rows whose
-documents cross rank boundaries (``cu_seqlens`` of the whole row).
+documents cross rank boundaries (``cu_seqlens`` of the whole row), and a cache handed in.
 One spawn of 4 processes checks W = 4 (ranks 2 and 3 enter with a state that composes the decay
 of the ranks before them) and W = 2 (two pairs). L / W = 8 positions, longer than the conv halo (d_conv - 1 = 3)."""
 
@@ -45,6 +45,45 @@ def mixer_body(rank: int, world: int, name: str) -> None:
     cases = [(None, BATCH)] + [(cu, 1) for cu in PACKINGS.values()]
     for cu, batch in cases:
         check_mixer(rank, world, name, batch, None if cu is None else torch.tensor(cu))
+    if name != "mha":
+        check_mixer_with_cache(rank, world, name)
+
+
+def check_mixer_with_cache(rank: int, world: int, name: str) -> None:
+    """A cache handed in (random states, the same on every rank, with gradients) is the state
+    before the whole sequence: the outputs, every gradient (the initial states' too, summed over
+    ranks) and the state left in every rank's cache equal one process's prefill."""
+    torch.manual_seed(0)
+    mixer = make_mixer(name)
+    x = torch.randn(BATCH, LENGTH, D_MODEL, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(BATCH, LENGTH, D_MODEL, dtype=torch.float64)
+    template = mixer.allocate_inference_cache(BATCH, dtype=torch.float64)
+    given = [torch.randn_like(t) for t in template.tensors()]
+
+    def fresh():
+        leaves = [t.clone().requires_grad_() for t in given]
+        return template.replace(leaves), leaves
+
+    cache, leaves = fresh()
+    whole = mixer(x, cache=cache)
+    (whole * weights).sum().backward()
+    grads, x_grad = reference_gradients(mixer), x.grad
+    state_grads, final = [t.grad for t in leaves], [t.detach() for t in cache.tensors()]
+    for group in groups(rank, world):
+        what = f"{name} with a cache, W = {torch.distributed.get_world_size(group)}"
+        cache, leaves = fresh()
+        mine = shard(x.detach(), group).clone().requires_grad_()
+        out = mixer(mine, cache=cache, cp_group=group)
+        torch.testing.assert_close(out, shard(whole.detach(), group), msg=lambda m: f"{what}: output: {m}")
+        for i, (left, expected) in enumerate(zip(cache.tensors(), final)):
+            torch.testing.assert_close(left.detach(), expected, msg=lambda m, i=i: f"{what}: cache tensor {i}: {m}")
+        (out * shard(weights, group)).sum().backward()
+        torch.testing.assert_close(mine.grad, shard(x_grad, group), msg=lambda m: f"{what}: input gradient: {m}")
+        for i, (leaf, expected) in enumerate(zip(leaves, state_grads)):
+            grad = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad.clone()
+            torch.distributed.all_reduce(grad, group=group)
+            torch.testing.assert_close(grad, expected, msg=lambda m, i=i: f"{what}: initial state {i} gradient: {m}")
+        assert_gradients_match(mixer, grads, group, what)
 
 
 def check_mixer(rank: int, world: int, name: str, batch: int, cu_seqlens) -> None:
