@@ -200,11 +200,11 @@ class MambaLM(nn.Module):
         logits of those positions, equal to the whole sequence's forward's. Gradients summed
         over the ranks are the whole's. No rank runs a layer over more than its slice (attention
         gathers keys and values). Every mixer takes it (Mamba, Mamba2, Mamba3, MHA); not with
-        ``num_last_tokens``. A ``cache`` (the same on every rank; models without attention
-        layers) holds the state before the whole sequence and is left holding the state after
-        it on every rank: a prompt prefilled over W processes, then decoded on any one. With
-        it, ``cu_seqlens`` holds the boundaries of the whole row (batch 1, up to W·L), the same
-        on every rank, and sequences may cross ranks (not with a cache).
+        ``num_last_tokens``. A ``cache`` (the same on every rank) holds the state before the
+        whole sequence and is left holding the state after it on every rank: a prompt
+        prefilled over W processes, then decoded on any one. With it, ``cu_seqlens`` holds the
+        boundaries of the whole row (batch 1, up to W·L), the same on every rank, and sequences
+        may cross ranks (not with a cache).
 
         ``cu_seqlens`` (S + 1,) int32/int64: S sequences (documents, prompts) packed along L in
         a batch of one, 0 = cu_seqlens[0] <= ... <= cu_seqlens[S] = L. No layer carries
@@ -246,10 +246,6 @@ class MambaLM(nn.Module):
             raise ValueError("MambaLM.forward: num_last_tokens is not supported with cp_group (context parallelism)")
         if cache is not None and cu_seqlens is not None:
             raise ValueError("MambaLM.forward: cache together with cu_seqlens is not supported with cp_group")
-        if cache is not None and any(isinstance(layer.mixer, MHA) for layer in self.backbone.layers):
-            raise ValueError(
-                "MambaLM.forward: cache is not supported with cp_group in a model with attention layers (MHA)"
-            )
         for i, layer in enumerate(self.backbone.layers):
             if not getattr(layer.mixer, "context_parallel", False):
                 raise ValueError(

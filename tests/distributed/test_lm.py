@@ -84,9 +84,12 @@ def prefill_body(rank: int, world: int, layer: str) -> None:
     then decoded: every rank's cache holds the whole prompt's state, and the next tokens'
     logits equal one process's prefill and steps."""
     torch.manual_seed(0)
-    heads = {} if layer == "Mamba1" else {"headdim": 8}
-    config = MambaConfig(d_model=32, n_layer=2, vocab_size=VOCAB, ssm_cfg={"layer": layer, "d_state": 8, **heads})
-    model = MambaLM(config).double()
+    if layer in MODELS:  # a hybrid
+        model = tiny(layer)
+    else:
+        heads = {} if layer == "Mamba1" else {"headdim": 8}
+        config = MambaConfig(d_model=32, n_layer=2, vocab_size=VOCAB, ssm_cfg={"layer": layer, "d_state": 8, **heads})
+        model = MambaLM(config).double()
     ids = torch.randint(0, VOCAB, (BATCH, LENGTH + 3), generator=torch.Generator().manual_seed(1))
     prompt, continuation = ids[:, :LENGTH], ids[:, LENGTH:]
     with torch.no_grad():
@@ -103,7 +106,7 @@ def prefill_body(rank: int, world: int, layer: str) -> None:
                 torch.testing.assert_close(got, step, msg=lambda m, i=i: f"{what}: step {i}: {m}")
 
 
-@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2", "Mamba3"])
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2", "Mamba3", "mamba2"])  # the last a hybrid
 def test_a_prompt_prefilled_over_ranks_decodes_as_one_process(tmp_path, layer):
     run_ranks(prefill_body, 4, tmp_path, layer)
 
@@ -114,14 +117,10 @@ def test_lm_logits_and_gradients_equal_one_process(tmp_path, kind):
 
 
 def test_cp_group_refuses_what_it_does_not_take():
-    model = tiny("mamba2")  # a hybrid: attention layers take no cache under cp_group
+    model = tiny("mamba2")
     ids = torch.zeros(1, 8, dtype=torch.long)
     cu_seqlens = torch.tensor([0, 8])
     for kwargs, message in (
-        (
-            dict(cache=model.allocate_inference_cache(1)),
-            "cache is not supported with cp_group in a model with attention",
-        ),
         (dict(cache=model.allocate_inference_cache(1), cu_seqlens=cu_seqlens), "cache together with cu_seqlens"),
         (dict(num_last_tokens=1), "num_last_tokens is not supported with cp_group"),
     ):
@@ -135,8 +134,8 @@ def test_cp_group_refuses_what_it_does_not_take():
         with pytest.raises(ValueError, match=r"forward: last is not supported with cp_group"):
             mixer(x, last=1, cp_group=object())
     attention = MHA(16, num_heads=2, causal=True, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"MHA.forward: cache is not supported with cp_group"):
-        attention(x, cache=attention.allocate_inference_cache(1), cp_group=object())
+    with pytest.raises(ValueError, match=r"MHA.forward: cache together with cu_seqlens is not supported"):
+        attention(x, cache=attention.allocate_inference_cache(1), cu_seqlens=cu_seqlens, cp_group=object())
     if not dist.is_initialized():
         with pytest.raises(ValueError, match="cp_group: torch.distributed is not initialised"):
             model(ids, cp_group=object())
