@@ -137,6 +137,10 @@ class TrainerSection:
     accumulate_grad_batches: int = 1
     limit_val_batches: int | float | None = None  # None: all; an int: batches; a float: a share
     deterministic: bool = False
+    # processes that share each sequence (context parallelism, ssm.distributed; not passed to the
+    # Trainer): the processes form groups of this many consecutive ranks, each group splitting
+    # every sequence of the same batch along its length; the groups run data parallel. 1: none.
+    context_parallel: int = 1
 
 
 @dataclass
@@ -374,6 +378,7 @@ RANGES: dict[str, tuple] = {
     "trainer.val_check_interval": _int_from(1),
     "trainer.log_every_n_steps": _int_from(1),
     "trainer.accumulate_grad_batches": _int_from(1),
+    "trainer.context_parallel": _int_from(1),
     # 0 would validate nothing, and best.ckpt and the final metrics need a validation
     "trainer.limit_val_batches": (
         (lambda v: v is None or _is_int(v) and v >= 1 or isinstance(v, float) and 0 < v <= 1),

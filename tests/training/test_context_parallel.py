@@ -1,0 +1,44 @@
+"""trainer.context_parallel: two processes (gloo, Lightning's ddp) that split every sequence of a
+batch between them log, step by step, the losses of one process training on the same batches."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from ssm.training import load_config, train
+
+from .test_train import ROOT, TASKS, TINY
+
+STEPS = 10
+COMMON = [
+    *TINY,
+    *TASKS["selective_copying"],
+    "data.seq_len=13",  # inputs of 16 positions (the 3 to memorise after): 8 per rank
+    "model.n_layer=2",
+    "model.ssm_cfg={layer: Mamba2, d_state: 4, headdim: 8, chunk_size: 4}",
+    f"trainer.max_steps={STEPS}",
+    f"trainer.val_check_interval={STEPS}",
+    f"checkpoint_every={STEPS}",
+    "trainer.accelerator=cpu",
+]
+
+
+def train_losses(run_dir) -> list[float]:
+    rows = [line.split(",") for line in (run_dir / "metrics.csv").read_text().splitlines()[1:]]
+    losses = {int(step): float(value) for step, metric, value in rows if metric == "train/loss"}
+    return [losses[step] for step in sorted(losses)]
+
+
+def test_two_processes_splitting_each_sequence_log_the_losses_of_one(tmp_path):
+    train(load_config(None, [*COMMON, "trainer.devices=1", f"run_dir={tmp_path / 'one'}"]))
+    two = [*COMMON, "trainer.devices=2", "trainer.strategy=ddp", "trainer.context_parallel=2"]
+    args = [sys.executable, str(ROOT / "tests" / "training" / "ddp_probe.py"), str(tmp_path / "out"), *two]
+    args.append(f"run_dir={tmp_path / 'two'}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert len(one) == len(two) == STEPS
+    assert max(abs(a - b) / abs(a) for a, b in zip(one, two)) < 1e-4, (one, two)
