@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from ssm.training import load_config, train
 
 from .test_train import ROOT, TASKS, TINY
@@ -31,9 +33,20 @@ def train_losses(run_dir) -> list[float]:
     return [losses[step] for step in sorted(losses)]
 
 
-def test_two_processes_splitting_each_sequence_log_the_losses_of_one(tmp_path):
-    train(load_config(None, [*COMMON, "trainer.devices=1", f"run_dir={tmp_path / 'one'}"]))
-    two = [*COMMON, "trainer.devices=2", "trainer.strategy=ddp", "trainer.context_parallel=2"]
+def text_of_short_documents(directory) -> list[str]:
+    """Files of 3 to 30 bytes: rows of 16 bytes hold several documents, and the ranks' halves
+    cut through them (the packed path, cu_seqlens crossing the ranks)."""
+    directory.mkdir()
+    for i in range(60):
+        (directory / f"doc{i:02d}.txt").write_text("".join(chr(97 + (i * 7 + j) % 26) for j in range(3 + i * 13 % 28)))
+    return ["data.task=text", "data.seq_len=16", f"data.paths=[{directory}/*.txt]", "data.val_fraction=0.2"]
+
+
+@pytest.mark.parametrize("task", ["selective_copying", "text"])
+def test_two_processes_splitting_each_sequence_log_the_losses_of_one(tmp_path, task):
+    common = COMMON + (text_of_short_documents(tmp_path / "docs") if task == "text" else [])
+    train(load_config(None, [*common, "trainer.devices=1", f"run_dir={tmp_path / 'one'}"]))
+    two = [*common, "trainer.devices=2", "trainer.strategy=ddp", "trainer.context_parallel=2"]
     args = [sys.executable, str(ROOT / "tests" / "training" / "ddp_probe.py"), str(tmp_path / "out"), *two]
     args.append(f"run_dir={tmp_path / 'two'}")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
