@@ -406,6 +406,17 @@ def check_config(config: TrainConfig, run: bool = False) -> None:
         if not ok(value):
             raise ConfigError(f"{key} must be {expected}, got {value!r}")
     _check_backend(config.model)
+    t = config.trainer
+    if t.context_parallel > 1 and _is_int(t.devices) and (t.devices * t.num_nodes) % t.context_parallel:
+        raise ConfigError(
+            f"trainer.context_parallel = {t.context_parallel} must divide the number of processes, "
+            f"trainer.devices × trainer.num_nodes = {t.devices * t.num_nodes}"
+        )
+    if t.context_parallel > 1 and config.data.stateful:
+        raise ConfigError(
+            f"trainer.context_parallel = {t.context_parallel} does not combine with data.stateful (which carries "
+            "each row's state on one device)"
+        )
     if run and config.optim.decay_steps > config.trainer.max_steps:
         raise ConfigError(
             f"optim.decay_steps must be <= trainer.max_steps = {config.trainer.max_steps} (the decay is the "

@@ -1,5 +1,6 @@
 """trainer.context_parallel: two processes (gloo, Lightning's ddp) that split every sequence of a
-batch between them log, step by step, the losses of one process training on the same batches."""
+batch between them log, step by step, the losses of one process training on the same batches;
+what it does not combine with is refused by name, before a run starts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from ssm.training import load_config, train
+from ssm.training import ConfigError, load_config, train
 
 from .test_train import ROOT, TASKS, TINY
 
@@ -55,3 +56,16 @@ def test_two_processes_splitting_each_sequence_log_the_losses_of_one(tmp_path, t
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert len(one) == len(two) == STEPS
     assert max(abs(a - b) / abs(a) for a, b in zip(one, two)) < 1e-4, (one, two)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.devices=3", "trainer.context_parallel=2"], "trainer.context_parallel = 2 must divide .* = 3"),
+        (["trainer.context_parallel=2", "data.task=text", "data.stateful=true"], "does not combine with data.stateful"),
+        (["trainer.context_parallel=0"], "trainer.context_parallel must be an int >= 1"),
+    ],
+)
+def test_what_context_parallelism_does_not_combine_with_is_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        train(load_config(None, [*COMMON, *overrides]))
