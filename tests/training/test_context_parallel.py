@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from ssm import MambaLM
 from ssm.training import ConfigError, load_config, train
 
 from .test_train import ROOT, TASKS, TINY
@@ -56,6 +58,10 @@ def test_two_processes_splitting_each_sequence_log_the_losses_of_one(tmp_path, t
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert len(one) == len(two) == STEPS
     assert max(abs(a - b) / abs(a) for a, b in zip(one, two)) < 1e-4, (one, two)
+    # the model the two processes saved loads into one process, with one process's weights
+    models = [MambaLM.from_pretrained(tmp_path / run / "model") for run in ("one", "two")]
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize(
