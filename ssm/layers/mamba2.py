@@ -259,8 +259,10 @@ class Mamba2(nn.Module):
         to ``ssd``'s outputs there (no gate inside the scan): y_t += C_t·(exp(A·Σ_{s<=t} Δ_s)·h),
         (batch, n, H, P)."""
         decay = torch.exp(torch.cumsum(self._delta(dt, A), 1) * A)  # (batch, n, H)
-        C = C.to(state.dtype).repeat_interleave(self.nheads // self.ngroups, dim=2)  # (batch, n, H, N)
-        return torch.einsum("blhn,bhpn->blhp", C, state) * decay[..., None]
+        batch, heads, P, N = state.shape  # head h reads group h // (H / G): (G, H / G) heads
+        grouped = state.view(batch, self.ngroups, heads // self.ngroups, P, N)
+        y = torch.einsum("blgn,bgkpn->blgkp", C.to(state.dtype), grouped)  # no copy of C per head
+        return y.reshape(batch, -1, heads, P) * decay[..., None]
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the
