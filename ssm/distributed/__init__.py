@@ -16,7 +16,10 @@ values (``gather_sequence``) and masks with positions counted from the sequence'
 conv, if any, takes the same halo.
 Packed sequences (``cu_seqlens`` of the whole row, the same on every rank) may cross rank
 boundaries: ``slice_packing`` gives a rank its view of them (packing.py).
-All are autograd functions whose backward sends each gradient back to the rank it came from.
+A cache handed to a layer (the same on every rank) is the state before the whole sequence, and
+is left holding the state after it on every rank (``from_last_rank`` for what only the last rank
+has). All are autograd functions whose backward sends each gradient back to the rank it came
+from. ssm/training uses this through ``MambaLM.forward(cp_group=)`` (trainer.context_parallel).
 """
 
 from .collectives import all_gather_stacked, attach, from_last_rank, from_previous_rank, group_rank_and_size
