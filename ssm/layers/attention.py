@@ -10,9 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import (
+    conv_state_from_previous_rank,
+    from_last_rank,
+    gather_sequence,
+    group_rank_and_size,
+    slice_packing,
+)
 from ..ops import AttentionBlockWeights, GatedMLPWeights, causal_conv1d, causal_conv1d_step
 from ..scan import PackedSequences
 from .cache import AttentionCache, check_packing, check_sequence, check_token
+from .context import check_context_parallel
 from .linear import Linear
 from .norm import RMSNorm
 from .quant import decoding_matrix, float_dtype_and_device
@@ -262,8 +270,14 @@ class MHA(nn.Module):
 
     # ------------------------------------------------------------------ forward and step
 
+    context_parallel = True  # forward(cp_group=): see ssm.distributed
+
     def forward(
-        self, hidden_states: torch.Tensor, cache: AttentionCache | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        cache: AttentionCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cp_group=None,
     ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue each row from the
         tokens it holds and append these (prefill, or a chunk of one).
@@ -271,26 +285,45 @@ class MHA(nn.Module):
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one. No query attends
         to another sequence's keys, and positions (rotary) and the convolution restart at each
         sequence's start: each sequence's outputs are those it would get alone. With a cache,
-        the cache has batch S: each sequence continues its own row."""
+        the cache has batch S: each sequence continues its own row.
+
+        ``cp_group``: context parallelism, as in ``Mamba2.forward``: this rank holds positions
+        [r·L/W, (r+1)·L/W). Its queries attend to every rank's keys and values, gathered
+        (``ssm.distributed.gather_sequence``), under the causal mask of the whole sequence;
+        rotary positions count from the sequence's start; the conv, if any, takes the
+        previous rank's last d_conv - 1 inputs. A ``cache`` (the same on every rank) is continued
+        and every rank's is left holding the whole sequence's keys and values. ``cu_seqlens``
+        (not with a cache) then holds the whole row's boundaries (a sequence may cross ranks;
+        the mask keeps each query to its own sequence's keys, and rotary counts from each
+        sequence's start)."""
         check_sequence("hidden_states", hidden_states, self.embed_dim)
         batch, length, _ = hidden_states.shape
+        packing = None
+        if cp_group is not None:
+            check_context_parallel("MHA", cache, cu_seqlens, 0)
+            if cu_seqlens is not None:
+                packing = slice_packing(cu_seqlens, length, cp_group, hidden_states.device)
+                cu_seqlens = packing.local
         packed = check_packing(cu_seqlens, hidden_states)
         cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
             cache.check_batch(batch if packed is None else packed.num_sequences)
         qkv, mlp = self._project(hidden_states)
         if self.d_conv > 0:
+            conv_state = None if cache is None else cache.conv_state
+            if cp_group is not None:
+                conv_state = conv_state_from_previous_rank(qkv, self.d_conv, cp_group, packing, conv_state)
             conv, conv_state = causal_conv1d(
-                qkv.transpose(1, 2),
-                self.conv1d.weight,
-                self.conv1d.bias,
-                None if cache is None else cache.conv_state,
-                cu_seqlens,
+                qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens
             )
             qkv = conv.transpose(1, 2)
-            if cache is not None:
-                cache.conv_state = conv_state
-        if length == 0:
+            if cache is not None:  # under cp_group: the last rank's, after the whole sequence
+                cache.conv_state = conv_state if cp_group is None else from_last_rank(conv_state, cp_group)
+        if cp_group is not None and cache is not None:
+            context = self._context_parallel_cached(qkv, cp_group, cache)
+        elif cp_group is not None:
+            context = self._context_parallel(qkv, cp_group, packing)
+        elif length == 0:
             context = qkv.new_zeros(batch, 0, self.num_heads, self.head_dim)
         elif cu_seqlens is not None:
             context = self._packed(qkv, packed, cache)
@@ -301,6 +334,61 @@ class MHA(nn.Module):
             positions = torch.arange(length, device=qkv.device)
             context = self._sdpa(self._rotate(q, positions), self._rotate(k, positions), v, is_causal=self.causal)
         return self._finish(context, mlp)
+
+    def _context_parallel(self, qkv: torch.Tensor, group, packing) -> torch.Tensor:
+        """This rank's queries against the whole row's keys and values (one all_gather of both),
+        positions counted from the row's start, or with ``packing`` from each sequence's."""
+        q, k, v = self._heads(qkv)
+        length, device = qkv.shape[1], qkv.device
+        rank, size = group_rank_and_size(group)
+        total, offset = length * size, length * rank
+        where = torch.arange(total, device=device)  # positions in the whole row
+        if packing is not None:
+            cu_seqlens = packing.whole.cu_seqlens
+            seq = torch.repeat_interleave(
+                torch.arange(cu_seqlens.numel() - 1, device=device), cu_seqlens.diff(), output_size=total
+            )
+            positions = where - cu_seqlens[seq]  # from each sequence's start
+        else:
+            positions = where
+        mine = slice(offset, offset + length)
+        q, k = self._rotate(q, positions[mine]), self._rotate(k, positions[mine])
+        k, v = gather_sequence(torch.cat([k, v], dim=-1), group).chunk(2, dim=-1)
+        mask = None
+        if self.causal:
+            mask = where[mine, None] >= where  # (L / W, L)
+        if packing is not None:
+            same = seq[mine, None] == seq
+            mask = same if mask is None else mask & same
+        return self._sdpa(q, k, v, mask=mask)
+
+    def _context_parallel_cached(self, qkv: torch.Tensor, group, cache: AttentionCache) -> torch.Tensor:
+        """``_context_parallel`` continuing ``cache``: each row's positions count from the tokens
+        it holds; the whole sequence's keys and values (gathered, rotated) are written into every
+        rank's cache, and this rank's queries attend to the row's cached keys and those up to
+        their own position."""
+        q, k, v = self._heads(qkv)
+        rank, size = group_rank_and_size(group)
+        length, device = qkv.shape[1], qkv.device
+        start = cache.lengths.to(device)  # (B,)
+        positions = start[:, None] + rank * length + torch.arange(length, device=device)  # (B, L / W)
+        q, k = self._rotate(q, positions), self._rotate(k, positions)
+        k, v = gather_sequence(torch.cat([k, v], dim=-1), group).chunk(2, dim=-1)  # (B, L, Hk, P)
+        total = length * size
+        new_lengths = start + total
+        keys_needed = int(new_lengths.max())
+        key, value = _room(cache, keys_needed)
+        rows, steps = torch.ones(k.shape[0], total, dtype=torch.bool, device=device).nonzero(as_tuple=True)
+        where = (rows, start[rows] + steps)
+        key = key.index_put(where, k[rows, steps].to(key.dtype))
+        value = value.index_put(where, v[rows, steps].to(value.dtype))
+        cache.key, cache.value, cache.lengths = key, value, new_lengths
+        j = torch.arange(keys_needed, device=device)
+        mask = (j < new_lengths[:, None])[:, None, :]  # (B, 1, Lk): the row's keys
+        if self.causal:
+            mask = mask & (j <= positions[..., None])  # (B, L / W, Lk): and none after the query
+        keys, values = key[:, :keys_needed].to(q.dtype), value[:, :keys_needed].to(q.dtype)
+        return self._sdpa(q, keys, values, mask=mask[:, None])
 
     def _packed(self, qkv: torch.Tensor, packed: PackedSequences, cache: AttentionCache | None) -> torch.Tensor:
         """Packed attention: qkv (1, L, (H + 2Hk)·P) → context (1, L, H, P). One call over the

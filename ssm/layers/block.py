@@ -84,16 +84,20 @@ class Block(nn.Module):
         step: bool = False,
         cu_seqlens: torch.Tensor | None = None,
         last: int = 0,
+        cp_group=None,
     ):
         """``cu_seqlens``: packed sequences (batch 1), passed to the mixer (the norms and the MLP
         act on each position alone). ``last`` > 0 (a sequence (batch, L, d), no cu_seqlens):
         return only the last ``last`` positions of (hidden, residual), for a caller that reads
         no others (the last block under ``MambaLM.forward(num_last_tokens=)``); the cache is
         advanced over all L. A mixer whose forward takes ``last`` computes only those positions
-        after its scan; any other's output is cut."""
+        after its scan; any other's output is cut. ``cp_group``: context parallelism, passed to
+        the mixer (see ``Mamba2.forward``)."""
         residual = self._add(hidden, residual)
         normed = self.norm(residual.to(self.norm.weight.dtype))
-        if step:
+        if cp_group is not None:
+            hidden = self.mixer(normed, cache=cache, cu_seqlens=cu_seqlens, cp_group=cp_group)
+        elif step:
             hidden = self.mixer.step(normed, cache)
         elif cu_seqlens is not None:
             hidden = self.mixer(normed, cache=cache, cu_seqlens=cu_seqlens)

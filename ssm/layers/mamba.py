@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import conv_state_from_previous_rank, from_last_rank, scan_with_passed_state, slice_packing
 from ..ops import MambaBlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import selective_scan, selective_scan_step
 from .arguments import check_dt_range, check_int, check_number
 from .cache import LayerCache, check_packing, check_sequence, check_token
+from .context import check_context_parallel
 from .linear import Linear
 from .norm import RMSNorm, upcast
 from .quant import decoding_matrix
@@ -113,6 +115,7 @@ class Mamba(nn.Module):
         return LayerCache.zeros(batch, self.conv1d, (self.d_inner, self.d_state), dtype, device)
 
     computes_last = True  # forward(last=k): see Block.forward
+    context_parallel = True  # forward(cp_group=): see ssm.distributed
 
     def forward(
         self,
@@ -120,9 +123,16 @@ class Mamba(nn.Module):
         cache: LayerCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
         last: int = 0,
+        cp_group=None,
     ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
         leave the state after the last token in it (prefill).
+
+        ``cp_group``: context parallelism over a torch.distributed process group, as in
+        ``Mamba2.forward``: this rank's ``hidden_states`` are its slice [r·L/W, (r+1)·L/W) of
+        the whole sequence, and its output that slice of the whole's; a ``cache`` (the same on
+        every rank) is continued and left holding the state after the whole sequence. Not with
+        ``last``; ``cu_seqlens`` then holds the whole row's boundaries, as there.
 
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
         ``ssm.scan.selective_scan``); neither the convolution nor the scan crosses a boundary,
@@ -135,15 +145,22 @@ class Mamba(nn.Module):
         if last > 0 and cu_seqlens is not None:
             raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         check_sequence("hidden_states", hidden_states, self.d_model)
+        packing = None
+        if cp_group is not None:
+            check_context_parallel("Mamba", cache, cu_seqlens, last)
+            if cu_seqlens is not None:  # the whole row's boundaries, seen from this slice
+                packing = slice_packing(cu_seqlens, hidden_states.shape[1], cp_group, hidden_states.device)
+                cu_seqlens = packing.local
         packed = check_packing(cu_seqlens, hidden_states)  # validated once; the ops take its tensor
         cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
             cache.check_batch(hidden_states.shape[0] if packed is None else packed.num_sequences)
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (b, l, d) each
+        conv_state = None if cache is None else cache.conv_state
+        if cp_group is not None:  # the previous rank's last d_conv - 1 inputs
+            conv_state = conv_state_from_previous_rank(x, self.d_conv, cp_group, packing, conv_state)
         # x (b, l, d) for x_proj and u (b, d, l) for the scan
-        (x, u), conv_state = causal_conv1d_silu(
-            x, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state, cu_seqlens, True
-        )
+        (x, u), conv_state = causal_conv1d_silu(x, self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens, True)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], -1)
         # the scan's (b, d, l) and (b, n, l), as views
         z, B, C = (t.transpose(1, 2) for t in (z, B, C))
@@ -155,21 +172,39 @@ class Mamba(nn.Module):
         # avoids: there the scan gates every position and only out_proj is cut)
         wide = u.dtype in (torch.float32, torch.float64)
         gate, z = (z[:, :, -last:], None) if last > 0 and wide else (None, z)
-        y, last_state = selective_scan(
-            u,
-            dt,
-            -torch.exp(upcast(self.A_log)),
-            B,
-            C,
-            upcast(self.D),
-            z,
-            upcast(self.dt_proj.bias),
-            delta_softplus=True,
-            return_last_state=True,
-            initial_state=None if cache is None else cache.ssm_state,
-            cu_seqlens=packed,
-            backend=self.backend,
-        )
+        A = -torch.exp(upcast(self.A_log))
+
+        def scan(initial_state):
+            return selective_scan(
+                u,
+                dt,
+                A,
+                B,
+                C,
+                upcast(self.D),
+                z,
+                upcast(self.dt_proj.bias),
+                delta_softplus=True,
+                return_last_state=True,
+                initial_state=initial_state,
+                cu_seqlens=packed,
+                backend=self.backend,
+            )
+
+        if cp_group is not None:
+            # log of the slice's decay per (batch, channel, state): A·Σ_t softplus(Δ_t + bias)
+            # (in the scan's compute dtype: float64 for float64 inputs, though A_log is float32)
+            delta = F.softplus(dt.to(torch.promote_types(dt.dtype, A.dtype)) + upcast(self.dt_proj.bias)[:, None])
+            initial = None if cache is None else cache.ssm_state
+            y, whole = scan_with_passed_state(
+                scan, lambda start: delta[..., start:].sum(-1)[..., None] * A, cp_group, packing, None, initial
+            )
+            if cache is not None:  # the state after the whole sequence, on every rank
+                cache.ssm_state = whole
+                if conv_state is not None:
+                    cache.conv_state = from_last_rank(conv_state, cp_group)
+            return self.out_proj(y.transpose(1, 2))
+        y, last_state = scan(None if cache is None else cache.ssm_state)
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
         if gate is not None:  # the gate the scan would have applied

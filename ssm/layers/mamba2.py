@@ -7,10 +7,12 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..distributed import conv_state_from_previous_rank, from_last_rank, scan_with_passed_state, slice_packing
 from ..ops import GatedMLPWeights, Mamba2BlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import ssd, ssd_step
 from .arguments import check_divides, check_dt_range, check_int, check_number
 from .cache import LayerCache, check_packing, check_sequence, check_token
+from .context import check_context_parallel
 from .linear import Linear
 from .mamba import decoding_A, dt_bias_init, no_weight_decay
 from .norm import RMSNorm, RMSNormGated, upcast
@@ -147,6 +149,7 @@ class Mamba2(nn.Module):
         return LayerCache.zeros(batch, self.conv1d, (self.nheads, self.headdim, self.d_state), dtype, device)
 
     computes_last = True  # forward(last=k): see Block.forward
+    context_parallel = True  # forward(cp_group=): see ssm.distributed
 
     def forward(
         self,
@@ -154,9 +157,20 @@ class Mamba2(nn.Module):
         cache: LayerCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
         last: int = 0,
+        cp_group=None,
     ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
         leave the state after the last token in it (prefill).
+
+        ``cp_group``: a torch.distributed process group of W ranks over which each sequence is
+        split (context parallelism): this rank's ``hidden_states`` are positions
+        [r·L/W, (r+1)·L/W) of the whole, and its output those positions of the whole's output.
+        The conv reads its halo from the previous rank and the scan starts from the state the
+        ranks before pass it (``ssm.distributed``); every rank of the group must call this
+        together. With ``cache`` (the same on every rank: the state before the whole sequence),
+        every rank's cache is left holding the state after the whole sequence. Not with
+        ``last``. With it, ``cu_seqlens`` holds the boundaries of the whole row (up to W·L), the
+        same on every rank; a sequence may cross ranks (not with a cache).
 
         ``cu_seqlens`` (S + 1,): S sequences packed along L in a batch of one (see
         ``ssm.scan.ssd``); neither the convolution nor the scan crosses a boundary, so each
@@ -169,39 +183,86 @@ class Mamba2(nn.Module):
             raise ValueError("last: only without cu_seqlens (packed sequences have no common last positions)")
         check_sequence("hidden_states", hidden_states, self.d_model)
         batch, length, _ = hidden_states.shape
+        packing = None
+        if cp_group is not None:
+            check_context_parallel("Mamba2", cache, cu_seqlens, last)
+            if cu_seqlens is not None:  # the whole row's boundaries, seen from this slice
+                packing = slice_packing(cu_seqlens, length, cp_group, hidden_states.device)
+                cu_seqlens = packing.local
         packed = check_packing(cu_seqlens, hidden_states)  # validated once; the ops take its tensor
         cu_seqlens = None if packed is None else packed.cu_seqlens
         if cache is not None:
             cache.check_batch(batch if packed is None else packed.num_sequences)
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states))
-        xBC, conv_state = causal_conv1d_silu(
-            xBC, self.conv1d.weight, self.conv1d.bias, None if cache is None else cache.conv_state, cu_seqlens
-        )
+        conv_state = None if cache is None else cache.conv_state
+        if cp_group is not None:  # the previous rank's last d_conv - 1 inputs
+            conv_state = conv_state_from_previous_rank(xBC, self.d_conv, cp_group, packing, conv_state)
+        xBC, conv_state = causal_conv1d_silu(xBC, self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens)
         x, B, C = xBC.split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         x = rearrange(x, "b l (h p) -> b l h p", p=self.headdim)
         B, C = (rearrange(t, "b l (g n) -> b l g n", g=self.ngroups) for t in (B, C))
-        y, last_state = ssd(
-            x,
-            dt,
-            -torch.exp(upcast(self.A_log)),
-            B,
-            C,
-            self._D(),
-            None if self.rmsnorm else rearrange(z, "b l (h p) -> b l h p", p=self.headdim),
-            dt_bias=upcast(self.dt_bias),
-            dt_softplus=True,
-            dt_limit=self.dt_limit,
-            initial_state=None if cache is None else cache.ssm_state,
-            return_last_state=True,
-            chunk_size=self.chunk_size,
-            cu_seqlens=packed,
-            backend=self.backend,
-        )
+        A = -torch.exp(upcast(self.A_log))
+
+        def scan(initial_state):
+            return ssd(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                self._D(),
+                None if self.rmsnorm else rearrange(z, "b l (h p) -> b l h p", p=self.headdim),
+                dt_bias=upcast(self.dt_bias),
+                dt_softplus=True,
+                dt_limit=self.dt_limit,
+                initial_state=initial_state,
+                return_last_state=True,
+                chunk_size=self.chunk_size,
+                cu_seqlens=packed,
+                backend=self.backend,
+            )
+
+        if cp_group is not None:
+            # the gated norm leaves the scan linear in its state: add the entering state's part
+            added = (lambda h, n: self._contribution(h, dt[:, :n], A, C[:, :n])) if self.rmsnorm else None
+            initial = None if cache is None else cache.ssm_state
+            y, whole = scan_with_passed_state(
+                scan, lambda start: self._log_decay(dt[:, start:], A), cp_group, packing, added, initial
+            )
+            if cache is not None:  # the state after the whole sequence, on every rank
+                cache.ssm_state = whole
+                if conv_state is not None:
+                    cache.conv_state = from_last_rank(conv_state, cp_group)
+            return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
+        y, last_state = scan(None if cache is None else cache.ssm_state)
         if cache is not None:
             cache.conv_state, cache.ssm_state = conv_state, last_state
         if last > 0:  # every op after the scan acts on each position alone
             y, z, z0, x0 = (t[:, -last:] for t in (y, z, z0, x0))
         return self._finish(rearrange(y, "b l h p -> b l (h p)"), z, z0, x0)
+
+    def _delta(self, dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """Δ as ``ssd`` makes it from dt (bias, softplus, dt_limit), in the scan's compute dtype
+        (float64 for float64 inputs, though A_log is float32; float32 for 16-bit ones)."""
+        delta = F.softplus(dt.to(torch.promote_types(dt.dtype, A.dtype)) + upcast(self.dt_bias))
+        if tuple(self.dt_limit) != (0.0, float("inf")):
+            delta = delta.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
+        return delta
+
+    def _log_decay(self, dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """log of the slice's total decay per head, (batch, H, 1, 1) against the state (batch,
+        H, P, N): A·Σ_t Δ_t."""
+        return (self._delta(dt, A).sum(1) * A)[..., None, None]
+
+    def _contribution(self, state, dt, A, C) -> torch.Tensor:
+        """What ``state`` (batch, H, P, N), entering before the first of dt's positions, adds
+        to ``ssd``'s outputs there (no gate inside the scan): y_t += C_t·(exp(A·Σ_{s<=t} Δ_s)·h),
+        (batch, n, H, P)."""
+        decay = torch.exp(torch.cumsum(self._delta(dt, A), 1) * A)  # (batch, n, H)
+        batch, heads, P, N = state.shape  # head h reads group h // (H / G): (G, H / G) heads
+        grouped = state.view(batch, self.ngroups, heads // self.ngroups, P, N)
+        y = torch.einsum("blgn,bgkpn->blgkp", C.to(state.dtype), grouped)  # no copy of C per head
+        return y.reshape(batch, -1, heads, P) * decay[..., None]
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the

@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import scan_with_passed_rotating_state, slice_packing
 from ..ops import GatedMLPWeights, Mamba3BlockWeights
 from ..scan import TrapezoidalState, trapezoidal_scan, trapezoidal_scan_step
 from .arguments import check_dt_range, check_int, check_number
 from .cache import Mamba3Cache, check_packing, check_sequence, check_token
+from .context import check_context_parallel
 from .linear import Linear
 from .mamba import dt_bias_init, no_weight_decay
 from .norm import RMSNorm, RMSNormGated, upcast
@@ -209,35 +211,79 @@ class Mamba3(nn.Module):
         ]
         return Mamba3Cache(TrapezoidalState(*zeros))
 
+    context_parallel = True  # forward(cp_group=): see ssm.distributed
+
     def forward(
-        self, hidden_states: torch.Tensor, cache: Mamba3Cache | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        cache: Mamba3Cache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cp_group=None,
     ) -> torch.Tensor:
         """(batch, L, d_model) → (batch, L, d_model). With ``cache``, continue from its state and
         leave the state after the last token in it (prefill). With ``cu_seqlens`` (S + 1,), the
-        batch of one holds S sequences end to end (and a cache, if any, is for S sequences)."""
+        batch of one holds S sequences end to end (and a cache, if any, is for S sequences).
+
+        ``cp_group``: context parallelism over a torch.distributed process group, as in
+        ``Mamba2.forward``: this rank's slice [r·L/W, (r+1)·L/W) in, that slice of the whole's
+        output out. The rotary phase counts from the sequence's start, and the first step reads
+        the previous rank's last position (``ssm.distributed.scan_with_passed_rotating_state``).
+        A ``cache`` (the same on every rank) is continued and left holding the state after the
+        whole sequence. ``cu_seqlens`` (not with a cache) then holds the whole row's boundaries (a sequence may
+        cross ranks; the phase restarts at each sequence's start)."""
         check_sequence("hidden_states", hidden_states, self.d_model)
+        packing = None
+        if cp_group is not None:
+            check_context_parallel("Mamba3", cache, cu_seqlens, 0)
+            if cu_seqlens is not None:  # the whole row's boundaries, seen from this slice
+                packing = slice_packing(cu_seqlens, hidden_states.shape[1], cp_group, hidden_states.device)
+                cu_seqlens = packing.local
         packed = check_packing(cu_seqlens, hidden_states)
         if cache is not None:
             cache.check_batch(hidden_states.shape[0] if packed is None else packed.num_sequences)
         z, x, B, C, dt, A, trap, theta = self._inputs(hidden_states)
         options, z_scan = self._scan_options(z)
-        y, last = trapezoidal_scan(
-            x,
-            dt,
-            A,
-            self._BC(B),
-            self._BC(C),
-            trap,
-            theta,
-            self.D,
-            z_scan,
-            **options,
-            initial_state=None if cache is None else cache.state,
-            return_last_state=True,
-            chunk_size=self.chunk_size,
-            cu_seqlens=packed,
-            backend=self.backend,
-        )
+        B, C = self._BC(B), self._BC(C)
+
+        def scan(initial_state, positions=slice(None), packed=packed):
+            return trapezoidal_scan(
+                x[:, positions],
+                dt[:, positions],
+                A[:, positions],
+                B[:, positions],
+                C[:, positions],
+                trap[:, positions],
+                theta[:, positions],
+                self.D,
+                None if z_scan is None else z_scan[:, positions],
+                **options,
+                initial_state=initial_state,
+                return_last_state=True,
+                chunk_size=self.chunk_size,
+                cu_seqlens=packed,
+                backend=self.backend,
+            )
+
+        if cp_group is not None:
+            zeros = self.allocate_inference_cache(x.shape[0], dtype=x.dtype, device=x.device).state
+
+            def last_step(phase):  # the state after this slice's last position alone, from ``phase``
+                return scan(zeros._replace(phase=phase), slice(-1, None), None)[1]
+
+            phase_steps = dt[..., None] * theta  # (batch, L, H, M): Δ_t·θ_t
+            y, whole = scan_with_passed_rotating_state(
+                scan,
+                last_step,
+                phase_steps,
+                lambda start: (dt * A)[:, start:].sum(1)[..., None, None],
+                cp_group,
+                packing,
+                None if cache is None else cache.state,
+            )
+            if cache is not None:  # the state after the whole sequence, on every rank
+                cache.state = _wrapped(whole)
+            return self._finish(y, z, hidden_states.dtype)
+        y, last = scan(None if cache is None else cache.state)
         if cache is not None:
             cache.state = _wrapped(last)
         return self._finish(y, z, hidden_states.dtype)

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from ..distributed import check_slices, group_rank_and_size, slice_packing
 from ..layers import MHA, Block, GatedMLP, Mamba, Mamba2, Mamba3, RMSNorm
 from ..layers.linear import Linear
 from ..scan import PackedSequences, packed_sequences
@@ -86,13 +87,18 @@ class MambaBackbone(nn.Module):
         )
         self.norm_f = norm()
 
-    def forward(self, input_ids, cache: InferenceCache | None = None, step: bool = False, cu_seqlens=None, last=0):
+    def forward(
+        self, input_ids, cache: InferenceCache | None = None, step: bool = False, cu_seqlens=None, last=0, cp_group=None
+    ):
         """``last`` > 0 (not with ``step`` or ``cu_seqlens``): only the last ``last`` positions'
-        hidden states, (batch, last, d_model); the last block computes no others."""
+        hidden states, (batch, last, d_model); the last block computes no others. ``cp_group``:
+        context parallelism, passed to every block (``MambaLM.forward``)."""
         hidden, residual = self.embedding(input_ids), None
         final = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             kw = {"last": last} if i == final and last > 0 else {}
+            if cp_group is not None:
+                kw["cp_group"] = cp_group
             layer_cache = None if cache is None else cache.layers[i]
             hidden, residual = layer(hidden, residual, cache=layer_cache, step=step, cu_seqlens=cu_seqlens, **kw)
         residual = hidden + residual if residual is not None else hidden
@@ -180,10 +186,25 @@ class MambaLM(nn.Module):
         cache: InferenceCache | None = None,
         num_last_tokens: int = 0,
         cu_seqlens: torch.Tensor | PackedSequences | None = None,
+        cp_group=None,
     ) -> torch.Tensor:
         """input_ids (batch, L) → logits (batch, L, V), or only the last ``num_last_tokens``
         positions when > 0. With ``cache``, continue from its state and leave the state after
         the last token in it.
+
+        ``cp_group``: a torch.distributed process group of W ranks over which each sequence is
+        split (context parallelism, ``ssm.distributed``). Every rank of the group calls this
+        together with its slice of the same sequences, in rank order: rank r's ``input_ids``
+        are positions [r·L/W, (r+1)·L/W) (``ssm.distributed.shard_sequence`` cuts them), the
+        same number on every rank (checked: one all_gather of the shape), and it gets the
+        logits of those positions, equal to the whole sequence's forward's. Gradients summed
+        over the ranks are the whole's. No rank runs a layer over more than its slice (attention
+        gathers keys and values). Every mixer takes it (Mamba, Mamba2, Mamba3, MHA); not with
+        ``num_last_tokens``. A ``cache`` (the same on every rank) holds the state before the
+        whole sequence and is left holding the state after it on every rank: a prompt
+        prefilled over W processes, then decoded on any one. With it, ``cu_seqlens`` holds the
+        boundaries of the whole row (batch 1, up to W·L), the same on every rank, and sequences
+        may cross ranks (not with a cache).
 
         ``cu_seqlens`` (S + 1,) int32/int64: S sequences (documents, prompts) packed along L in
         a batch of one, 0 = cu_seqlens[0] <= ... <= cu_seqlens[S] = L. No layer carries
@@ -192,6 +213,17 @@ class MambaLM(nn.Module):
         call; then ``step`` takes one token per sequence). It is validated once here (one host
         sync; none for a ``ssm.scan.PackedSequences``) and handed to every layer validated."""
         check_ids(self.config, input_ids, 2, "(batch, L)")
+        if cp_group is not None:
+            self._check_context_parallel(cache, num_last_tokens, cu_seqlens)
+            check_slices(input_ids, cp_group)  # one small all_gather: the same slice shape on every rank
+            if cu_seqlens is not None:  # validated once for every layer
+                cu_seqlens = slice_packing(cu_seqlens, input_ids.shape[1], cp_group, input_ids.device)
+            if cache is not None:
+                check_cache(cache, input_ids.shape[0], "input_ids")
+            hidden = self.backbone(input_ids, cache, cu_seqlens=cu_seqlens, cp_group=cp_group)
+            if cache is not None:  # it has seen the whole sequence
+                cache.seqlen_offset += input_ids.shape[1] * group_rank_and_size(cp_group)[1]
+            return self.lm_head(hidden)
         packed = None
         if cu_seqlens is not None:
             packed = packed_sequences(cu_seqlens, input_ids.shape[1], input_ids.shape[0], input_ids.device)
@@ -208,6 +240,18 @@ class MambaLM(nn.Module):
         if num_last_tokens > 0:
             hidden = hidden[:, -num_last_tokens:]
         return self.lm_head(hidden)
+
+    def _check_context_parallel(self, cache, num_last_tokens, cu_seqlens) -> None:
+        if num_last_tokens > 0:
+            raise ValueError("MambaLM.forward: num_last_tokens is not supported with cp_group (context parallelism)")
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("MambaLM.forward: cache together with cu_seqlens is not supported with cp_group")
+        for i, layer in enumerate(self.backbone.layers):
+            if not getattr(layer.mixer, "context_parallel", False):
+                raise ValueError(
+                    f"MambaLM.forward: cp_group: layer {i}'s mixer {type(layer.mixer).__name__} has no context "
+                    "parallelism (Mamba, Mamba2, Mamba3 and MHA have)"
+                )
 
     def _blocks(self, input_ids, cache, packed, last: int, tokens: int) -> torch.Tensor:
         """The backbone over a sequence; the cache, if any, has seen ``tokens`` more positions."""

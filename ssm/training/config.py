@@ -141,6 +141,10 @@ class TrainerSection:
     accumulate_grad_batches: int = 1
     limit_val_batches: int | float | None = None  # None: all; an int: batches; a float: a share
     deterministic: bool = False
+    # processes that share each sequence (context parallelism, ssm.distributed; not passed to the
+    # Trainer): the processes form groups of this many consecutive ranks, each group splitting
+    # every sequence of the same batch along its length; the groups run data parallel. 1: none.
+    context_parallel: int = 1
 
 
 @dataclass
@@ -380,6 +384,7 @@ RANGES: dict[str, tuple] = {
     "trainer.val_check_interval": _int_from(1),
     "trainer.log_every_n_steps": _int_from(1),
     "trainer.accumulate_grad_batches": _int_from(1),
+    "trainer.context_parallel": _int_from(1),
     # 0 would validate nothing, and best.ckpt and the final metrics need a validation
     "trainer.limit_val_batches": (
         (lambda v: v is None or _is_int(v) and v >= 1 or isinstance(v, float) and 0 < v <= 1),
@@ -407,6 +412,17 @@ def check_config(config: TrainConfig, run: bool = False) -> None:
         if not ok(value):
             raise ConfigError(f"{key} must be {expected}, got {value!r}")
     _check_backend(config.model)
+    t = config.trainer
+    if t.context_parallel > 1 and _is_int(t.devices) and (t.devices * t.num_nodes) % t.context_parallel:
+        raise ConfigError(
+            f"trainer.context_parallel = {t.context_parallel} must divide the number of processes, "
+            f"trainer.devices × trainer.num_nodes = {t.devices * t.num_nodes}"
+        )
+    if t.context_parallel > 1 and config.data.stateful:
+        raise ConfigError(
+            f"trainer.context_parallel = {t.context_parallel} does not combine with data.stateful (which carries "
+            "each row's state on one device)"
+        )
     if run and config.optim.decay_steps > config.trainer.max_steps:
         raise ConfigError(
             f"optim.decay_steps must be <= trainer.max_steps = {config.trainer.max_steps} (the decay is the "

@@ -360,8 +360,13 @@ class TaskDataModule(pl.LightningDataModule):
         return torch.tensor(self.tokenizer.token_byte_lengths(), dtype=torch.long)
 
     def _world(self) -> tuple[int, int]:
+        """(this process's data-parallel rank, their number): with context parallelism
+        (trainer.context_parallel = W) the W ranks of a group read the same examples."""
         trainer = self.trainer
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        if trainer is None:
+            return 0, 1
+        W = getattr(trainer.lightning_module, "context_parallel", 1)
+        return trainer.global_rank // W, trainer.world_size // W
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer

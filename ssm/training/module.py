@@ -7,9 +7,11 @@ import time
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import shard_sequence
 from ..models import InferenceCache, MambaLM
 from .config import OptimSection
 from .data import IGNORE
@@ -114,6 +116,15 @@ class LanguageModelTask(pl.LightningModule):
     and the model carries every layer's state across steps, detached (see forward_rows); one
     carried state per micro-batch of a step (gradient accumulation), saved in checkpoints so
     that a resumed run continues exactly. Validation always starts from a zero state.
+
+    ``context_parallel`` = W > 1 (trainer.context_parallel): the processes form groups of W
+    consecutive ranks (made in ``setup``); the ranks of a group read the same batch (the data
+    module's ``_world``) and each runs the model over its slice of every row
+    (``MambaLM.forward(cp_group=)``; with packed documents, its slice of the rows laid end to
+    end). Each rank's loss is its slice's summed cross-entropy over the batch's scored positions,
+    times W: the data-parallel average of the gradients over all W·G ranks is then the average
+    over the G groups of the whole batch's mean loss, as G processes without context parallelism
+    would train. The logged loss and accuracy are the whole batch's.
     """
 
     def __init__(
@@ -123,8 +134,16 @@ class LanguageModelTask(pl.LightningModule):
         max_steps: int,
         stateful: bool = False,
         token_bytes: torch.Tensor | None = None,
+        context_parallel: int = 1,
     ):
         super().__init__()
+        if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
+            raise ValueError(f"trainer.context_parallel must be an int >= 1, got {context_parallel!r}")
+        if stateful and context_parallel > 1:
+            raise ValueError(
+                "data.stateful carries each row's state from step to step on one device; it does not combine "
+                f"with trainer.context_parallel = {context_parallel}"
+            )
         if stateful and model.config.attn_layer_idx:
             raise ValueError(
                 "data.stateful carries every layer's state from step to step; an attention layer's state is "
@@ -137,11 +156,30 @@ class LanguageModelTask(pl.LightningModule):
         self.token_bytes = token_bytes  # (V,) bytes per token id (text): val/bpb per byte, not per token
         self._last_batch_end = None
         self.carried: dict[int, InferenceCache] = {}  # micro-batch slot -> state after its last rows
+        self.context_parallel, self.cp_group = context_parallel, None
+
+    def setup(self, stage: str) -> None:
+        if self.context_parallel == 1 or self.cp_group is not None:
+            return
+        world, rank, W = self.trainer.world_size, self.trainer.global_rank, self.context_parallel
+        if world % W or not dist.is_initialized():
+            raise ValueError(
+                f"trainer.context_parallel = {W} must divide the number of processes, {world} "
+                "(trainer.devices × trainer.num_nodes, with a distributed strategy such as ddp)"
+            )
+        groups = [dist.new_group(list(range(start, start + W))) for start in range(0, world, W)]  # on every rank
+        self.cp_group = groups[rank // W]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
     def _loss_and_accuracy(self, batch, slot: int | None = None):
+        """(the batch's mean loss over its scored positions, their accuracy, their number)."""
+        return self._losses(batch, slot)[1:]
+
+    def _losses(self, batch, slot: int | None = None):
+        """(the loss to differentiate, then as ``_loss_and_accuracy``): the same but for context
+        parallelism, where each rank differentiates its slice's share."""
         inputs, targets, resets = batch if len(batch) == 3 else (*batch, None)
         state = None
         if slot is not None:
@@ -150,16 +188,37 @@ class LanguageModelTask(pl.LightningModule):
                 state = self.model.allocate_inference_cache(inputs.shape[0], device=inputs.device)
             else:  # (from a checkpoint, it arrives on the CPU)
                 state = state.map(lambda t: t.to(inputs.device))
+        if self.cp_group is not None:
+            return self._context_parallel_loss(inputs, targets, resets)
         logits, state = forward_rows(self.model, inputs, resets, state)
         if slot is not None:
             self.carried[slot] = state
         loss_sum, correct, n = scored_token_metrics(logits, targets)
-        return loss_sum / max(n, 1), correct / max(n, 1), n
+        loss = loss_sum / max(n, 1)
+        return loss, loss, correct / max(n, 1), n
+
+    def _context_parallel_loss(self, inputs, targets, resets):
+        """(the loss to differentiate, the whole batch's loss, its accuracy, its scored positions)
+        with this rank's slice of the batch (see the class)."""
+        group, W = self.cp_group, self.context_parallel
+        n = int((targets != IGNORE).sum())  # the whole batch's: every rank of the group holds it
+        if resets is None:
+            mine = shard_sequence(inputs, group, argument="the inputs (data.seq_len)")
+            logits, targets = self.model(mine, cp_group=group), shard_sequence(targets, group)
+        else:  # the rows end to end, documents crossing the ranks' boundaries
+            flat = inputs.reshape(1, -1)
+            mine = shard_sequence(flat, group, argument="the inputs (data.seq_len)")
+            logits = self.model(mine, cu_seqlens=sequence_boundaries(resets), cp_group=group)
+            targets = shard_sequence(targets.reshape(1, -1), group)
+        loss_sum, correct, _ = scored_token_metrics(logits, targets)
+        whole = torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype)])
+        dist.all_reduce(whole, group=group)
+        return loss_sum * W / max(n, 1), whole[0] / max(n, 1), whole[1] / max(n, 1), n
 
     def training_step(self, batch, batch_idx):
         slot = batch_idx % self.trainer.accumulate_grad_batches if self.stateful else None
-        loss, acc, n = self._loss_and_accuracy(batch, slot)
-        self.log("train/loss", loss, prog_bar=True, batch_size=n)
+        loss, shown, acc, n = self._losses(batch, slot)
+        self.log("train/loss", shown, prog_bar=True, batch_size=n)
         self.log("train/acc", acc, prog_bar=True, batch_size=n)
         self.log("lr", self.optimizers().param_groups[0]["lr"])
         return loss
@@ -167,7 +226,7 @@ class LanguageModelTask(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         now = time.perf_counter()
         if self._last_batch_end is not None:
-            tokens = batch[0].numel() * self.trainer.world_size
+            tokens = batch[0].numel() * self.trainer.world_size // self.context_parallel
             self.log("train/tokens_per_s", tokens / (now - self._last_batch_end), prog_bar=True)
         self._last_batch_end = now
 

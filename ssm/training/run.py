@@ -89,6 +89,7 @@ def build_model(config: TrainConfig, vocab_size: int) -> MambaLM:
 
 def trainer_kwargs(config: TrainConfig) -> dict:
     kw = dataclasses.asdict(config.trainer)
+    del kw["context_parallel"]  # the LightningModule's (LanguageModelTask), not the Trainer's
     if kw["precision"] is None:
         on_cuda = kw["accelerator"] in ("auto", "gpu", "cuda") and torch.cuda.is_available()
         kw["precision"] = "bf16-mixed" if on_cuda else "32-true"
@@ -234,7 +235,12 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     model = build_model(config, data.vocab_size)
     try:
         module = LanguageModelTask(
-            model, config.optim, config.trainer.max_steps, stateful=config.data.stateful, token_bytes=data.token_bytes()
+            model,
+            config.optim,
+            config.trainer.max_steps,
+            stateful=config.data.stateful,
+            token_bytes=data.token_bytes(),
+            context_parallel=config.trainer.context_parallel,
         )
     except ValueError as err:  # a combination the module cannot train (a stateful hybrid)
         raise ConfigError(str(err)) from err
