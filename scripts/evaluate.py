@@ -218,22 +218,9 @@ def threads() -> int:
 
 def parse_lengths(text: str) -> list[int]:
     """ "64,128,4096" or "2^6..2^20" (every power of two from 2^6 to 2^20), or both, comma-separated."""
-    lengths = []
-    for part in text.split(","):
-        if ".." in part:
-            lo, hi = (_power(p) for p in part.split(".."))
-            lengths += [2**k for k in range(lo, hi + 1)]
-        else:
-            text = part.strip()
-            lengths.append(2 ** _power(text) if text.startswith("2^") else int(text))
-    return lengths
+    from ssm.training.evaluate import parse_lengths as parse
 
-
-def _power(text: str) -> int:
-    text = text.strip()
-    if not text.startswith("2^"):
-        raise ValueError(f"expected 2^k, got {text!r}")
-    return int(text[2:])
+    return parse(text)
 
 
 def default_samples(length: int) -> int:

@@ -25,6 +25,27 @@ def load_run(run_dir: str | Path, device=None) -> tuple[TrainConfig, MambaLM]:
     return config, model.eval()
 
 
+def parse_lengths(text: str) -> list[int]:
+    """ "64,128,4096" or "2^6..2^20" (every power of two from 2^6 to 2^20), or both, comma-separated.
+    ValueError on anything else."""
+    lengths = []
+    for part in text.split(","):
+        if ".." in part:
+            lo, hi = (_power(p) for p in part.split(".."))
+            lengths += [2**k for k in range(lo, hi + 1)]
+        else:
+            text = part.strip()
+            lengths.append(2 ** _power(text) if text.startswith("2^") else int(text))
+    return lengths
+
+
+def _power(text: str) -> int:
+    text = text.strip()
+    if not text.startswith("2^"):
+        raise ValueError(f"expected 2^k, got {text!r}")
+    return int(text[2:])
+
+
 def load_checkpoint_model(path: str | Path, device=None) -> tuple[TrainConfig, MambaLM, int]:
     """(config, model, step) of a training checkpoint (last.ckpt, a kept step-NNNNNNN.ckpt):
     the model built from the config the checkpoint holds and given its weights. Raises
