@@ -17,7 +17,8 @@ for, which compares across tokenizers).
 
 Lengths (synthetic tasks): prints a table (accuracy, loss, seconds, peak memory per length) and
 writes RUN_DIR/extrapolation.json and RUN_DIR/extrapolation.png. The examples are drawn from the
-task's "test" split (neither training nor validation used them): by default 1024 sequences per
+task's test split (ssm.training.data.TEST_SPLIT: a stream nothing trained, validated or chose on;
+choose nothing from what it shows): by default 1024 sequences per
 length up to 2^14 and 64 above (--samples N for a fixed number). Forward only, logits only at
 the scored positions (the last one for induction heads); each batch of --batch-size sequences is
 read in pieces of --chunk tokens with every layer's state carried from one piece to the next, so
