@@ -17,7 +17,8 @@ for, which compares across tokenizers).
 
 Lengths (synthetic tasks): prints a table (accuracy, loss, seconds, peak memory per length) and
 writes RUN_DIR/extrapolation.json and RUN_DIR/extrapolation.png. The examples are drawn from the
-task's "test" split (neither training nor validation used them): by default 1024 sequences per
+task's test split (ssm.training.data.TEST_SPLIT: a stream nothing trained, validated or chose on;
+choose nothing from what it shows): by default 1024 sequences per
 length up to 2^14 and 64 above (--samples N for a fixed number). Forward only, logits only at
 the scored positions (the last one for induction heads); each batch of --batch-size sequences is
 read in pieces of --chunk tokens with every layer's state carried from one piece to the next, so
@@ -218,22 +219,9 @@ def threads() -> int:
 
 def parse_lengths(text: str) -> list[int]:
     """ "64,128,4096" or "2^6..2^20" (every power of two from 2^6 to 2^20), or both, comma-separated."""
-    lengths = []
-    for part in text.split(","):
-        if ".." in part:
-            lo, hi = (_power(p) for p in part.split(".."))
-            lengths += [2**k for k in range(lo, hi + 1)]
-        else:
-            text = part.strip()
-            lengths.append(2 ** _power(text) if text.startswith("2^") else int(text))
-    return lengths
+    from ssm.training.evaluate import parse_lengths as parse
 
-
-def _power(text: str) -> int:
-    text = text.strip()
-    if not text.startswith("2^"):
-        raise ValueError(f"expected 2^k, got {text!r}")
-    return int(text[2:])
+    return parse(text)
 
 
 def default_samples(length: int) -> int:

@@ -157,6 +157,9 @@ class TrainConfig:
     run_dir: str | None = None  # None: a new timestamped folder under runs/
     resume: str | None = None  # a checkpoint, or a run dir (its checkpoints/last.ckpt)
     checkpoint_every: int = 200  # training steps between checkpoints/last.ckpt
+    # training steps between checkpoints kept for good, checkpoints/step-NNNNNNN.ckpt (every one
+    # of them, none replaced: to evaluate the run at several points of its training); 0: none
+    keep_checkpoint_every: int = 0
     log_every: int = 50  # steps between log lines when not on a terminal
     progress_bar: bool | None = None  # None: a bar on a terminal, log lines otherwise
 
@@ -352,6 +355,7 @@ RANGES: dict[str, tuple] = {
     "seed": ((lambda v: _is_int(v) and 0 <= v < 2**32), "an int in [0, 2**32)"),
     # 0 would write no checkpoints/last.ckpt at all, and a kill would lose every step
     "checkpoint_every": _int_from(1),
+    "keep_checkpoint_every": ((lambda v: _is_int(v) and v >= 0), "an int >= 0 (0: keep no step checkpoints)"),
     "log_every": _int_from(1),
     "data.task": ((lambda v: v in TASKS), f"one of {list(TASKS)}"),
     "data.seq_len": _int_from(1),

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from ..models import MambaLM
-from .config import TrainConfig, load_config
-from .data import IGNORE, TaskDataModule
+from .checkpoint import CheckpointError, load_checkpoint
+from .config import ConfigError, TrainConfig, from_dict, load_config
+from .data import IGNORE, TEST_SPLIT, TaskDataModule
 from .module import forward_rows, scored_token_metrics
 
 
@@ -22,6 +23,52 @@ def load_run(run_dir: str | Path, device=None) -> tuple[TrainConfig, MambaLM]:
     config = load_config(run_dir / "config.yaml")
     model = MambaLM.from_pretrained(run_dir / "model", device=device, backend=config.model.backend)
     return config, model.eval()
+
+
+def parse_lengths(text: str) -> list[int]:
+    """ "64,128,4096" or "2^6..2^20" (every power of two from 2^6 to 2^20), or both, comma-separated.
+    ValueError on anything else."""
+    lengths = []
+    for part in text.split(","):
+        if ".." in part:
+            lo, hi = (_power(p) for p in part.split(".."))
+            lengths += [2**k for k in range(lo, hi + 1)]
+        else:
+            text = part.strip()
+            lengths.append(2 ** _power(text) if text.startswith("2^") else int(text))
+    return lengths
+
+
+def _power(text: str) -> int:
+    text = text.strip()
+    if not text.startswith("2^"):
+        raise ValueError(f"expected 2^k, got {text!r}")
+    return int(text[2:])
+
+
+def load_checkpoint_model(path: str | Path, device=None) -> tuple[TrainConfig, MambaLM, int]:
+    """(config, model, step) of a training checkpoint (last.ckpt, a kept step-NNNNNNN.ckpt):
+    the model built from the config the checkpoint holds and given its weights. Raises
+    CheckpointError naming the file when it is not a training checkpoint of this library."""
+    from .resume import CONFIG_KEY
+    from .run import build_model
+
+    path = Path(path)
+    checkpoint = load_checkpoint(path)
+    saved = checkpoint.get(CONFIG_KEY)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} holds no run config ({CONFIG_KEY}); it was not written by ssm's train()")
+    try:
+        config = from_dict(TrainConfig, saved, "")
+    except ConfigError as err:
+        raise CheckpointError(f"{path}: its config does not load: {err}") from err
+    model = build_model(config, config.model.vocab_size)
+    weights = {k[len("model.") :]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        raise CheckpointError(f"{path} does not hold the weights of its config's model: {err}") from err
+    return config, model.to(device).eval(), int(checkpoint["global_step"])
 
 
 @torch.no_grad()
@@ -135,11 +182,11 @@ def evaluate_length(
     samples: int,
     batch_size: int = 16,
     chunk: int | None = None,
-    split: str = "test",
+    split: str = TEST_SPLIT,
     per_sequence: bool = False,
 ) -> dict:
     """Accuracy (per scored token) and loss of ``model`` on ``samples`` examples of the task at
-    ``seq_len``, drawn from ``split`` ("test": examples neither training nor validation used),
+    ``seq_len``, drawn from ``split`` (default the test split, data.TEST_SPLIT: see data.SPLITS),
     ``batch_size`` sequences at a time, each read in pieces of ``chunk`` tokens (None: one
     pass). Also the seconds it took and the process's peak resident memory meanwhile (Linux;
     None elsewhere); with ``per_sequence``, "sequences": one record per example

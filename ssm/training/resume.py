@@ -40,6 +40,7 @@ MAY_CHANGE = (
     "run_dir",
     "resume",
     "checkpoint_every",
+    "keep_checkpoint_every",
     "log_every",
     "progress_bar",
     "trainer.",

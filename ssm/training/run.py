@@ -3,6 +3,7 @@ in its directory:
 
     config.yaml      the resolved config            metrics.csv   every logged value (step, metric, value)
     checkpoints/     last.ckpt and best.ckpt        metrics.json  final validation metrics
+                     (and step-NNNNNNN.ckpt, with keep_checkpoint_every)
     model/           MambaLM.save_pretrained        curves.png    loss and accuracy against steps
 
 A start writes nothing into the run directory before training begins, and a resume that would
@@ -98,6 +99,32 @@ def trainer_kwargs(config: TrainConfig) -> dict:
     kw["val_check_interval"] = min(kw["val_check_interval"], kw["max_steps"])
     kw["log_every_n_steps"] = min(kw["log_every_n_steps"], kw["max_steps"])
     return kw
+
+
+KEPT_CHECKPOINT = "step-{step:07d}"  # checkpoints/step-0010000.ckpt: keep_checkpoint_every's
+
+
+class KeptCheckpoints(ModelCheckpoint):
+    """ModelCheckpoint under a class name of its own: Lightning keys each checkpoint callback's
+    state by its class and settings, and refuses two with the same key (as last.ckpt's and this
+    one would have when keep_checkpoint_every equals checkpoint_every)."""
+
+
+def _kept_checkpoints(run_dir: Path, every: int) -> list:
+    """The callback that writes checkpoints/step-NNNNNNN.ckpt every ``every`` steps and keeps
+    all of them (none when ``every`` is 0)."""
+    if every == 0:
+        return []
+    return [
+        KeptCheckpoints(
+            dirpath=run_dir / "checkpoints",
+            filename=KEPT_CHECKPOINT,
+            auto_insert_metric_name=False,
+            save_top_k=-1,
+            every_n_train_steps=every,
+            enable_version_counter=False,
+        )
+    ]
 
 
 class StopOnSignal(pl.Callback):
@@ -281,6 +308,7 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
                     save_top_k=0,
                     every_n_train_steps=config.checkpoint_every,
                 ),
+                *_kept_checkpoints(run_dir, config.keep_checkpoint_every),
                 ModelCheckpoint(
                     dirpath=run_dir / "checkpoints",
                     filename="best",

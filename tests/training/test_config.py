@@ -166,6 +166,10 @@ def test_unknown_model_key_lists_mamba_config_fields(tmp_path):
         ("optim.betas=[0.9, fast]", r"optim.betas must be a list of two numbers"),
         ("optim.weight_decay=-0.1", r"optim.weight_decay must be a finite number >= 0"),
         ("checkpoint_every=0", r"checkpoint_every must be an int >= 1, got 0"),
+        (
+            "keep_checkpoint_every=-1",
+            r"keep_checkpoint_every must be an int >= 0 \(0: keep no step checkpoints\), got -1",
+        ),
         ("log_every=0", r"log_every must be an int >= 1, got 0"),
         ("seed=-1", r"seed must be an int in \[0, 2\*\*32\), got -1"),
         ("trainer.val_check_interval=0", r"trainer.val_check_interval must be an int >= 1, got 0"),

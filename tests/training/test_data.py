@@ -195,3 +195,30 @@ def test_the_data_module_validates_parity_at_val_seq_len():
     module = TaskDataModule(config.data, seed=0)
     inputs, targets = next(iter(module.val_dataloader()))
     assert inputs.shape[1] == 48 and module.vocab_size == 2
+
+
+@pytest.mark.parametrize("task", ["induction_heads", "selective_copying"])
+@pytest.mark.parametrize("seq_len", [64, 4096])
+def test_the_splits_are_streams_of_their_own(task, seq_len):
+    """No example of one split is an example of another (issue 46: the test split is a stream
+    that nothing chose on), at a short and a long length, for two seeds."""
+    from ssm.training.data import SPLITS, TEST_SPLIT, VALIDATION_SPLIT
+
+    assert len(set(SPLITS)) == 4 and TEST_SPLIT != VALIDATION_SPLIT
+    for seed in (0, 1):
+        data = TaskDataModule(DataSection(task=task, seq_len=seq_len, num_memorize=4), seed=seed)
+        drawn = {split: {tuple(data.dataset(split, 64)[i][0].tolist()) for i in range(64)} for split in SPLITS}
+        for a in SPLITS:
+            assert len(drawn[a]) == 64
+            for b in SPLITS:
+                if a < b:
+                    assert not drawn[a] & drawn[b], f"{a} and {b} share examples"
+
+
+def test_a_misspelt_split_is_refused_by_name():
+    from ssm.training.data import check_split
+
+    data = TaskDataModule(DataSection(task="induction_heads", seq_len=16))
+    with pytest.raises(ValueError, match=r"split must be one of .*got 'tset'"):
+        data.dataset("tset", 4)
+    assert check_split("test46") == "test46"

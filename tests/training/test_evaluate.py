@@ -15,7 +15,7 @@ from ssm import MambaLM
 from ssm.models import MambaConfig
 from ssm.training import load_config, train
 from ssm.training.config import DataSection
-from ssm.training.data import TaskDataModule
+from ssm.training.data import SELECTION_SPLIT, TEST_SPLIT, TaskDataModule
 from ssm.training.evaluate import evaluate_length, peak_rss_bytes, peak_rss_reset, scored_suffix_metrics
 from ssm.training.module import scored_token_metrics
 
@@ -34,7 +34,7 @@ def tiny_model(vocab: int, seed: int = 0) -> MambaLM:
 
 def examples(task: str, length: int, n: int, **kw):
     data = TaskDataModule(DataSection(task=task, seq_len=length, num_tokens=16, **kw), seed=3)
-    ds = data.dataset("test", n, length)
+    ds = data.dataset(TEST_SPLIT, n, length)
     inputs, targets = (torch.stack(t) for t in zip(*[ds[i] for i in range(n)]))
     return data, inputs, targets
 
@@ -98,8 +98,9 @@ def test_evaluate_length_reads_the_test_split():
     model = tiny_model(data.vocab_size)
     m = evaluate_length(model, data, 64, samples=10, batch_size=4, chunk=16)
     assert m["samples"] == m["scored"] == 10 and 0 <= m["correct"] <= 10 and m["seconds"] > 0
-    assert not torch.equal(data.dataset("test", 1, 64)[0][0], data.dataset("val", 1, 64)[0][0])
-    assert not torch.equal(data.dataset("test", 1, 64)[0][0], data.dataset("train", 1, 64)[0][0])
+    assert not torch.equal(data.dataset(TEST_SPLIT, 1, 64)[0][0], data.dataset("val", 1, 64)[0][0])
+    assert not torch.equal(data.dataset(TEST_SPLIT, 1, 64)[0][0], data.dataset("train", 1, 64)[0][0])
+    assert not torch.equal(data.dataset(TEST_SPLIT, 1, 64)[0][0], data.dataset(SELECTION_SPLIT, 1, 64)[0][0])
 
 
 def test_evaluate_script_lengths(tmp_path, capsys):
@@ -147,7 +148,7 @@ def test_per_sequence_records_agree_with_the_totals_and_the_data(task, kw):
     assert [r["index"] for r in records] == list(range(7))
     per_position = sum(sum(int(a == b) for a, b in zip(r["targets"], r["predicted"])) for r in records)
     assert per_position == m["correct"]
-    dataset = data.dataset("test", 7, 48)
+    dataset = data.dataset(TEST_SPLIT, 7, 48)
     for r in records:
         inputs, targets = dataset[r["index"]]
         assert r["targets"] == targets[targets != -100].tolist()

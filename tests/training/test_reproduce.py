@@ -146,3 +146,30 @@ def test_a_stage_run_again_after_a_stop_records_every_attempt(tmp_path, monkeypa
     assert walls[1] > 3 and walls[1] + walls[2] - 1 < info["stage_wall_s"][1] <= walls[1] + walls[2] + 0.1
     assert info["train_wall_s"] == pytest.approx(sum(info["stage_wall_s"]), abs=0.11)
     assert not (run_dir / "stage_partial.json").exists()
+
+
+def test_stages_read_only_train_and_validation_and_the_evaluation_only_its_split(tmp_path, monkeypatch):
+    """Honest splits (issue 46): training and every stage's validation read the "train" and
+    "val" streams only; the final evaluation reads the test split only (or, asked, the selection
+    split that the stages were designed on), and nothing is chosen from it."""
+    from ssm.training import data as data_module
+
+    mod = reproduce()
+    assert mod["EVAL_SPLITS"] == {"test": data_module.TEST_SPLIT, "selection": data_module.SELECTION_SPLIT}
+    read = []  # the split of every example drawn
+    real_generator = data_module._generator
+
+    def recording(seed, split, index):
+        read.append(split)
+        return real_generator(seed, split, index)
+
+    monkeypatch.setattr(data_module, "_generator", recording)
+    run_dir = tmp_path / "induction_heads_Mamba1_s0"
+    mod["train_stages"]("induction_heads", "Mamba1", 0, run_dir, True, [])
+    assert set(read) == {data_module.TRAIN_SPLIT, data_module.VALIDATION_SPLIT}
+    read.clear()
+    rows = mod["evaluate_run"]("induction_heads", run_dir, True, 4, 8, "full")
+    assert set(read) == {data_module.TEST_SPLIT} and len(rows) == 4
+    read.clear()
+    mod["evaluate_run"]("induction_heads", run_dir, True, 4, 8, "full", "selection")
+    assert set(read) == {data_module.SELECTION_SPLIT}

@@ -470,3 +470,33 @@ def test_train_runs_off_the_main_thread(tmp_path):
     assert "error" not in out, repr(out.get("error"))
     assert out["result"].metrics["step"] == 2 and not out["result"].interrupted
     assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+def test_kept_checkpoints_are_all_kept_across_a_resume_and_load_as_models(tmp_path):
+    """keep_checkpoint_every=2: checkpoints/step-NNNNNNN.ckpt at steps 2, 4, 6, none replaced,
+    a resume adding to them; each loads (load_checkpoint_model) as the model of its step."""
+    from ssm.training.evaluate import load_checkpoint_model
+
+    run_dir = tmp_path / "run"
+    args = RESUMABLE + ["keep_checkpoint_every=2", f"run_dir={run_dir}"]
+    train(load_config(ROOT / "configs" / "default.yaml", args + ["trainer.max_steps=5"]))
+    kept = run_dir / "checkpoints"
+    assert sorted(p.name for p in kept.glob("step-*.ckpt")) == ["step-0000002.ckpt", "step-0000004.ckpt"]
+    train(load_config(ROOT / "configs" / "default.yaml", args + ["trainer.max_steps=6", f"resume={run_dir}"]))
+    names = sorted(p.name for p in kept.glob("step-*.ckpt"))
+    assert names == ["step-0000002.ckpt", "step-0000004.ckpt", "step-0000006.ckpt"]
+    final = MambaLM.from_pretrained(run_dir / "model")
+    weights = []
+    for name, step in zip(names, (2, 4, 6)):
+        config, model, at = load_checkpoint_model(kept / name)
+        assert at == step and config.keep_checkpoint_every == 2
+        weights.append(torch.cat([p.flatten() for p in model.parameters()]))
+    assert not torch.equal(weights[0], weights[1])
+    assert torch.equal(weights[2], torch.cat([p.flatten() for p in final.parameters()]))
+    # without the key, no step checkpoints
+    other = tmp_path / "other"
+    train(load_config(ROOT / "configs" / "default.yaml", RESUMABLE + ["trainer.max_steps=2", f"run_dir={other}"]))
+    assert not list((other / "checkpoints").glob("step-*"))
+    with pytest.raises(CheckpointError, match="not a training checkpoint"):
+        torch.save({"x": torch.zeros(1)}, tmp_path / "bad.ckpt")
+        load_checkpoint_model(tmp_path / "bad.ckpt")

@@ -1,0 +1,119 @@
+"""scripts/evaluate_checkpoints.py (issue 46): a run's kept checkpoints on the test split at
+several lengths, the table in the paper's layout and the curve against steps, accumulated over
+calls."""
+
+from __future__ import annotations
+
+import csv
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssm.training import load_config, train
+from ssm.training.data import SELECTION_SPLIT, TEST_SPLIT, VALIDATION_SPLIT, TaskDataModule
+from ssm.training.evaluate import load_checkpoint_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = [
+    "model.d_model=16",
+    "model.n_layer=1",
+    "model.ssm_cfg={layer: Mamba1, d_state: 4}",
+    "data.batch_size=4",
+    "data.val_samples=8",
+    "data.seq_len=16",
+    "trainer.val_check_interval=2",
+    "checkpoint_every=2",
+    "keep_checkpoint_every=2",
+    "progress_bar=false",
+    "trainer.max_steps=4",
+    "seed=3",
+]
+
+
+def script():
+    return runpy.run_path(str(ROOT / "scripts" / "evaluate_checkpoints.py"))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ih") / "tiny-ih"
+    train(load_config(ROOT / "configs" / "paper" / "induction_heads.yaml", TINY + [f"run_dir={path}"]))
+    return path
+
+
+def by_hand(checkpoint: Path, length: int, samples: int) -> tuple[int, float]:
+    """(correct, mean loss) on the test split's first ``samples`` sequences at ``length``, each
+    read in one plain pass: the last position's logits against its target."""
+    config, model, _ = load_checkpoint_model(checkpoint)
+    dataset = TaskDataModule(config.data, seed=config.seed).dataset(TEST_SPLIT, samples, length)
+    correct, loss = 0, 0.0
+    with torch.no_grad():
+        for i in range(samples):
+            inputs, targets = dataset[i]
+            logits = model(inputs[None])[0][-1]
+            correct += int(logits.argmax() == targets[-1])
+            loss += float(torch.nn.functional.cross_entropy(logits[None], targets[-1:]))
+    return correct, loss / samples
+
+
+def test_checkpoints_on_the_test_split_table_and_curve(run_dir, tmp_path, capsys):
+    main = script()["main"]
+    out = tmp_path / "eval"
+    args = [str(run_dir), "--out", str(out), "--samples", "8@32,4", "--curve-lengths", "16,256", "--chunk", "8"]
+    assert main([*args, "--lengths", "16,64"]) == 0
+    records = json.loads((out / "evaluations.json").read_text())["records"]
+    assert [(r["step"], r["length"], r["samples"]) for r in records] == [(2, 16, 8), (2, 64, 4), (4, 16, 8), (4, 64, 4)]
+    assert {r["split"] for r in records} == {TEST_SPLIT} and {r["seed"] for r in records} == {3}
+    for r in records:
+        correct, loss = by_hand(Path(r["checkpoint"]), r["length"], r["samples"])
+        assert r["correct"] == correct and r["loss"] == pytest.approx(loss, abs=1e-4)
+        assert r["scored"] == r["samples"] and r["acc"] == r["correct"] / r["scored"]
+    # a second call adds 2^8 and measures nothing twice
+    capsys.readouterr()
+    assert main([*args, "--lengths", "16,2^8"]) == 0
+    printed = capsys.readouterr().out
+    assert "L   2^4" not in printed and printed.count("L   2^8") == 2
+    records = json.loads((out / "evaluations.json").read_text())["records"]
+    assert len(records) == 6
+    table = (out / "results.md").read_text().splitlines()
+    assert table[0] == "| run | seed | steps | 2^4 | 2^6 | 2^8 |"
+    row = {r["length"]: r for r in records if r["step"] == 4}
+    cells = ["100" if row[n]["correct"] == row[n]["scored"] else f"{100 * row[n]['acc']:.1f}" for n in (16, 64, 256)]
+    assert table[3] == "| tiny-ih | 3 | 4 | " + " | ".join(cells) + " |"
+    assert f"split '{TEST_SPLIT}'" in (out / "results.md").read_text()
+    with open(out / "steps.csv") as f:
+        points = list(csv.DictReader(f))
+    assert [(int(p["step"]), int(p["length"])) for p in points] == [(2, 16), (2, 256), (4, 16), (4, 256)]
+    assert (out / "steps.png").is_file()
+
+
+def test_bad_arguments_are_refused_by_name(run_dir, tmp_path, capsys):
+    main = script()["main"]
+    out = str(tmp_path / "eval")
+    for bad, named in (
+        (["--samples", "8@2^6,x"], "--samples"),
+        (["--samples", "8@2^6,4@2^5,2"], "--samples: the lengths must increase"),
+        (["--samples", "8,4"], "--samples: every part but the last"),
+        (["--samples", "0"], "--samples: counts must be >= 1"),
+        (["--lengths", "2^a"], "--lengths"),
+        (["--lengths", "2"], "--lengths must be >= 3"),
+        (["--chunk", "0"], "--chunk"),
+    ):
+        with pytest.raises(SystemExit):
+            main([str(run_dir), "--out", out, *bad])
+        assert named in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "none"), "--out", out])
+    assert "no such checkpoint or run directory" in capsys.readouterr().err
+    # evaluations of one split are not mixed with another's
+    assert main([str(run_dir), "--out", out, "--lengths", "16", "--split", "val"]) == 0
+    with pytest.raises(SystemExit):
+        main([str(run_dir), "--out", out, "--lengths", "16"])
+    assert "holds evaluations on the split 'val'" in capsys.readouterr().err
+
+
+def test_split_names_are_the_data_modules():
+    assert script()["SPLITS"] == {"test": TEST_SPLIT, "selection": SELECTION_SPLIT, "val": VALIDATION_SPLIT}
