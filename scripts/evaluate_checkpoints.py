@@ -157,7 +157,7 @@ def write_curve(records: list[dict], lengths: list[int], out: Path) -> str:
     ax.set_title("induction heads: extrapolation against training steps")
     ax.grid(alpha=0.3)
     if points:
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(out / "steps.png", dpi=110)
     return f"{out / 'steps.csv'}, {out / 'steps.png'}"
