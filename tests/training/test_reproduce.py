@@ -142,8 +142,11 @@ def test_a_stage_run_again_after_a_stop_records_every_attempt(tmp_path, monkeypa
     assert info["stage_commits"] == ["c1", "c2, c3"]
     assert info["stage_wall_s"][0] == first[0]
     # both attempts at stage 2, as timed around train() here (train() times itself from its
-    # start to its final validation, a little less)
-    assert walls[1] > 3 and walls[1] + walls[2] - 1 < info["stage_wall_s"][1] <= walls[1] + walls[2] + 0.1
+    # start to its final validation, a little less): the first attempt's 3 s count, which the last
+    # attempt's time alone (at most walls[2]) cannot reach. The lower bound leaves 1.5 s for what
+    # train() does outside its own timing, which a loaded machine stretches (it was 1 s, and failed
+    # under load)
+    assert walls[1] > 3 and walls[2] + 1.5 < info["stage_wall_s"][1] <= walls[1] + walls[2] + 0.1
     assert info["train_wall_s"] == pytest.approx(sum(info["stage_wall_s"]), abs=0.11)
     assert not (run_dir / "stage_partial.json").exists()
 
