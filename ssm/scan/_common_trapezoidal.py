@@ -160,6 +160,16 @@ def gate_and_contract(y, v, D, z, mimo_z, mimo_o, dtype):
     return y
 
 
+def keys_queries_values(args: TrapezoidalArgs, cos: Tensor, sin: Tensor):
+    """The rotated keys k̃ and queries q̃ (B, L, R, H, N) and the values v (B, L, R, H, P) of
+    the core, in the compute dtype; cos, sin (B, L, H, M) of the phase."""
+    heads, ranks, dtype = args.x.shape[2], args.B.shape[2], args.dtype
+    cos, sin = cos[:, :, None], sin[:, :, None]  # (B, L, 1, H, M): the same for every rank
+    k = rotate(per_head(args.B, heads, args.B_bias, dtype), cos, sin, args.rotary)
+    q = rotate(per_head(args.C, heads, args.C_bias, dtype), cos, sin, args.rotary)
+    return k, q, values(args.x, args.mimo_x, ranks, dtype)
+
+
 class Prepared(NamedTuple):
     """The core's inputs that the prologue derives (all in the compute dtype)."""
 

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ._checks import sequence_bounds
 from ._common import all_finite, finite_or_zero, poisoned_since
-from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, per_head, rotate, run_core, values
+from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, keys_queries_values, run_core
 from .chunked import entering_states
 
 RECOMPUTE = True  # the intra-chunk products recomputed in the backward (see _chunks)
@@ -104,11 +104,8 @@ def chunked_core(args: TrapezoidalArgs, p: Prepared):
     """The core (see _common_trapezoidal.py) by chunks: out in x's dtype and H_{L-1}; packed
     sequences one after another. (Also what the "cpu" backend runs where its sweeps cannot.)"""
     x, cu_seqlens, dtype = args.x, args.cu_seqlens, args.dtype
-    heads, ranks = x.shape[2], args.B.shape[2]
-    cos, sin = p.cos[:, :, None], p.sin[:, :, None]  # (B, L, 1, H, M): the same for every rank
-    k = rotate(per_head(args.B, heads, args.B_bias, dtype), cos, sin, args.rotary)  # (B, L, R, H, N)
-    q = rotate(per_head(args.C, heads, args.C_bias, dtype), cos, sin, args.rotary)
-    v = values(x, args.mimo_x, ranks, dtype)  # (B, L, R, H, P)
+    heads = x.shape[2]
+    k, q, v = keys_queries_values(args, p.cos, p.sin)  # (B, L, R, H, N), (B, L, R, H, P)
     a, sigma, c = p.a, p.s, p.c
     if cu_seqlens is None:
         y, H_last = _chunks(k, q, v, a, sigma, c, p.H_init, args.chunk_size)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, per_head, rotate, run_core, values
+from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, keys_queries_values, run_core
 from .cpu import ssd_cpu
 from .trapezoidal_chunked import chunked_core
 
@@ -47,10 +47,8 @@ def _core(args: TrapezoidalArgs, p: Prepared):
         return chunked_core(args, p)
     x, dtype = args.x, args.dtype
     heads = x.shape[2]
-    cos, sin = p.cos[:, :, None], p.sin[:, :, None]  # (B, L, 1, H, M)
-    k = rotate(per_head(args.B, heads, args.B_bias, dtype), cos, sin, args.rotary)[:, :, 0]  # (B, L, H, N)
-    q = rotate(per_head(args.C, heads, args.C_bias, dtype), cos, sin, args.rotary)[:, :, 0]
-    v = values(x, args.mimo_x, 1, dtype)  # (B, L, 1, H, P)
+    k, q, v = keys_queries_values(args, p.cos, p.sin)  # rank 1: (B, L, 1, H, N), (B, L, 1, H, P)
+    k, q = k[:, :, 0], q[:, :, 0]
     rate = -p.a  # (B, L, H), in [1e-30, ∞)
     scaled = v[:, :, 0] * (p.s / rate)[..., None]
     y, H_last = ssd_cpu(
