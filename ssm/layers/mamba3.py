@@ -37,7 +37,8 @@ class Mamba3(nn.Module):
     Input and output (batch, L, d_model). d_inner = expand·d_model = H·P; B and C have
     G = ngroups groups of N = d_state; R = mimo_rank with ``is_mimo`` (else 1). The rotary
     phase turns M = ⌊N·rope_fraction / 2⌋ state pairs: interleaved pairs (2m, 2m+1) in SISO,
-    (m, m + N/2) in MIMO, as mamba-ssm's kernels do. Per token:
+    (m, m + N/2) in MIMO, as mamba-ssm's kernels do; ``rope_fraction=0.0`` turns none (Mamba-3
+    without its rotary state, the Mamba-3 paper's ablation; mamba-ssm takes 0.5 and 1.0). Per token:
         A = −max(heavy_tail(A_proj), A_floor),  Δ = softplus(Δ_proj + dt_bias),  λ = sigmoid(λ_proj),
         θ = π·tanh(θ_proj) (shared by the heads, each turning it by its own Δ).
     Parameters (as mamba-ssm's ``Mamba3``): in_proj (2·d_inner + 2·N·G·R + 3·H + M, d_model),
@@ -91,7 +92,7 @@ class Mamba3(nn.Module):
         self.mimo_rank = mimo_rank if is_mimo else 1
         # mamba-ssm's attribute names, for code that reads them
         self.num_bc_heads = ngroups
-        self.rotary_dim_divisor = int(2 / rope_fraction)
+        self.rotary_dim_divisor = int(2 / rope_fraction) if rope_fraction else 0
         self.split_tensor_size = 2 * self.num_rope_angles  # rotated state entries, 2·M (M pairs)
         # as mamba-ssm: true only where its fused kernel applies (MIMO with the output norm)
         self.fuse_pregate_headwise_norm = bool(fuse_pregate_headwise_norm and is_mimo and is_outproj_norm)
@@ -138,13 +139,16 @@ class Mamba3(nn.Module):
         nheads = d_inner // headdim
         if nheads % ngroups:
             raise ValueError(f"Mamba3: ngroups = {ngroups} must divide the number of heads {nheads}")
-        if rope_fraction not in (0.5, 1.0):
-            raise ValueError(f"Mamba3: rope_fraction must be 0.5 or 1.0 (as in mamba-ssm), got {rope_fraction!r}")
+        if rope_fraction not in (0.0, 0.5, 1.0):
+            raise ValueError(
+                f"Mamba3: rope_fraction must be 0.5 or 1.0 (as in mamba-ssm), or 0.0 for no rotary state, "
+                f"got {rope_fraction!r}"
+            )
         if is_mimo and (isinstance(mimo_rank, bool) or not isinstance(mimo_rank, int) or mimo_rank < 1):
             raise ValueError(f"Mamba3: mimo_rank must be a positive int, got {mimo_rank!r}")
         rotated = int(d_state * rope_fraction)
         pairs = (rotated - rotated % 2) // 2
-        if pairs < 1:
+        if pairs < 1 and rope_fraction:
             raise ValueError(
                 f"Mamba3: d_state·rope_fraction = {d_state * rope_fraction} leaves no state pair to rotate"
             )

@@ -300,9 +300,9 @@ def _mamba3_args(a: _Mamba3StepArgs, block: Mamba3BlockWeights, batch: int, d_mo
     if block.mlp is not None:
         expected["mlp.fc1_weight"] = ((2 * F, d_model), block.mlp.fc1_weight)
     _check_shapes("Mamba3BlockWeights", expected)
-    if G < 1 or H % G or T < 1 or T > (N // 2) or (block.key.ndim == 3 and R != 1):
+    if G < 1 or H % G or T < 0 or T > (N // 2) or (block.key.ndim == 3 and R != 1):
         raise ValueError(
-            f"Mamba3BlockWeights: ngroups {G} must divide H = {H}, 1 <= T = {T} <= N / 2 = {N // 2}, "
+            f"Mamba3BlockWeights: ngroups {G} must divide H = {H}, 0 <= T = {T} <= N / 2 = {N // 2}, "
             f"and a key without a rank axis means R = 1 (B_bias has R = {R})"
         )
     a.batch, a.d_model, a.H, a.P, a.N, a.G, a.R, a.T, a.F = batch, d_model, H, P, N, G, R, T, F

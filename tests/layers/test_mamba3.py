@@ -91,7 +91,9 @@ OPTIONS = {
     "siso, ngroups 2": dict(ngroups=2),
     "siso, outproj norm": dict(is_outproj_norm=True),
     "siso, rope_fraction 1, A_floor": dict(rope_fraction=1.0, A_floor=0.5),
+    "siso, no rotary state (rope_fraction 0)": dict(rope_fraction=0.0),
     "mimo rank 2": dict(is_mimo=True, mimo_rank=2),
+    "mimo rank 2, no rotary state": dict(is_mimo=True, mimo_rank=2, rope_fraction=0.0),
     "mimo rank 3, ngroups 2, outproj norm": dict(is_mimo=True, mimo_rank=3, ngroups=2, is_outproj_norm=True),
     "mimo, rope_fraction 1, ngroups 4": dict(is_mimo=True, mimo_rank=2, rope_fraction=1.0, ngroups=4),
 }

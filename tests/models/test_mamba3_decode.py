@@ -3,8 +3,8 @@
 giving what the per-op path (Mamba3.step, tensor code) and the forward (the chunked trapezoidal
 scan) give: logits and every part of every layer's state (phase, ssm, key, value), over several
 tokens at batch > 1, with groups, the output norm, a block MLP, both rotary fractions and MIMO
-ranks. Greedy generation gives the same tokens with it and without it; a gradient to keep
-declines it."""
+ranks, and no rotation at all (rope_fraction 0). Greedy generation gives the same tokens with it
+and without it; a gradient to keep declines it."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ CONFIGS = {
     "every pair rotated, d_state 12, A floor": dict(
         ssm_cfg={**M3, "d_state": 12, "rope_fraction": 1.0, "A_floor": 0.5}
     ),
+    "no rotary state (rope_fraction 0)": dict(ssm_cfg={**M3, "rope_fraction": 0.0}),
+    "MIMO rank 2, no rotary state": dict(ssm_cfg={**M3, "is_mimo": True, "mimo_rank": 2, "rope_fraction": 0.0}),
     "MIMO rank 2": dict(ssm_cfg={**M3, "is_mimo": True, "mimo_rank": 2}),
     "MIMO rank 3, output norm, ngroups 2, every pair rotated": dict(
         ssm_cfg={**M3, "is_mimo": True, "mimo_rank": 3, "is_outproj_norm": True, "ngroups": 2, "rope_fraction": 1.0}

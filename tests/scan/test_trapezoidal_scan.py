@@ -104,6 +104,8 @@ OPTIONS = {
     "mimo, no z": dict(ranks=2, z=False),
     "one group, M = 4 (every pair)": dict(groups=1, M=4),
     "groups = heads": dict(groups=4, M=1),
+    "no rotary pair (M = 0)": dict(M=0),
+    "mimo, no rotary pair": dict(ranks=2, M=0),
 }
 
 

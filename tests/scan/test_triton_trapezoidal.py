@@ -44,6 +44,7 @@ CASES = {
     "siso": dict(),
     "siso, nothing optional": dict(D=False, z=False, bias=False, initial_state=False),
     "siso, one group, every pair turns": dict(groups=1, M=4),
+    "no rotary pair (M = 0)": dict(M=0),
     "mimo rank 3": dict(ranks=3),
     "mimo, no MIMO weights, no z": dict(ranks=2, mimo=False, z=False),
     "P = 5 over two channel blocks": dict(head_dim=5, N=64, M=3, ranks=4),
