@@ -15,10 +15,11 @@ of --window tokens with every layer's state carried across them (the file as one
 Prints perplexity (per token) and bits per byte (per byte of the text the scored tokens stand
 for, which compares across tokenizers).
 
-Lengths (synthetic tasks): prints a table (accuracy, loss, seconds, peak memory per length) and
+Lengths (synthetic tasks): prints a table (accuracy per scored position, accuracy at each
+sequence's last position, loss, seconds, peak memory per length) and
 writes RUN_DIR/extrapolation.json and RUN_DIR/extrapolation.png. The examples are drawn from the
 task's test split (ssm.training.data.TEST_SPLIT: a stream nothing trained, validated or chose on;
-choose nothing from what it shows): by default 1024 sequences per
+choose nothing from what it shows; --split val reads the validation stream instead): by default 1024 sequences per
 length up to 2^14 and 64 above (--samples N for a fixed number). Forward only, logits only at
 the scored positions (the last one for induction heads); each batch of --batch-size sequences is
 read in pieces of --chunk tokens with every layer's state carried from one piece to the next, so
@@ -86,11 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         help="also record every test sequence (its targets, predictions, the target's smallest probability; for "
         "induction heads the key's position and gap), print the misses, and write OUT/per_sequence.json",
     )
+    parser.add_argument(
+        "--split",
+        default=None,
+        help="the split the lengths read (ssm.training.data.SPLITS; default the test split, which must choose "
+        "nothing: to compare recipes or checkpoints read val)",
+    )
     args = parser.parse_args(argv)
     if args.text is not None:
         return evaluate_text(parser, args)
 
-    from ssm.training.data import TaskDataModule
+    from ssm.training.data import SPLITS, TEST_SPLIT, TaskDataModule
     from ssm.training.evaluate import evaluate_carried_state, evaluate_length, load_run
 
     config, model = load_run(args.run_dir, device=args.device)
@@ -122,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--samples and --batch-size must be positive, --chunk >= 0")
     if config.data.task == "text":
         parser.error("--lengths scores the synthetic tasks; for a text run use --carried-state")
+    split = args.split or TEST_SPLIT
+    if split not in SPLITS:
+        parser.error(f"--split must be one of {list(SPLITS)}, got {split!r}")
     data = TaskDataModule(config.data, seed=config.seed)
     out = args.out or args.run_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -129,20 +139,23 @@ def main(argv: list[str] | None = None) -> int:
     rows, sequences = [], {}
     chunk = args.chunk or None
     print(
-        f"{config.data.task} run {args.run_dir} (trained at L = {trained}); test split, batch {args.batch_size}, "
+        f"{config.data.task} run {args.run_dir} (trained at L = {trained}); {split} split, batch {args.batch_size}, "
         f"{'one pass' if chunk is None else f'chunks of {chunk}'}, {threads()} thread(s)"
     )
-    print(f"{'L':>8}  {'samples':>7}  {'acc':>8}  {'loss':>9}  {'seconds':>8}  {'peak MiB':>8}")
+    print(f"{'L':>8}  {'samples':>7}  {'acc':>8}  {'last':>8}  {'loss':>9}  {'seconds':>8}  {'peak MiB':>8}")
     for length in lengths:
         samples = args.samples or default_samples(length)
-        m = evaluate_length(model, data, length, samples, args.batch_size, chunk, per_sequence=args.per_sequence)
+        m = evaluate_length(
+            model, data, length, samples, args.batch_size, chunk, split=split, per_sequence=args.per_sequence
+        )
         if args.per_sequence:
             sequences[length] = m.pop("sequences")
         rows.append({"length": length, **m})
         mark = "  (trained)" if length == trained else ""
         peak = f"{m['peak_rss_bytes'] / 2**20:8.0f}" if m["peak_rss_bytes"] else f"{'?':>8}"
         print(
-            f"{length:8d}  {samples:7d}  {m['val/acc']:8.4f}  {m['val/loss']:9.4f}  {m['seconds']:8.1f}  {peak}{mark}",
+            f"{length:8d}  {samples:7d}  {m['val/acc']:8.4f}  {m['last/acc']:8.4f}  {m['val/loss']:9.4f}  "
+            f"{m['seconds']:8.1f}  {peak}{mark}",
             flush=True,
         )
     total = sum(r["seconds"] for r in rows)

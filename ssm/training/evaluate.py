@@ -188,7 +188,8 @@ def evaluate_length(
     """Accuracy (per scored token) and loss of ``model`` on ``samples`` examples of the task at
     ``seq_len``, drawn from ``split`` (default the test split, data.TEST_SPLIT: see data.SPLITS),
     ``batch_size`` sequences at a time, each read in pieces of ``chunk`` tokens (None: one
-    pass). Also the seconds it took and the process's peak resident memory meanwhile (Linux;
+    pass). "last/acc": the share of examples whose last position was predicted right (the
+    task's answer after the whole sequence: parity of all the bits). Also the seconds it took and the process's peak resident memory meanwhile (Linux;
     None elsewhere); with ``per_sequence``, "sequences": one record per example
     (``per_sequence_records``). Synthetic tasks only (their scored positions are a suffix)."""
     if data.config.task == "text":
@@ -197,7 +198,7 @@ def evaluate_length(
     dataset = data.dataset(split, samples, seq_len)
     peak_rss_reset()
     started = time.perf_counter()
-    total_loss, correct, count, records = 0.0, 0, 0, []
+    total_loss, correct, count, records, last_correct = 0.0, 0, 0, [], 0
     trigger = getattr(dataset, "trigger", None)
     for lo in range(0, samples, batch_size):
         examples = [dataset[i] for i in range(lo, min(lo + batch_size, samples))]
@@ -207,12 +208,14 @@ def evaluate_length(
             continue
         loss_sum, n_correct, n = scored_token_metrics(logits, suffix)
         total_loss, correct, count = total_loss + float(loss_sum), correct + int(n_correct), count + n
+        last_correct += int((logits[:, -1].argmax(-1) == suffix[:, -1]).sum())  # a suffix ends scored
         if per_sequence:
             records += per_sequence_records(logits, suffix, inputs, lo, trigger)
     loss = total_loss / max(count, 1)
     result = {
         "val/loss": loss,
         "val/acc": correct / max(count, 1),
+        "last/acc": last_correct / max(samples, 1),
         "correct": correct,
         "scored": count,
         "samples": samples,

@@ -103,6 +103,26 @@ def test_evaluate_length_reads_the_test_split():
     assert not torch.equal(data.dataset(TEST_SPLIT, 1, 64)[0][0], data.dataset(SELECTION_SPLIT, 1, 64)[0][0])
 
 
+def test_last_position_accuracy_of_parity_against_a_plain_forward():
+    """last/acc counts the sequences whose final position (the parity of every bit) the model
+    gets right: against the argmax of one plain forward pass at the last position and a parity
+    computed here from the bits; val/acc scores every position."""
+    data = TaskDataModule(DataSection(task="parity", seq_len=40), seed=5)
+    ds = data.dataset(TEST_SPLIT, 23, 40)
+    inputs = torch.stack([ds[i][0] for i in range(23)])
+    parity = inputs.sum(1) % 2  # the last target, from the bits alone
+    model = tiny_model(data.vocab_size, seed=3)
+    with torch.no_grad():
+        predicted = model(inputs).argmax(-1)
+    expected = int((predicted[:, -1] == parity).sum())
+    # a random model whose answers move from one position to the next, neither all right nor all
+    # wrong: so that reading another position, or miscounting, shows
+    assert 0 < expected < 23 and (predicted[:, -1] != predicted[:, -2]).sum() > 5
+    m = evaluate_length(model, data, 40, samples=23, batch_size=5, chunk=16)
+    assert m["last/acc"] == expected / 23
+    assert m["scored"] == 23 * 40
+
+
 def test_evaluate_script_lengths(tmp_path, capsys):
     main = runpy.run_path(str(ROOT / "scripts" / "evaluate.py"))
     assert main["parse_lengths"]("2^4..2^6,100") == [16, 32, 64, 100]
@@ -126,6 +146,10 @@ def test_evaluate_script_lengths(tmp_path, capsys):
     assert [r["length"] for r in rows] == [16, 32, 64] and all(r["samples"] == 5 for r in rows)
     assert (tmp_path / "run" / "extrapolation.png").is_file()
     assert "peak MiB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a misspelt split is refused, not read as another stream
+        main["main"]([*args, "--split", "valid"])
+    assert main["main"]([*args, "--split", "val"]) == 0
+    assert "; val split," in capsys.readouterr().out
     assert main["main"]([*args[:2], "2^5", "--samples", "6", "--per-sequence"]) == 0
     sequences = json.loads((tmp_path / "run" / "per_sequence.json").read_text())
     (records,) = sequences.values()
