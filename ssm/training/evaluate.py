@@ -189,9 +189,10 @@ def evaluate_length(
     ``seq_len``, drawn from ``split`` (default the test split, data.TEST_SPLIT: see data.SPLITS),
     ``batch_size`` sequences at a time, each read in pieces of ``chunk`` tokens (None: one
     pass). "last/acc": the share of examples whose last position was predicted right (the
-    task's answer after the whole sequence: parity of all the bits). Also the seconds it took and the process's peak resident memory meanwhile (Linux;
-    None elsewhere); with ``per_sequence``, "sequences": one record per example
-    (``per_sequence_records``). Synthetic tasks only (their scored positions are a suffix)."""
+    task's answer after the whole sequence: parity of all the bits). Also the seconds it took
+    and the process's peak resident memory meanwhile (Linux; None elsewhere); with
+    ``per_sequence``, "sequences": one record per example (``per_sequence_records``). Synthetic
+    tasks only (their scored positions are a suffix)."""
     if data.config.task == "text":
         raise ValueError("evaluate_length scores the synthetic tasks; for text use evaluate or evaluate_carried_state")
     device = next(model.parameters()).device
