@@ -72,17 +72,18 @@ def _model_section() -> type:
 ModelSection = _model_section()
 
 
-TASKS = ("selective_copying", "induction_heads", "parity", "text")
+TASKS = ("selective_copying", "induction_heads", "parity", "modular_arithmetic", "text")
 
 
 @dataclass
 class DataSection:
-    task: str = "selective_copying"  # selective_copying | induction_heads | parity | text
+    task: str = "selective_copying"  # selective_copying | induction_heads | parity | modular_arithmetic | text
     seq_len: int = 64  # context length L (synthetic tasks) or window length in bytes (text)
-    # parity, training only: each optimiser step's length drawn uniformly from [min_seq_len,
-    # seq_len] (the same for every sequence of the step); 0: every step at seq_len
+    # parity and modular_arithmetic, training only: each optimiser step's length drawn uniformly
+    # from [min_seq_len, seq_len] (the same for every sequence of the step); 0: every step at seq_len
     min_seq_len: int = 0
-    val_seq_len: int = 0  # validation length; 0: seq_len (parity: trained short, validated long)
+    val_seq_len: int = 0  # validation length; 0: seq_len (state tracking: trained short, validated long)
+    brackets: bool = False  # modular_arithmetic: expressions with brackets (else without)
     batch_size: int = 32  # sequences per device per step
     num_tokens: int = 8  # size of the data alphabet (synthetic tasks)
     num_memorize: int = 8  # K: tokens to copy (selective_copying)

@@ -127,17 +127,11 @@ class InductionHeads(Dataset):
         return inputs, targets
 
 
-class Parity(Dataset):
-    """Parity, the state-tracking task of the Mamba-3 paper (section 4.2, after Grazzi et al.
-    2025): bits, and at every position the parity of the bits so far, that position's included.
-    Tokens: 0 and 1 are the bits; every position is scored.
-
-        inputs   1 0 1 1 0 0 1
-        targets  1 1 0 1 1 1 0
-
-    Training sequences of one optimiser step (``per_step`` consecutive indices) share a length
-    drawn uniformly from [min_len, seq_len], from the step's own seed stream (so every rank and
-    every accumulated batch of the step agrees); other splits are seq_len long."""
+class _DrawnLengths(Dataset):
+    """Examples whose training length is drawn per optimiser step: the training sequences of
+    one step (``per_step`` consecutive indices) share a length drawn uniformly from
+    [min_len, seq_len], from the step's own seed stream (so every rank and every accumulated
+    batch of the step agrees); other splits, and min_len 0, are seq_len long."""
 
     def __init__(self, seq_len: int, seed: int, split: str, size: int, min_len: int = 0, per_step: int = 1):
         if min_len > seq_len:
@@ -145,7 +139,6 @@ class Parity(Dataset):
         self.L, self.seed, self.split, self.size = seq_len, seed, split, size
         self.min_len = min_len if (split == "train" and min_len) else seq_len
         self.per_step = per_step
-        self.vocab_size = 2
 
     def __len__(self) -> int:
         return self.size
@@ -156,10 +149,130 @@ class Parity(Dataset):
         g = _generator(self.seed, f"{self.split}/length", index // self.per_step)
         return int(torch.randint(self.min_len, self.L + 1, (), generator=g))
 
+
+class Parity(_DrawnLengths):
+    """Parity, the state-tracking task of the Mamba-3 paper (section 4.2, after Grazzi et al.
+    2025): bits, and at every position the parity of the bits so far, that position's included.
+    Tokens: 0 and 1 are the bits; every position is scored.
+
+        inputs   1 0 1 1 0 0 1
+        targets  1 1 0 1 1 1 0
+
+    Training lengths are drawn per optimiser step (``_DrawnLengths``)."""
+
+    vocab_size = 2
+
     def __getitem__(self, index: int):
         g = _generator(self.seed, self.split, index)
         bits = torch.randint(0, 2, (self.length(index),), generator=g)
         return bits, bits.cumsum(0) % 2
+
+
+# Modular arithmetic's tokens: the residues 0..4 are their own ids.
+MODULUS = 5
+PLUS, MINUS, TIMES, EQUALS, OPEN, CLOSE = range(MODULUS, MODULUS + 6)
+OPERATORS = (PLUS, MINUS, TIMES)
+
+
+class ModularArithmetic(_DrawnLengths):
+    """Modular arithmetic mod 5, with or without brackets: the Mamba-3 paper's state-tracking
+    tasks (section 4.2, Table 5b; Grazzi et al. 2025, from the Chomsky-hierarchy suite of
+    Deletang et al. 2023). An expression over the residues 0..4 with +, − and ×, then "=";
+    the one scored position is "=", whose target is the expression's value mod 5, × binding
+    tighter than + and −, which group from the left.
+
+        inputs   3 + 4 × 2 − 1 =            ( 3 + 4 ) × 2 =
+        targets  - - - - - - - 0            - - - - - - - 4
+
+    Tokens: 0..4 the residues, 5 +, 6 −, 7 ×, 8 =, and with ``brackets`` 9 ( and 10 ).
+    A sequence of length L holds an expression of L − 1 tokens; an expression's length is odd,
+    so an even L is used as it is and an odd one as L − 1 (a whole batch shares its length).
+
+    How expressions are drawn. Without brackets: residues and operators alternate, each drawn
+    uniformly. With brackets, an expression of length n (odd) is drawn top-down: n = 1 is a
+    residue; otherwise, with probability ``BRACKET_PROB`` (for n >= 3) it is "(" + an
+    expression of n − 2 + ")", else it is two expressions joined by an operator drawn
+    uniformly, the left one's length drawn uniformly among the odd lengths 1 .. n − 2. The
+    value is computed from the tokens by ``evaluate_expression``, whatever way they were drawn.
+    Training lengths are drawn per optimiser step (``_DrawnLengths``)."""
+
+    BRACKET_PROB = 0.25
+
+    def __init__(self, *args, brackets: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.L < 2:
+            raise ValueError(f"modular_arithmetic needs data.seq_len >= 2 (a residue and '='), got {self.L}")
+        if self.min_len == 1:
+            raise ValueError("modular_arithmetic needs data.min_seq_len >= 2 (a residue and '='), got 1")
+        self.brackets = brackets
+        self.vocab_size = CLOSE + 1 if brackets else EQUALS + 1
+
+    def __getitem__(self, index: int):
+        g = _generator(self.seed, self.split, index)
+        n = self.length(index) - 1
+        n -= 1 - n % 2  # an odd number of expression tokens
+        tokens = self._bracketed(n, g) if self.brackets else self._flat(n, g)
+        inputs = torch.tensor(tokens + [EQUALS])
+        targets = torch.full_like(inputs, IGNORE)
+        targets[-1] = evaluate_expression(tokens)
+        return inputs, targets
+
+    @staticmethod
+    def _flat(n: int, g: torch.Generator) -> list[int]:
+        tokens = torch.randint(0, MODULUS, (n,), generator=g)
+        tokens[1::2] = torch.tensor(OPERATORS)[torch.randint(0, 3, ((n - 1) // 2,), generator=g)]
+        return tokens.tolist()
+
+    def _bracketed(self, n: int, g: torch.Generator) -> list[int]:
+        # the tree drawn top-down with a stack of pending items (an int: an expression of that
+        # many tokens to draw; a tuple: a token to write), so that no length meets a recursion limit
+        draws = iter(torch.rand(4 * n, generator=g).tolist())  # more than the at most 2 per token used
+        out, pending = [], [n]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, tuple):
+                out.append(item[0])
+            elif item == 1:
+                out.append(min(int(next(draws) * MODULUS), MODULUS - 1))
+            elif next(draws) < self.BRACKET_PROB:
+                pending += [(CLOSE,), item - 2, (OPEN,)]
+            else:
+                left = 2 * min(int(next(draws) * ((item - 1) // 2)), (item - 3) // 2) + 1
+                op = OPERATORS[min(int(next(draws) * 3), 2)]
+                pending += [item - 1 - left, (op,), left]
+        return out
+
+
+def evaluate_expression(tokens: list[int]) -> int:
+    """The value mod 5 of an expression of ModularArithmetic's tokens (no "="): × before + and −,
+    left to right, brackets first. A ValueError names the first token that breaks the grammar."""
+    frames = []  # the enclosing brackets' (total, term, sign, multiplying), innermost last
+    total, term, sign, multiplying, expect_value = 0, 0, 1, False, True
+
+    def take(value):
+        nonlocal term, multiplying, expect_value
+        term = term * value % MODULUS if multiplying else value
+        multiplying, expect_value = False, False
+
+    for k, t in enumerate(tokens):
+        if expect_value and 0 <= t < MODULUS:
+            take(t)
+        elif expect_value and t == OPEN:
+            frames.append((total, term, sign, multiplying))
+            total, term, sign, multiplying = 0, 0, 1, False
+        elif not expect_value and t in (PLUS, MINUS):
+            total, sign, expect_value = (total + sign * term) % MODULUS, 1 if t == PLUS else -1, True
+        elif not expect_value and t == TIMES:
+            multiplying, expect_value = True, True
+        elif not expect_value and t == CLOSE and frames:
+            value = (total + sign * term) % MODULUS
+            total, term, sign, multiplying = frames.pop()
+            take(value)
+        else:
+            raise ValueError(f"expression: token {t} at position {k} does not continue {tokens[:k]}")
+    if expect_value or frames:
+        raise ValueError(f"expression: {tokens} ends unfinished")
+    return (total + sign * term) % MODULUS
 
 
 class ByteText(Dataset):
@@ -354,6 +467,8 @@ class TaskDataModule(pl.LightningDataModule):
         check_split(split)
         if c.task == "parity":
             return Parity(L, self.seed, split, size, c.min_seq_len, per_step)
+        if c.task == "modular_arithmetic":
+            return ModularArithmetic(L, self.seed, split, size, c.min_seq_len, per_step, brackets=c.brackets)
         if c.task == "selective_copying":
             return SelectiveCopying(L, c.num_tokens, c.num_memorize, self.seed, split, size)
         if c.task == "induction_heads":

@@ -181,7 +181,11 @@ def test_unknown_model_key_lists_mamba_config_fields(tmp_path):
         ("trainer.num_nodes=0", r"trainer.num_nodes must be an int >= 1"),
         ("trainer.limit_val_batches=0", r"trainer.limit_val_batches must be null \(all\), an int >= 1"),
         ("trainer.limit_val_batches=1.5", r"trainer.limit_val_batches must be null \(all\)"),
-        ("data.task=copying", r"data.task must be one of \['selective_copying', 'induction_heads', 'parity', 'text'\]"),
+        (
+            "data.task=copying",
+            r"data.task must be one of \['selective_copying', 'induction_heads', 'parity', "
+            r"'modular_arithmetic', 'text'\]",
+        ),
         ("data.seq_len=0", r"data.seq_len must be an int >= 1, got 0"),
         ("data.batch_size=0", r"data.batch_size must be an int >= 1"),
         ("data.num_tokens=0", r"data.num_tokens must be an int >= 1"),

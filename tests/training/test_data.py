@@ -11,10 +11,12 @@ from ssm.training.data import (
     IGNORE,
     ByteText,
     InductionHeads,
+    ModularArithmetic,
     Parity,
     SelectiveCopying,
     StepSampler,
     TaskDataModule,
+    evaluate_expression,
     split_files,
 )
 
@@ -195,6 +197,84 @@ def test_the_data_module_validates_parity_at_val_seq_len():
     module = TaskDataModule(config.data, seed=0)
     inputs, targets = next(iter(module.val_dataloader()))
     assert inputs.shape[1] == 48 and module.vocab_size == 2
+
+
+# ModularArithmetic's tokens as Python reads them: Python's own int arithmetic (× before + and −,
+# left to right, brackets first), taken mod 5, is the reference the task's values are checked on
+PYTHON_SYMBOLS = {5: "+", 6: "-", 7: "*", 9: "(", 10: ")"}
+
+
+def python_value(tokens: list[int]) -> int:
+    return eval("".join(str(t) if t < 5 else PYTHON_SYMBOLS[t] for t in tokens)) % 5
+
+
+def test_expressions_by_hand():
+    """3 + 4 × 2 − 1 = 10 = 0 (mod 5); (3 + 4) × 2 = 14 = 4; 2 − 3 × 4 = −10 = 0; 4 − 1 + 1 = 4; ((1)) = 1;
+    2 × (3 − (4 + 1)) × 3 = −12 = 3; malformed expressions are refused by position."""
+    assert evaluate_expression([3, 5, 4, 7, 2, 6, 1]) == 0
+    assert evaluate_expression([9, 3, 5, 4, 10, 7, 2]) == 4
+    assert evaluate_expression([2, 6, 3, 7, 4]) == 0
+    assert evaluate_expression([4, 6, 1, 5, 1]) == 4  # 4 − 1 + 1: the sign stays with its term
+    assert evaluate_expression([9, 9, 1, 10, 10]) == 1
+    assert evaluate_expression([2, 7, 9, 3, 6, 9, 4, 5, 1, 10, 10, 7, 3]) == 3
+    for bad, where in (([3, 5], "ends unfinished"), ([3, 3], "position 1"), ([9, 3], "ends unfinished"),
+                       ([3, 10], "position 1"), ([5, 3], "position 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=where):
+            evaluate_expression(bad)
+
+
+@pytest.mark.parametrize("brackets", [False, True])
+def test_modular_arithmetic_answers_against_python(brackets):
+    """Every example at lengths 2 to 60 (odd ones included): the last input is "=", the only
+    scored position, and its target is Python's value of the expression mod 5; the expression
+    follows the grammar (residues and operators alternating without brackets; balanced brackets
+    nested more than one deep somewhere with them); every answer 0..4 occurs."""
+    answers, deepest = set(), 0
+    for L in range(2, 61):
+        ds = ModularArithmetic(L, L, "val", 30, brackets=brackets)
+        assert ds.vocab_size == (11 if brackets else 9)
+        for i in range(30):
+            inputs, targets = ds[i]
+            assert inputs.shape == targets.shape == (L - L % 2,)
+            assert inputs[-1] == 8 and (targets[:-1] == IGNORE).all()
+            tokens = inputs[:-1].tolist()
+            assert int(targets[-1]) == python_value(tokens)
+            answers.add(int(targets[-1]))
+            if not brackets:
+                assert all(t < 5 for t in tokens[::2]) and all(t in (5, 6, 7) for t in tokens[1::2])
+            depth = 0
+            for t in tokens:
+                depth += (t == 9) - (t == 10)
+                assert depth >= 0
+                deepest = max(deepest, depth)
+            assert depth == 0
+    assert answers == set(range(5))
+    assert (deepest > 1) == brackets
+
+
+def test_modular_arithmetic_lengths_and_bad_settings():
+    """Training lengths drawn per step and shared by the step, as parity's; at long lengths
+    (no recursion limit with brackets) the value still agrees with a plain evaluation; bad
+    lengths refused by name."""
+    train = ModularArithmetic(40, 0, "train", 160, min_len=4, per_step=8, brackets=True)
+    lengths = [len(train[i][0]) for i in range(160)]
+    assert all(len(set(lengths[8 * k : 8 * k + 8])) == 1 for k in range(20)) and len(set(lengths)) > 5
+    long = ModularArithmetic(4096, 1, "val", 2, brackets=True)
+    for i in range(2):
+        inputs, targets = long[i]
+        assert inputs.shape == (4096,) and 0 <= int(targets[-1]) < 5
+    with pytest.raises(ValueError, match="data.seq_len >= 2"):
+        ModularArithmetic(1, 0, "val", 1)
+    with pytest.raises(ValueError, match="data.min_seq_len >= 2"):
+        ModularArithmetic(8, 0, "train", 1, min_len=1)
+
+
+def test_the_data_module_reads_modular_arithmetic_from_the_config():
+    config = load_config(None, ["data.task=modular_arithmetic", "data.brackets=true", "data.seq_len=16",
+                                "data.min_seq_len=4", "data.val_seq_len=64"])  # fmt: skip
+    module = TaskDataModule(config.data, seed=0)
+    inputs, targets = next(iter(module.val_dataloader()))
+    assert inputs.shape[1] == 64 and module.vocab_size == 11 and (targets[:, :-1] == IGNORE).all()
 
 
 @pytest.mark.parametrize("task", ["induction_heads", "selective_copying"])
