@@ -5,12 +5,15 @@ draw, in one command.
     python scripts/reproduce.py induction_heads --mixers Mamba2,Mamba3 --seeds 0
     python scripts/reproduce.py selective_copying --seeds 0
     python scripts/reproduce.py induction_heads --tiny --out /tmp/ih   # seconds: the CI version
+    python scripts/reproduce.py parity --mixers Mamba3,Mamba3-noRoPE,Mamba2 --seeds 0,1,2
 
 For every mixer and seed, configs/paper/TASK.yaml is trained through the task's stages (STAGES
 below: sequence length, batch, steps; each stage continues the run before it with resume=, so
 optimiser state and step count carry on), in OUT/TASK_MIXER_sSEED/. Then it is evaluated on the
 task's test split: induction heads at every power of two from 2^6 to 2^20 (1024 sequences per
-length up to 2^14, 64 above), selective copying at its training length (1024 sequences). A
+length up to 2^14, 64 above), selective copying at its training length (1024 sequences), the
+Mamba-3 paper's state tracking (parity, modular_arithmetic; issue 48) at 256 and 1024 (1024
+sequences each), reported as the paper's scaled accuracy, 100·(acc − chance)/(1 − chance). A
 finished run is not trained again (remove its folder to).
 
 Splits (ssm.training.data.SPLITS, each its own seed stream): the stages train on "train" and
@@ -110,6 +113,13 @@ STAGES = {
         Stage(4096, 8, 2500, 128, lr=1e-4, overrides=("optim.decay_steps=2500",)),
     ],
 }
+# The Mamba-3 paper's state tracking (section 4.2): one stage, lengths drawn per step from
+# the config's data.min_seq_len up to the stage's length, validated at its data.val_seq_len (256)
+# on the validation split; the recipe (rate, schedule) is the config's.
+STAGES["parity"] = [Stage(128, 64, 4000, 256)]
+STAGES["modular_arithmetic"] = [Stage(64, 64, 4000, 512)]
+STATE_TRACKING = ("parity", "modular_arithmetic")
+
 # Mamba-3's induction heads: a gentler rate from 8192 on. With the stages above, 2 of 3 seeds
 # broke at the jump from 2048 to 16384 (validation 0.125 and 0.156; the first losses at 16384
 # 6.8 and 4.5, where Mamba-1 and Mamba-2 read 0.00); Mamba-3 carries what it learned at 2048 to
@@ -147,6 +157,8 @@ def stages_for(task: str, mixer: str, tiny: bool = False) -> list[Stage]:
 TINY_STAGES = {
     "induction_heads": [Stage(16, 4, 2, 8), Stage(32, 2, 2, 8)],
     "selective_copying": [Stage(24, 4, 2, 8), Stage(40, 2, 2, 8)],
+    "parity": [Stage(16, 4, 2, 8)],
+    "modular_arithmetic": [Stage(16, 4, 2, 8)],
 }
 TINY_OVERRIDES = [
     "model.d_model=16",
@@ -167,12 +179,44 @@ TINY_MIXERS = {
     "Mamba1": {"layer": "Mamba1", "d_state": 4},
     "Mamba2": {"layer": "Mamba2", "d_state": 4, "headdim": 8, "chunk_size": 8},
     "Mamba3": {"layer": "Mamba3", "d_state": 4, "headdim": 8, "chunk_size": 8},
+    "Mamba3-noRoPE": {"layer": "Mamba3", "d_state": 4, "headdim": 8, "chunk_size": 8, "rope_fraction": 0.0},
 }
+# State tracking: the Mamba-3 paper's models (state 64; the configs set d_model and layers), and
+# its ablation, Mamba-3 without the rotary state.
+STATE_TRACKING_MIXERS = {
+    "Mamba3": {"layer": "Mamba3", "d_state": 64, "headdim": 16, "chunk_size": 32},
+    "Mamba3-noRoPE": {"layer": "Mamba3", "d_state": 64, "headdim": 16, "chunk_size": 32, "rope_fraction": 0.0},
+    "Mamba2": {"layer": "Mamba2", "d_state": 64, "headdim": 16, "chunk_size": 32},
+}
+
+
+def mixers_for(task: str, tiny: bool = False) -> dict:
+    """The mixers ``task`` is reproduced with: name → model.ssm_cfg."""
+    if tiny:
+        return TINY_MIXERS
+    return STATE_TRACKING_MIXERS if task in STATE_TRACKING else MIXERS
+
+
 # The paper's rows (Gu & Dao 2023, Tables 1 and 2; appendix E.1).
 PAPER = {
     "induction_heads": "Mamba (paper): 100% at every length 2^6 .. 2^20, trained at 256",
     "selective_copying": "S6 in the Mamba block (paper): 99.8%",
+    "parity": "Mamba-3 paper, Table 5b (scaled accuracy at 256): Mamba-3 100.0, without RoPE 2.27, Mamba-2 0.90",
+    "modular_arithmetic": "Mamba-3 paper, Table 5b (scaled accuracy at 256), without / with brackets: "
+    "Mamba-3 98.51 / 87.75, without RoPE 1.49 / 0.72, Mamba-2 47.81 / 0.88",
 }
+# The paper's rows of Table 5b, scaled accuracy at 256 (for modular arithmetic: without brackets,
+# with brackets).
+PAPER_STATE_TRACKING = {
+    "parity": {"Mamba3": 100.0, "Mamba3-noRoPE": 2.27, "Mamba2": 0.90},
+    "modular_arithmetic": {"Mamba3": (98.51, 87.75), "Mamba3-noRoPE": (1.49, 0.72), "Mamba2": (47.81, 0.88)},
+}
+CHANCE = {"parity": 1 / 2, "modular_arithmetic": 1 / 5}
+
+
+def scaled(task: str, accuracy: float) -> float:
+    """The Mamba-3 paper's scaled accuracy: 0 at chance, 100 when perfect."""
+    return 100 * (accuracy - CHANCE[task]) / (1 - CHANCE[task])
 
 
 # --split: what the final evaluation reads (ssm.training.data.SPLITS)
@@ -186,6 +230,8 @@ def comma_list(text: str) -> list[str]:
 def test_lengths(task: str, tiny: bool, trained: int) -> list[int]:
     if task == "selective_copying":
         return [trained]
+    if task in STATE_TRACKING:
+        return [32] if tiny else [256, 1024]
     return [2**k for k in range(4, 8)] if tiny else [2**k for k in range(6, 21)]
 
 
@@ -258,7 +304,7 @@ def train_stages(task: str, mixer: str, seed: int, run_dir: Path, tiny: bool, ov
     from ssm.training import load_checkpoint, load_config, train
 
     stages = stages_for(task, mixer, tiny)
-    ssm_cfg = json.dumps((TINY_MIXERS if tiny else MIXERS)[mixer])
+    ssm_cfg = json.dumps(mixers_for(task, tiny)[mixer])
     # A run stopped between stages continues with the first stage it has not finished.
     walls_path = run_dir / "stage_walls.json"
     walls = json.loads(walls_path.read_text()) if walls_path.is_file() else []
@@ -341,7 +387,7 @@ def evaluate_run(
         rows.append({"length": length, **m})
         peak = m["peak_rss_bytes"] / 2**20 if m["peak_rss_bytes"] else float("nan")
         print(
-            f"   L {length:8d}  acc {m['val/acc']:.4f} ({m['correct']}/{m['scored']})  "
+            f"   L {length:8d}  acc {m['val/acc']:.4f} ({m['correct']}/{m['scored']}), last {m['last/acc']:.4f}  "
             f"{m['seconds']:6.1f} s  peak {peak:5.0f} MiB",
             flush=True,
         )
@@ -350,6 +396,8 @@ def evaluate_run(
 
 def table(task: str, runs: list[dict]) -> str:
     """The results in the paper's layout: the paper's row, then ours, one per mixer and seed."""
+    if task in STATE_TRACKING:
+        return state_tracking_table(task, runs)
     if task == "induction_heads":
         lengths = [r["length"] for r in runs[0]["test"]] if runs else []
         head = (
@@ -375,6 +423,39 @@ def table(task: str, runs: list[dict]) -> str:
         lines.append(
             f"| {r['mixer']} (ours) | {r['seed']} | {r['params']:,} | {r['steps']:,} | "
             f"{r['train_wall_s'] / 60:.1f} min | {t['length']} | {100 * t['val/acc']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def state_tracking_table(task: str, runs: list[dict]) -> str:
+    """Table 5b's layout: scaled accuracy (0 chance, 100 perfect) per model, the paper's rows
+    first (at 256). Ours at each test length over every scored position, and at each sequence's
+    last position (parity scores every position; modular arithmetic only its answer, so both
+    read the same there)."""
+    lengths = sorted({t["length"] for r in runs for t in r["test"]})
+    head = [str(n) for n in lengths] + [f"{n}, last position" for n in lengths]
+    lines = [
+        "| model | seed | params | steps | train wall | " + " | ".join(head) + " |",
+        "|---|---|---|---|---|" + "---|" * len(head),
+    ]
+    if not any(r.get("tiny") for r in runs):
+        for mixer, value in PAPER_STATE_TRACKING[task].items():
+            both = isinstance(value, tuple)
+            shown = " / ".join(f"{v:.2f}" for v in value) if both else f"{value:.2f}"
+            cells = [shown if n == 256 else "" for n in lengths] + [""] * len(lengths)
+            label = f"{mixer} (paper{', without / with brackets' if both else ''})"
+            lines.append(f"| {label} | | | 10,000 | | " + " | ".join(cells) + " |")
+    for r in runs:
+        by_length = {t["length"]: t for t in r["test"]}
+        cells = [
+            f"{scaled(task, by_length[n][key]):.2f}" if n in by_length else "-"
+            for key in ("val/acc", "last/acc")
+            for n in lengths
+        ]
+        variant = f", {r['variant']}" if r.get("variant") else ""
+        lines.append(
+            f"| {r['mixer']} (ours{variant}) | {r['seed']} | {r['params']:,} | {r['steps']:,} | "
+            f"{r['train_wall_s'] / 60:.1f} min | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -426,7 +507,13 @@ def plot(runs: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=sorted(STAGES))
-    parser.add_argument("--mixers", type=comma_list, default=["Mamba1"], help=f"from {', '.join(MIXERS)}")
+    parser.add_argument(
+        "--mixers",
+        type=comma_list,
+        default=None,
+        help=f"from {', '.join(MIXERS)} (state tracking: {', '.join(STATE_TRACKING_MIXERS)}); "
+        "default Mamba1 (state tracking: Mamba3)",
+    )
     parser.add_argument("--seeds", type=comma_list, default=["0", "1", "2"])
     parser.add_argument("--out", type=Path, default=None, help="default runs/paper_TASK")
     parser.add_argument("--figure", type=Path, default=None, help="default OUT/extrapolation.png")
@@ -452,10 +539,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also draw and tabulate the runs of another results.json of the task (e.g. other mixers' runs)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every stage")
-    args = parser.parse_args(argv)
-    unknown = [m for m in args.mixers if m not in MIXERS]
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
+    args.mixers = args.mixers or (["Mamba3"] if args.task in STATE_TRACKING else ["Mamba1"])
+    known = mixers_for(args.task)
+    unknown = [m for m in args.mixers if m not in known]
     if unknown:
-        parser.error(f"--mixers: unknown {unknown}; choose from {list(MIXERS)}")
+        parser.error(f"--mixers: unknown {unknown}; choose from {list(known)}")
     try:
         seeds = [int(s) for s in args.seeds]
     except ValueError:
@@ -510,10 +599,15 @@ def main(argv: list[str] | None = None) -> int:
                 cached.write_text(json.dumps(test, indent=2) + "\n")
             from ssm.training.evaluate import load_run
 
-            params = sum(p.numel() for p in load_run(run_dir)[1].parameters())
+            run_config, run_model = load_run(run_dir)
+            params = sum(p.numel() for p in run_model.parameters())
+            variant = None
+            if args.task == "modular_arithmetic":
+                variant = "with brackets" if run_config.data.brackets else "without brackets"
             runs.append(
                 {
                     "mixer": mixer,
+                    "variant": variant,
                     "seed": seed,
                     "params": params,
                     "run_dir": str(run_dir),

@@ -31,7 +31,8 @@ def test_paper_configs_parse_with_the_papers_settings():
         assert c.optim.weight_decay == 0 and c.optim.warmup_steps == 0 and c.optim.min_lr_ratio == 1
     # every stage of the curriculum is a valid override of its config
     for task, stages in reproduce()["STAGES"].items():
-        assert max(s.seq_len for s in stages) >= 4096
+        # the Mamba paper's tasks reach their long lengths; state tracking trains short (validated at 256)
+        assert max(s.seq_len for s in stages) >= 4096 or task in ("parity", "modular_arithmetic")
         for s in stages:
             c = load_config(ROOT / "configs" / "paper" / f"{task}.yaml", [f"data.seq_len={s.seq_len}", *s.overrides])
             assert c.data.seq_len == s.seq_len
@@ -84,6 +85,42 @@ def test_tiny_reproduction_runs_end_to_end(task, tmp_path, capsys):
     assert [r["seed"] for r in json.loads((other / "results.json").read_text())["runs"]] == [1]
     with pytest.raises(SystemExit):
         main([task, "--tiny", "--seeds", "1", "--out", str(other), "--with", str(tmp_path / "none.json")])
+
+
+@pytest.mark.parametrize("task", ["parity", "modular_arithmetic"])
+def test_tiny_state_tracking_reproduction_runs_end_to_end(task, tmp_path):
+    """The Mamba-3 paper's state tracking: its mixers (and Mamba-3 without rotary, whose model
+    has no rotary angle to project), a config override after the options, the test at the tiny
+    length, every position and the last one."""
+    main = reproduce()["main"]
+    args = [task, "--tiny", "--seeds", "0", "--mixers", "Mamba3,Mamba3-noRoPE", "--out", str(tmp_path)]
+    assert main(args + (["data.brackets=true"] if task == "modular_arithmetic" else [])) == 0
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["mixer"] for r in runs] == ["Mamba3", "Mamba3-noRoPE"]
+    assert runs[0]["params"] - runs[1]["params"] == 16 * 1  # in_proj's one rotary angle row (tiny: d_state 4)
+    for r in runs:
+        (t,) = r["test"]
+        assert t["length"] == 32 and 0 <= t["val/acc"] <= 1 and 0 <= t["last/acc"] <= 1
+    table = (tmp_path / "results.md").read_text()
+    assert table.count("(ours") == 2 and ("with brackets" in table) == (task == "modular_arithmetic")
+    assert not (tmp_path / "extrapolation.png").exists()
+
+
+def test_the_state_tracking_table_scales_accuracies_as_the_paper():
+    """Scaled accuracy: 0 at chance (1/2 for parity, 1/5 mod 5), 100 when perfect; the paper's
+    rows of Table 5b come first, in their column (256)."""
+    mod = reproduce()
+    assert mod["scaled"]("parity", 0.75) == 50.0 and mod["scaled"]("parity", 0.5) == 0.0
+    assert mod["scaled"]("modular_arithmetic", 0.2) == 0.0 and mod["scaled"]("modular_arithmetic", 0.6) == 50.0
+    test = [{"length": 256, "val/acc": 0.75, "last/acc": 0.625}, {"length": 1024, "val/acc": 1.0, "last/acc": 0.5}]
+    run = {"mixer": "Mamba3", "seed": 1, "params": 1234, "steps": 4000, "train_wall_s": 600.0, "test": test}
+    lines = mod["table"]("parity", [run]).splitlines()
+    assert lines[0].split("|")[6:10] == [" 256 ", " 1024 ", " 256, last position ", " 1024, last position "]
+    assert lines[2] == "| Mamba3 (paper) | | | 10,000 | | 100.00 |  |  |  |"
+    assert lines[-1] == "| Mamba3 (ours) | 1 | 1,234 | 4,000 | 10.0 min | 50.00 | 100.00 | 25.00 | 0.00 |"
+    ma = mod["table"]("modular_arithmetic", [run | {"variant": "with brackets"}]).splitlines()
+    assert "| Mamba2 (paper, without / with brackets) | | | 10,000 | | 47.81 / 0.88 |" in ma[4]
+    assert ma[-1].startswith("| Mamba3 (ours, with brackets) | 1 |") and "| 68.75 | 100.00 | 53.12 | 37.50 |" in ma[-1]
 
 
 def test_a_run_stopped_between_stages_continues_with_the_next(tmp_path, capsys):
