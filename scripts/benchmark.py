@@ -13,6 +13,7 @@
     cold-start  scripts/train.py's start-up with an empty and a filled kernel cache
     memory      the resident memory of decoding at each precision (float32 .. int4)
     gpu-peers   ssm beside mamba-ssm (from third_party/) pair by pair, checked to agree (gpu_check runs it)
+    context-parallel  memory per rank of a training step split over W gloo processes, against L
 
 Each op lives in scripts/bench/<op>.py (``python scripts/benchmark.py --op OP --help`` prints its
 description); every op takes ``--device cpu|cuda`` (on CUDA the Triton backend is timed beside

@@ -22,4 +22,5 @@ OPS = {
     "memory": "memory",
     "precision": "precision",
     "gpu-peers": "gpu_peers",
+    "context-parallel": "context_parallel",
 }
