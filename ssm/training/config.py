@@ -133,7 +133,7 @@ class TrainerSection:
     max_steps: int = 2000
     accelerator: str = "auto"  # auto | cpu | gpu | ...
     devices: int | str | list = "auto"  # e.g. 2 with strategy=ddp
-    strategy: str = "auto"  # auto | ddp | fsdp | ...
+    strategy: str = "auto"  # auto | ddp | fsdp (sharded: ssm/training/sharding.py) | Lightning's others
     num_nodes: int = 1
     precision: str | None = None  # None: bf16-mixed on CUDA, 32-true elsewhere
     gradient_clip_val: float | None = 1.0  # None or 0: no clipping

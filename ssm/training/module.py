@@ -170,6 +170,14 @@ class LanguageModelTask(pl.LightningModule):
         groups = [dist.new_group(list(range(start, start + W))) for start in range(0, world, W)]  # on every rank
         self.cp_group = groups[rank // W]
 
+    def configure_model(self) -> None:
+        """trainer.strategy=fsdp (ModelParallelStrategy, which sets the device mesh): shard the
+        model's parameters over the processes (ssm.training.sharding)."""
+        if self._device_mesh is not None:
+            from .sharding import shard
+
+            shard(self.model, self._device_mesh["data_parallel"])
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 

@@ -42,6 +42,7 @@ from .data import TaskDataModule
 from .metrics import LogLines, MetricsCSV, plot_curves
 from .module import LanguageModelTask
 from .resume import RunDirectory, check_resume, check_run_dir
+from .sharding import full_state_dict
 
 
 @dataclass
@@ -96,6 +97,10 @@ def trainer_kwargs(config: TrainConfig) -> dict:
         kw["precision"] = "bf16-mixed" if on_cuda else "32-true"
     if kw["limit_val_batches"] is None:
         del kw["limit_val_batches"]
+    if kw["strategy"] == "fsdp":  # FSDP2 through ModelParallelStrategy, which runs on the CPU too
+        from .sharding import FullyShardedStrategy
+
+        kw["strategy"] = FullyShardedStrategy()
     kw["val_check_interval"] = min(kw["val_check_interval"], kw["max_steps"])
     kw["log_every_n_steps"] = min(kw["log_every_n_steps"], kw["max_steps"])
     return kw
@@ -366,8 +371,12 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=data, verbose=False)[0].items()}
     metrics["step"] = trainer.global_step
     metrics["wall_s"] = round(time.perf_counter() - started, 1)
+    whole = full_state_dict(model)  # sharded (trainer.strategy=fsdp): gathered, on every process
     if trainer.is_global_zero:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        if whole is not None:  # an unsharded copy to write
+            model = build_model(config, model.config.vocab_size)
+            model.load_state_dict(whole)
         model.save_pretrained(run_dir / "model")
         if data.tokenizer is not None:  # beside the weights, where generate.py and evaluate.py look
             data.tokenizer.save(run_dir / "model")
