@@ -117,3 +117,35 @@ def test_bad_arguments_are_refused_by_name(run_dir, tmp_path, capsys):
 
 def test_split_names_are_the_data_modules():
     assert script()["SPLITS"] == {"test": TEST_SPLIT, "selection": SELECTION_SPLIT, "val": VALIDATION_SPLIT}
+
+
+def test_retention_script_reads_delta_and_the_slowest_decay(run_dir, tmp_path, capsys):
+    """scripts/dev/induction_retention.py on a checkpoint whose Δ is set by hand: dt_proj's
+    weight zero, so that Δ_d = softplus(bias_d) at every token, and A = −(1 .. N) per channel.
+    Its median Δ, smallest Δ and the slowest decay min_d Δ_d·min_n |A_dn| come out as computed
+    here; and a run of another task is refused."""
+    import math
+
+    checkpoint = torch.load(run_dir / "checkpoints" / "step-0000004.ckpt", map_location="cpu", weights_only=True)
+    state = checkpoint["state_dict"]
+    prefix = "model.backbone.layers.0.mixer."
+    D, N = state[prefix + "A_log"].shape
+    bias = torch.linspace(-6.0, 1.0, D)
+    state[prefix + "dt_proj.weight"].zero_()
+    state[prefix + "dt_proj.bias"].copy_(bias)
+    state[prefix + "A_log"].copy_(torch.log(torch.arange(1.0, N + 1)).expand(D, N))
+    path = tmp_path / "set.ckpt"
+    torch.save(checkpoint, path)
+    main = runpy.run_path(str(ROOT / "scripts" / "dev" / "induction_retention.py"))["main"]
+    assert main([str(path), "--samples", "5"]) == 0
+    line = capsys.readouterr().out
+    delta = [math.log1p(math.exp(b)) for b in bias.tolist()]
+    rate = min(delta) * 1.0  # the smallest Δ times the smallest |A| (1)
+    median = sorted(delta)[(D - 1) // 2]  # torch.median: the lower of the two middle values
+    assert f"Δ median {median:.3g} min {min(delta):.2g}," in line
+    assert f"slowest decay {rate:.3g}/token, kept over 2^14 {math.exp(-rate * 2**14):.3g}," in line
+    with pytest.raises(SystemExit):  # parity is not induction heads
+        other = tmp_path / "parity"
+        train(load_config(None, [*TINY[:3], "data.task=parity", "data.seq_len=8", "trainer.max_steps=1",
+                                 "checkpoint_every=1", "progress_bar=false", f"run_dir={other}"]))  # fmt: skip
+        main([str(other / "checkpoints" / "last.ckpt")])
