@@ -443,3 +443,23 @@ def test_decode_table_gathers_each_mixer_and_precision(tmp_path):
         assert c["ssm_whole"] > 0 and c["weight_read_limit"] > 0 and "llama.cpp" not in c
     assert cells[1]["weight_bytes"] < cells[0]["weight_bytes"] / 2
     assert "Mamba-1, ssm** (whole run)" in md.read_text() and "int4 (q4_0)" in md.read_text()
+
+
+def test_context_parallel_mode_runs_each_world_size_and_counts_what_is_sent(tmp_path):
+    """--op context-parallel: one row per (L, W); every rank's step holds memory and takes time;
+    one process sends nothing, two send the summary and the halo by hand: Mamba-1 at d_model
+    32 has d_inner 64 and N 16, so its final state and its log-decay, 64·16 floats each, and a
+    flag to the other rank, and the conv's 3 positions of 64 channels to the next, 4 bytes each.
+    A W that does not divide L is refused."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "cp.json"
+    args = ["--op", "context-parallel", "--device", "cpu", "--d-model", "32", "--lengths", "64,128"]
+    assert main([*args, "--worlds", "1,2", "--repeats", "1", "--warmup", "0", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["length"], r["world"]) for r in rows] == [(64, 1), (64, 2), (128, 1), (128, 2)]
+    for r in rows:
+        assert r["step_peak_bytes"] >= 0 and r["before_bytes"] > 0 and r["ms"] > 0
+        sent = r["sent_bytes_per_layer"]
+        assert sent == ({"summary": 0, "halo": 0} if r["world"] == 1 else {"summary": 8196, "halo": 768})
+    with pytest.raises(SystemExit):
+        main([*args, "--worlds", "3"])

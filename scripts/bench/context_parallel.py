@@ -9,13 +9,10 @@ of them), the median wall time of the step (--repeats after --warmup), and what 
 layer. The memory is real whatever the load; the times of W processes on fewer cores than W
 are not a speed-up measurement, only what the step costs here (printed with the core count).
 
-Sent per layer and rank, by the design in ssm.distributed: every rank all-gathers its slice's
-summary (the decay and the final state from zero: batch·(d_inner·N + d_inner) floats for
-Mamba-1, batch·(H·P·N + H) for Mamba-2 and Mamba-3, whose phase adds batch·H·M), and takes the
-conv's d_conv − 1 positions of batch·conv channels from its left neighbour (Mamba-3: one
-position of its inputs). Its backward sends as much back. The numbers here count the
-forward's all-gather (what each rank contributes, W − 1 copies received) and halo from the
-model's shapes."""
+Sent per layer and rank, by the design in ssm.distributed (``sent_per_layer`` has the sizes):
+every rank all-gathers its slice's summary (the final state from zero and the log-decay), and
+takes the conv's d_conv − 1 positions from its left neighbour (Mamba-3: one position's key and
+input). Its backward sends as much back. The numbers count the forward, from the model's shapes."""
 
 from __future__ import annotations
 
@@ -113,22 +110,28 @@ def _free_port() -> int:
 
 
 def sent_per_layer(args, ssm_cfg: dict, world: int) -> dict:
-    """Bytes one rank sends per layer in the forward (float32): its summary to each of the
-    W − 1 others (all-gather), and its conv halo (or Mamba-3's one position) to its right."""
+    """Bytes one rank sends per layer in the forward (float32), from ssm.distributed's
+    exchanges: its summary all-gathered to the W − 1 others (a ring all-gather sends W − 1
+    pieces of that size), and its halo to its right. The summary is the slice's final state from
+    zero, its log-decay and a flag (``entering_state``): Mamba-1 2·D·N + 1 floats per row (its
+    decay differs per state entry), Mamba-2 H·P·N + H + 1; Mamba-3 adds the phase's increment
+    and a flag, H·M + 1. The halo: the conv's d_conv − 1 = 3 positions of its channels (Mamba-1
+    x, Mamba-2 x, B and C); Mamba-3's one position, its rotated key and input (H·N + H·P)."""
     if world == 1:
         return {"summary": 0, "halo": 0}
     d_inner, N, b = 2 * args.d_model, ssm_cfg.get("d_state", 16), args.batch
     layer = ssm_cfg.get("layer", "Mamba1")
     if layer == "Mamba1":
-        summary, halo = d_inner * N + d_inner, 3 * d_inner  # d_conv 4: 3 positions of x
+        summary, halo = 2 * d_inner * N + 1, 3 * d_inner
     else:
-        H = d_inner // ssm_cfg["headdim"]
-        summary = d_inner * N + H
+        P = ssm_cfg["headdim"]
+        H = d_inner // P
+        summary = H * P * N + H + 1
         if layer == "Mamba2":
-            halo = 3 * (d_inner + 2 * N)  # x, B and C go through the conv
+            halo = 3 * (d_inner + 2 * N)
         else:
-            summary += H * (N // 4)  # the phase of M = N/4 rotary pairs (rope_fraction 0.5)
-            halo = d_inner + 2 * N + H  # one position: x, B, C and its step
+            summary += H * (N // 4) + 1  # the phase of M = N/4 rotary pairs (rope_fraction 0.5)
+            halo = H * N + H * P
     return {"summary": 4 * b * summary * (world - 1), "halo": 4 * b * halo}
 
 
