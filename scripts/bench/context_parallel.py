@@ -113,26 +113,26 @@ def sent_per_layer(args, ssm_cfg: dict, world: int) -> dict:
     """Bytes one rank sends per layer in the forward (float32), from ssm.distributed's
     exchanges: its summary all-gathered to the W − 1 others (a ring all-gather sends W − 1
     pieces of that size), and its halo to its right. The summary is the slice's final state from
-    zero, its log-decay and a flag (``entering_state``): Mamba-1 2·D·N + 1 floats per row (its
-    decay differs per state entry), Mamba-2 H·P·N + H + 1; Mamba-3 adds the phase's increment
-    and a flag, H·M + 1. The halo: the conv's d_conv − 1 = 3 positions of its channels (Mamba-1
+    zero and its log-decay per row, and one flag (``entering_state``): Mamba-1 2·D·N floats a row
+    (its decay differs per state entry), Mamba-2 H·P·N + H; Mamba-3 adds the phase's increment,
+    H·M a row, and its flag. The halo: the conv's d_conv − 1 = 3 positions of its channels (Mamba-1
     x, Mamba-2 x, B and C); Mamba-3's one position, its rotated key and input (H·N + H·P)."""
     if world == 1:
         return {"summary": 0, "halo": 0}
     d_inner, N, b = 2 * args.d_model, ssm_cfg.get("d_state", 16), args.batch
     layer = ssm_cfg.get("layer", "Mamba1")
     if layer == "Mamba1":
-        summary, halo = 2 * d_inner * N + 1, 3 * d_inner
+        summary, halo = b * 2 * d_inner * N + 1, b * 3 * d_inner
     else:
         P = ssm_cfg["headdim"]
         H = d_inner // P
-        summary = H * P * N + H + 1
+        summary = b * (H * P * N + H) + 1
         if layer == "Mamba2":
-            halo = 3 * (d_inner + 2 * N)
+            halo = b * 3 * (d_inner + 2 * N)
         else:
-            summary += H * (N // 4) + 1  # the phase of M = N/4 rotary pairs (rope_fraction 0.5)
-            halo = H * N + H * P
-    return {"summary": 4 * b * summary * (world - 1), "halo": 4 * b * halo}
+            summary += b * H * (N // 4) + 1  # the phase of M = N/4 rotary pairs (rope_fraction 0.5)
+            halo = b * (H * N + H * P)
+    return {"summary": 4 * summary * (world - 1), "halo": 4 * halo}
 
 
 def run(args) -> tuple[int, dict | None]:
