@@ -3,7 +3,7 @@ on the CPU with gloo): two processes that shard the parameters and optimiser sta
 reading half of every batch, train the weights of one process reading the whole batch, stopped
 and resumed on the way; the checkpoint they write loads into one process; with
 trainer.context_parallel=2 as well, both processes read the whole batch, each half of every
-sequence, and log one process's losses."""
+sequence, and log one process's losses, stopped and resumed on the way too."""
 
 from __future__ import annotations
 
@@ -58,7 +58,9 @@ def test_two_sharded_processes_train_the_weights_of_one_with_the_whole_batch(tmp
 
 def test_sharding_composes_with_context_parallelism(tmp_path):
     train(load_config(None, [*COMMON, "data.batch_size=8", "trainer.devices=1", f"run_dir={tmp_path / 'one'}"]))
-    train_on_two(tmp_path / "two", "data.batch_size=8", "trainer.context_parallel=2")
+    two = tmp_path / "two"
+    train_on_two(two, "data.batch_size=8", "trainer.context_parallel=2", "trainer.max_steps=4")  # and resumed:
+    train_on_two(two, "data.batch_size=8", "trainer.context_parallel=2", f"resume={two}")
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert len(one) == len(two) == STEPS
     assert max(abs(a - b) / abs(a) for a, b in zip(one, two)) < 1e-4, (one, two)
