@@ -82,6 +82,10 @@ class DataSection:
     # parity and modular_arithmetic, training only: each optimiser step's length drawn uniformly
     # from [min_seq_len, seq_len] (the same for every sequence of the step); 0: every step at seq_len
     min_seq_len: int = 0
+    # with min_seq_len: a length curriculum, the drawn maximum max_len_from at step 0 growing
+    # linearly to seq_len at step max_len_steps (the Mamba-3 paper's: 40 to 160); 0: seq_len throughout
+    max_len_from: int = 0
+    max_len_steps: int = 0
     val_seq_len: int = 0  # validation length; 0: seq_len (state tracking: trained short, validated long)
     brackets: bool = False  # modular_arithmetic: expressions with brackets (else without)
     batch_size: int = 32  # sequences per device per step
@@ -362,6 +366,8 @@ RANGES: dict[str, tuple] = {
     "data.seq_len": _int_from(1),
     "data.min_seq_len": ((lambda v: _is_int(v) and v >= 0), "an int >= 0 (0: every step at data.seq_len)"),
     "data.val_seq_len": ((lambda v: _is_int(v) and v >= 0), "an int >= 0 (0: data.seq_len)"),
+    "data.max_len_from": ((lambda v: _is_int(v) and v >= 0), "an int >= 0 (0: no length curriculum)"),
+    "data.max_len_steps": ((lambda v: _is_int(v) and v >= 0), "an int >= 0"),
     "data.batch_size": _int_from(1),
     "data.num_tokens": _int_from(1),
     "data.num_memorize": _int_from(1),

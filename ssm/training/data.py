@@ -130,15 +130,41 @@ class InductionHeads(Dataset):
 class _DrawnLengths(Dataset):
     """Examples whose training length is drawn per optimiser step: the training sequences of
     one step (``per_step`` consecutive indices) share a length drawn uniformly from
-    [min_len, seq_len], from the step's own seed stream (so every rank and every accumulated
-    batch of the step agrees); other splits, and min_len 0, are seq_len long."""
+    [min_len, the step's maximum], from the step's own seed stream (so every rank and every
+    accumulated batch of the step agrees); other splits, and min_len 0, are seq_len long.
 
-    def __init__(self, seq_len: int, seed: int, split: str, size: int, min_len: int = 0, per_step: int = 1):
+    The step's maximum is seq_len, or with ``grow_from`` > 0 a curriculum: ``grow_from`` at step
+    0, growing linearly to seq_len at step ``grow_steps`` (the Mamba-3 paper's, from 40 to 160)."""
+
+    def __init__(
+        self,
+        seq_len: int,
+        seed: int,
+        split: str,
+        size: int,
+        min_len: int = 0,
+        per_step: int = 1,
+        grow_from: int = 0,
+        grow_steps: int = 0,
+    ):
         if min_len > seq_len:
             raise ValueError(f"data.min_seq_len ({min_len}) must be <= data.seq_len ({seq_len})")
+        if grow_from and not (1 <= min_len <= grow_from <= seq_len and grow_steps >= 1):
+            raise ValueError(
+                f"data.max_len_from ({grow_from}) needs training lengths drawn (data.min_seq_len >= 1) and must "
+                f"lie in [data.min_seq_len, data.seq_len] = [{min_len}, {seq_len}], with data.max_len_steps >= 1 "
+                f"(got {grow_steps})"
+            )
         self.L, self.seed, self.split, self.size = seq_len, seed, split, size
         self.min_len = min_len if (split == "train" and min_len) else seq_len
         self.per_step = per_step
+        self.grow_from, self.grow_steps = grow_from, grow_steps
+
+    def maximum(self, step: int) -> int:
+        """The longest training length drawn at optimiser step ``step``."""
+        if not self.grow_from:
+            return self.L
+        return self.grow_from + (self.L - self.grow_from) * min(step, self.grow_steps) // self.grow_steps
 
     def __len__(self) -> int:
         return self.size
@@ -146,8 +172,9 @@ class _DrawnLengths(Dataset):
     def length(self, index: int) -> int:
         if self.min_len == self.L:
             return self.L
-        g = _generator(self.seed, f"{self.split}/length", index // self.per_step)
-        return int(torch.randint(self.min_len, self.L + 1, (), generator=g))
+        step = index // self.per_step
+        g = _generator(self.seed, f"{self.split}/length", step)
+        return int(torch.randint(self.min_len, self.maximum(step) + 1, (), generator=g))
 
 
 class Parity(_DrawnLengths):
@@ -457,6 +484,8 @@ class TaskDataModule(pl.LightningDataModule):
             self.train_files, self.val_files = text_split(config)
             self.tokenizer = make_tokenizer(config.tokenizer, self.train_files)
         self.vocab_size = self.dataset("val", 1).vocab_size
+        if config.max_len_from:  # the curriculum's bounds, checked now rather than when training starts
+            self.dataset(TRAIN_SPLIT, 1)
 
     def dataset(
         self, split: str, size: int, seq_len: int | None = None, streams: int | None = None, per_step: int = 1
@@ -465,10 +494,11 @@ class TaskDataModule(pl.LightningDataModule):
         ``per_step``: examples per optimiser step (parity's lengths are drawn per step)."""
         c, L = self.config, seq_len or self.config.seq_len
         check_split(split)
+        grow = dict(grow_from=c.max_len_from, grow_steps=c.max_len_steps) if split == TRAIN_SPLIT else {}
         if c.task == "parity":
-            return Parity(L, self.seed, split, size, c.min_seq_len, per_step)
+            return Parity(L, self.seed, split, size, c.min_seq_len, per_step, **grow)
         if c.task == "modular_arithmetic":
-            return ModularArithmetic(L, self.seed, split, size, c.min_seq_len, per_step, brackets=c.brackets)
+            return ModularArithmetic(L, self.seed, split, size, c.min_seq_len, per_step, brackets=c.brackets, **grow)
         if c.task == "selective_copying":
             return SelectiveCopying(L, c.num_tokens, c.num_memorize, self.seed, split, size)
         if c.task == "induction_heads":

@@ -302,3 +302,25 @@ def test_a_misspelt_split_is_refused_by_name():
     with pytest.raises(ValueError, match=r"split must be one of .*got 'tset'"):
         data.dataset("tset", 4)
     assert check_split("test46") == "test46"
+
+
+def test_a_length_curriculum_grows_the_drawn_maximum_step_by_step():
+    """data.max_len_from / max_len_steps (the Mamba-3 paper's 40 → 160): at step s the training
+    lengths lie in [min, 40 + (160 − 40)·min(s, S)/S], each step's shared by its examples, and
+    they reach that bound; other splits stay at their length; bad settings are refused."""
+    per_step, steps = 4, 300
+    train = Parity(160, 0, "train", per_step * 2 * steps, min_len=3, per_step=per_step, grow_from=40, grow_steps=steps)
+    lengths = [len(train[i][0]) for i in range(0, per_step * 2 * steps, per_step)]  # one per step
+    for step, n in enumerate(lengths):
+        assert 3 <= n <= 40 + 120 * min(step, steps) // steps
+    assert max(lengths[:30]) <= 52 and max(lengths[steps:]) == 160 and max(lengths[:30]) >= 30
+    assert len({len(train[i][0]) for i in range(8, 12)}) == 1  # the examples of step 2 share theirs
+    config = load_config(None, ["data.task=parity", "data.seq_len=160", "data.min_seq_len=3", "data.max_len_from=40",
+                                "data.max_len_steps=100", "data.val_seq_len=256"])  # fmt: skip
+    module = TaskDataModule(config.data, seed=0)
+    assert {len(module.dataset("train", 1)[0][0])} <= set(range(3, 41))  # step 0
+    assert len(module.dataset("val", 1)[0][0]) == 160
+    with pytest.raises(ValueError, match="data.max_len_from"):
+        TaskDataModule(load_config(None, ["data.task=parity", "data.seq_len=64", "data.max_len_from=40"]).data)
+    with pytest.raises(ValueError, match="data.max_len_steps >= 1"):
+        Parity(64, 0, "train", 1, min_len=3, grow_from=40)
