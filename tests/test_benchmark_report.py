@@ -47,6 +47,7 @@ def test_every_op_has_a_module_that_runs():
         "cold-start",
         "memory",
         "gpu-peers",
+        "context-parallel",
     }
     for op in ops:
         module = bench(ops[op])
