@@ -85,7 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model = parser.add_argument_group("model ops (generate, decode, packed, layer, train-step, ssd)")
     model.add_argument("--d-model", type=int, default=None, help="default 256 (generate), 128 (packed)")
-    model.add_argument("--layers", type=int, default=None, help="default 4 (24 for decode, decode-table, text, memory)")
+    model.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="default 4 (24 for decode, decode-table, text, memory; 2 for context-parallel)",
+    )
     model.add_argument("--new-tokens", type=int, default=256)
     model.add_argument("--prompt-length", type=int, default=16)
     model.add_argument("--headdim", type=int, default=32, help="P of Mamba2 and Mamba3 (layer), of ssd's heads")
@@ -94,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def fill_defaults(args: argparse.Namespace) -> None:
     """The defaults that depend on the op."""
     if args.layers is None:
-        args.layers = 24 if args.op in ("decode", "decode-table", "text", "memory") else 4
+        deep = args.op in ("decode", "decode-table", "text", "memory")
+        args.layers = 24 if deep else 2 if args.op == "context-parallel" else 4
     if args.batch is None:
         args.batch = 8 if args.op in ("train-step", "hybrid") else 1
     if args.length is None:

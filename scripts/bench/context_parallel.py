@@ -93,7 +93,6 @@ def add_arguments(parser) -> None:
 
 def check(args, parser) -> None:
     args.d_model = args.d_model or 256
-    args.layers = 2 if args.layers == 4 else args.layers  # 2 unless asked
     args.lengths = args.lengths or [2**12, 2**14, 2**16]
     if sys.platform != "linux":
         parser.error("--op context-parallel reads /proc/self/status: Linux only")
