@@ -32,6 +32,7 @@ from .state_passing import (
     scan_with_passed_rotating_state,
     scan_with_passed_state,
     shard_sequence,
+    summed_softplus,
 )
 
 __all__ = [
@@ -49,4 +50,5 @@ __all__ = [
     "scan_with_passed_rotating_state",
     "scan_with_passed_state",
     "shard_sequence",
+    "summed_softplus",
 ]

@@ -26,7 +26,11 @@ head: the contribution is one (L, N) × (N, P) product per head; measured on the
 H 8, P 64, N 64, forward and backward of that second step alone: 3.6 ms against 36 ms for the
 rescan at L 512, 21 against 153 ms at L 2048); Mamba-1 (a decay per channel and state: the
 contribution would hold batch·D·L·N numbers, what its scan avoids), Mamba-3 (the queries
-rotate) and a Mamba-2 that gates inside its scan (no gated norm) rescan.
+rotate) and a Mamba-2 that gates inside its scan (no gated norm) rescan. Mamba-1's first scan,
+on a rank that rescans, is its summary alone (``summary=``: no gate, no skip term), and its
+log-decay recomputes softplus in the backward (``summed_softplus``): measured with
+``scripts/benchmark.py --op context-parallel`` at L 32768, W 2, d_model 256, the step's peak per
+rank fell from 0.68 of one process's to 0.54 (1/W is 0.5).
 """
 
 from __future__ import annotations
@@ -146,6 +150,31 @@ def entering_state(
     return entering, state
 
 
+class _SummedSoftplus(torch.autograd.Function):
+    """Σ_t softplus(x_t + bias) over the last dim, its backward recomputing sigmoid(x + bias)
+    from ``x`` rather than keeping softplus's (…, L) input: ``x`` is the scan's Δ, which the scan
+    keeps anyway, so the slice's log-decay costs no activation memory of its own."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.save_for_backward(x, bias)
+        return F.softplus(x + bias[:, None]).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, bias = ctx.saved_tensors
+        grad_x = grad[..., None] * torch.sigmoid(x + bias[:, None])
+        grad_bias = grad_x.sum(dim=(0, 2)) if ctx.needs_input_grad[1] else None
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_bias
+
+
+def summed_softplus(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Σ_t softplus(x[..., t] + bias) for ``x`` (batch, D, L) and ``bias`` (D,): (batch, D), the
+    log of a Mamba-1 slice's decay divided by A, with gradients, at no activation memory beyond
+    ``x`` (kept by the scan)."""
+    return _SummedSoftplus.apply(x, bias)
+
+
 def scan_with_passed_state(
     scan: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
     log_decay: Callable[[int], torch.Tensor],
@@ -153,6 +182,7 @@ def scan_with_passed_state(
     packing: SlicePacking | None = None,
     contribution: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     initial_state: torch.Tensor | None = None,
+    summary: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(The output of this rank's slice of a recurrence split across ``group``, the state after
     the whole sequence, the same on every rank).
@@ -174,16 +204,22 @@ def scan_with_passed_state(
 
     ``initial_state`` (not with ``packing``): the state before the whole sequence (a cache's),
     the same on every rank; rank 0 enters with it. The state after the whole sequence is then
-    its composition with every rank's summary (with ``packing``, the last sequence's)."""
+    its composition with every rank's summary (with ``packing``, the last sequence's).
+
+    ``summary()``: the slice's last states from zero alone (what ``scan(None)[1]`` returns),
+    for a rank that scans again, where a cheaper scan gives them (Mamba-1's without its gate and
+    skip term: no gradient of z, nor of an output that the rescan replaces, is kept or formed)."""
     rank, _ = group_rank_and_size(group)
-    out, last_state = scan(None)
+    continues = (rank > 0 or initial_state is not None) if packing is None else packing.continues
+    if continues and contribution is None and summary is not None:
+        out, last_state = None, summary()  # the rescan below gives the output
+    else:
+        out, last_state = scan(None)
     if packing is None:
         state, whole = entering_state(log_decay(0), last_state, group, initial=initial_state)
-        continues = rank > 0 or initial_state is not None
     else:
         final = last_state[packing.last : packing.last + 1]
         state, whole = entering_state(log_decay(packing.last_start), final, group, packing.carries)
-        continues = packing.continues
     if not continues:  # its entering state is zero: the first scan's output is the answer
         return attach(out, state), whole
     if contribution is not None:  # the positions the entering state reaches: the first sequence's

@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import conv_state_from_previous_rank, from_last_rank, scan_with_passed_state, slice_packing
+from ..distributed import (
+    conv_state_from_previous_rank,
+    from_last_rank,
+    scan_with_passed_state,
+    slice_packing,
+    summed_softplus,
+)
 from ..ops import MambaBlockWeights, causal_conv1d_silu, causal_conv1d_step
 from ..scan import selective_scan, selective_scan_step
 from .arguments import check_dt_range, check_int, check_number
@@ -194,11 +200,19 @@ class Mamba(nn.Module):
         if cp_group is not None:
             # log of the slice's decay per (batch, channel, state): A·Σ_t softplus(Δ_t + bias)
             # (in the scan's compute dtype: float64 for float64 inputs, though A_log is float32)
-            delta = F.softplus(dt.to(torch.promote_types(dt.dtype, A.dtype)) + upcast(self.dt_proj.bias)[:, None])
+            dt_wide, bias = dt.to(torch.promote_types(dt.dtype, A.dtype)), upcast(self.dt_proj.bias)
+
+            def log_decay(start):
+                return summed_softplus(dt_wide[..., start:], bias)[..., None] * A
+
+            def summary():  # the last states from zero: no gate nor skip term (the rescan has them)
+                return selective_scan(
+                    u, dt, A, B, C, None, None, bias, delta_softplus=True, return_last_state=True,
+                    cu_seqlens=packed, backend=self.backend,
+                )[1]  # fmt: skip
+
             initial = None if cache is None else cache.ssm_state
-            y, whole = scan_with_passed_state(
-                scan, lambda start: delta[..., start:].sum(-1)[..., None] * A, cp_group, packing, None, initial
-            )
+            y, whole = scan_with_passed_state(scan, log_decay, cp_group, packing, None, initial, summary)
             if cache is not None:  # the state after the whole sequence, on every rank
                 cache.ssm_state = whole
                 if conv_state is not None:
