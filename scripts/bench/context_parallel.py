@@ -112,16 +112,17 @@ def sent_per_layer(args, ssm_cfg: dict, world: int) -> dict:
     """Bytes one rank sends per layer in the forward (float32), from ssm.distributed's
     exchanges: its summary all-gathered to the W − 1 others (a ring all-gather sends W − 1
     pieces of that size), and its halo to its right. The summary is the slice's final state from
-    zero and its log-decay per row, and one flag (``entering_state``): Mamba-1 2·D·N floats a row
-    (its decay differs per state entry), Mamba-2 H·P·N + H; Mamba-3 adds the phase's increment,
-    H·M a row, and its flag. The halo: the conv's d_conv − 1 = 3 positions of its channels (Mamba-1
-    x, Mamba-2 x, B and C); Mamba-3's one position, its rotated key and input (H·N + H·P)."""
+    zero and its log-decay per row, and one flag (``entering_state``): Mamba-1 D·N + D floats a
+    row (its log-decay is Σ_t Δ_t per channel, times A after the exchange), Mamba-2 H·P·N + H;
+    Mamba-3 adds the phase's increment, H·M a row, and its flag. The halo: the conv's
+    d_conv − 1 = 3 positions of its channels (Mamba-1 x, Mamba-2 x, B and C); Mamba-3's one
+    position, its rotated key and input (H·N + H·P)."""
     if world == 1:
         return {"summary": 0, "halo": 0}
     d_inner, N, b = 2 * args.d_model, ssm_cfg.get("d_state", 16), args.batch
     layer = ssm_cfg.get("layer", "Mamba1")
     if layer == "Mamba1":
-        summary, halo = b * 2 * d_inner * N + 1, b * 3 * d_inner
+        summary, halo = b * (d_inner * N + d_inner) + 1, b * 3 * d_inner
     else:
         P = ssm_cfg["headdim"]
         H = d_inner // P

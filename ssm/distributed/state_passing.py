@@ -10,8 +10,8 @@ slice again from it (below).
 
 Why an all_gather of the summaries, not a chain of point-to-point sends: the summaries are
 small, O(W·batch·H·P·N) numbers received per rank (W states: batch·H·P·N each for Mamba-2,
-plus batch·H for its decay per head; batch·D·N each for Mamba-1, whose decay per channel and
-state doubles it), independent of L; one collective has the latency of one step where a chain
+plus batch·H for its decay per head; batch·D·N each for Mamba-1, plus batch·D for its Σ_t Δ_t,
+which each rank multiplies by A), independent of L; one collective has the latency of one step where a chain
 has W - 1 dependent steps; and every rank composes its entering state locally from the
 gathered pairs. The backward is one all_reduce of the gradients of the gathered pairs
 (``collectives.all_gather_stacked``), through which each rank's gradient reaches the states
@@ -125,7 +125,12 @@ def conv_state_from_previous_rank(
 
 
 def entering_state(
-    log_decay: torch.Tensor, final_state: torch.Tensor, group, carries: bool = True, initial=None
+    log_decay: torch.Tensor,
+    final_state: torch.Tensor,
+    group,
+    carries: bool = True,
+    initial=None,
+    decay_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(The state entering this rank's slice, the state after the whole sequence), from every
     rank's summary of its own: ``log_decay`` (broadcastable to ``final_state``: the log of the
@@ -134,7 +139,12 @@ def entering_state(
     for the second): h ← exp(log_decay_k)·h + S_k, from h = ``initial`` (the state before the
     whole sequence) or zero. ``carries`` False (a packed sequence that starts on this rank): the
     state entering rank k does not reach its end, h ← S_k. Rank 0's entering state is still
-    attached to the gathered tensor, so that rank 0's backward joins the collective."""
+    attached to the gathered tensor, so that rank 0's backward joins the collective.
+
+    ``decay_scale`` (the same on every rank, e.g. Mamba-1's A (D, N)): each gathered
+    ``log_decay`` is multiplied by it after the exchange, so that a rank sends the smaller
+    factor (Mamba-1: Σ_t Δ_t, D numbers a row, not D·N). Its gradient stays on each rank, which
+    the ranks' gradients, summed, count once per use as one process does."""
     rank, size = group_rank_and_size(group)
     log_decay = log_decay.to(final_state.dtype)
     n, m = final_state.numel(), log_decay.numel()
@@ -145,7 +155,9 @@ def entering_state(
         if k == rank:
             entering = attach(state, gathered) if rank == 0 else state
         S_k = gathered[k, :n].view(final_state.shape)
-        decay_k = gathered[k, n : n + m].view(log_decay.shape).exp() * gathered[k, n + m].detach()
+        log_k = gathered[k, n : n + m].view(log_decay.shape)
+        log_k = log_k if decay_scale is None else log_k * decay_scale
+        decay_k = log_k.exp() * gathered[k, n + m].detach()
         state = decay_k * state + S_k
     return entering, state
 
@@ -183,6 +195,7 @@ def scan_with_passed_state(
     contribution: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     initial_state: torch.Tensor | None = None,
     summary: Callable[[], torch.Tensor] | None = None,
+    decay_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(The output of this rank's slice of a recurrence split across ``group``, the state after
     the whole sequence, the same on every rank).
@@ -208,7 +221,8 @@ def scan_with_passed_state(
 
     ``summary()``: the slice's last states from zero alone (what ``scan(None)[1]`` returns),
     for a rank that scans again, where a cheaper scan gives them (Mamba-1's without its gate and
-    skip term: no gradient of z, nor of an output that the rescan replaces, is kept or formed)."""
+    skip term: no gradient of z, nor of an output that the rescan replaces, is kept or formed).
+    ``decay_scale``: ``log_decay(start)`` times it is the log-decay (``entering_state``)."""
     rank, _ = group_rank_and_size(group)
     continues = (rank > 0 or initial_state is not None) if packing is None else packing.continues
     if continues and contribution is None and summary is not None:
@@ -216,10 +230,12 @@ def scan_with_passed_state(
     else:
         out, last_state = scan(None)
     if packing is None:
-        state, whole = entering_state(log_decay(0), last_state, group, initial=initial_state)
+        state, whole = entering_state(log_decay(0), last_state, group, True, initial_state, decay_scale)
     else:
         final = last_state[packing.last : packing.last + 1]
-        state, whole = entering_state(log_decay(packing.last_start), final, group, packing.carries)
+        state, whole = entering_state(
+            log_decay(packing.last_start), final, group, packing.carries, decay_scale=decay_scale
+        )
     if not continues:  # its entering state is zero: the first scan's output is the answer
         return attach(out, state), whole
     if contribution is not None:  # the positions the entering state reaches: the first sequence's

@@ -202,8 +202,8 @@ class Mamba(nn.Module):
             # (in the scan's compute dtype: float64 for float64 inputs, though A_log is float32)
             dt_wide, bias = dt.to(torch.promote_types(dt.dtype, A.dtype)), upcast(self.dt_proj.bias)
 
-            def log_decay(start):
-                return summed_softplus(dt_wide[..., start:], bias)[..., None] * A
+            def log_decay(start):  # Σ_t Δ_t from start, (batch, D, 1): the ranks exchange it, then times A
+                return summed_softplus(dt_wide[..., start:], bias)[..., None]
 
             def summary():  # the last states from zero: no gate nor skip term (the rescan has them)
                 return selective_scan(
@@ -212,7 +212,7 @@ class Mamba(nn.Module):
                 )[1]  # fmt: skip
 
             initial = None if cache is None else cache.ssm_state
-            y, whole = scan_with_passed_state(scan, log_decay, cp_group, packing, None, initial, summary)
+            y, whole = scan_with_passed_state(scan, log_decay, cp_group, packing, None, initial, summary, A)
             if cache is not None:  # the state after the whole sequence, on every rank
                 cache.ssm_state = whole
                 if conv_state is not None:
