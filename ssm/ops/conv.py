@@ -117,15 +117,15 @@ def causal_conv1d_silu(
     scans' layout).
 
     ``backend="auto"`` takes the C kernel on the CPU where it applies (float32 or float64; x's
-    channels contiguous; a state only without cu_seqlens and without gradients, as a cached
-    prefill or a chunked evaluation reads): no copy of x, no padded or transposed copies, the
+    channels contiguous; a state only without cu_seqlens, as a cached prefill, a chunked
+    evaluation or a context-parallel rank's halo reads): no copy of x, no padded or transposed copies, the
     SiLU fused, each output contiguous, the backward in one pass. Elsewhere, or with
     ``backend="torch"``, ``causal_conv1d`` on x seen as (B, D, L), the first output a view of
     the second. ``backend="cpu"`` where the kernel does not apply is an error."""
     _check_conv(x, weight, bias, state, cu_seqlens, channels_last=True)
     needs = lambda: (
         f"float32 or float64 CPU tensors, x's channels contiguous, and a state only without cu_seqlens "
-        f"or gradients (got state {'given' if state is not None else 'None'}, cu_seqlens "
+        f"(got state {'given' if state is not None else 'None'}, cu_seqlens "
         f"{'given' if cu_seqlens is not None else 'None'}, x {x.dtype} on {x.device} with strides {x.stride()})"
     )
     return BACKENDS.run(

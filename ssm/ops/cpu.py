@@ -64,18 +64,55 @@ def _conv_fwd_fake(x, wt, bias, cu_seqlens, state, silu, transposed):
 
 def _conv_setup(ctx, inputs, output):
     x, wt, bias, cu_seqlens, state, silu, transposed = inputs
-    ctx.save_for_backward(x, wt, bias, cu_seqlens)
-    ctx.silu, ctx.transposed, ctx.with_state = silu, transposed, state is not None
+    ctx.save_for_backward(x, wt, bias, cu_seqlens, state)
+    ctx.silu, ctx.transposed = silu, transposed
 
 
 def _conv_backward(ctx, grad, gradT):
-    if ctx.with_state:  # causal_conv1d_cpu never records one; the kernel's backward reads no state
-        raise RuntimeError("the C convolution has no backward from a state; take the tensor path")
-    x, wt, bias, cu_seqlens = ctx.saved_tensors
+    x, wt, bias, cu_seqlens, state = ctx.saved_tensors
     grad = None if grad is None else grad.contiguous()
     gradT = None if gradT is None or not ctx.transposed else gradT.contiguous()
-    d_x, d_wt, d_bias = _conv_bwd(grad, gradT, x, wt, bias, cu_seqlens, ctx.silu)
-    return d_x, d_wt, (d_bias if bias is not None else None), None, None, None, None
+    # the kernel reads the state for the first steps' pre-activations (SiLU's slope there), but
+    # sums the gradients of the taps on x only; those on the state are added here
+    d_x, d_wt, d_bias = _conv_bwd(grad, gradT, x, wt, bias, cu_seqlens, state, ctx.silu)
+    d_state = None
+    if state is not None and x.shape[1] > 0 and (ctx.needs_input_grad[1] or ctx.needs_input_grad[4]):
+        d_state, d_wt_state = _state_taps_backward(grad, gradT, x, wt, bias, state, ctx.silu)
+        d_wt = d_wt + d_wt_state
+    return d_x, d_wt, (d_bias if bias is not None else None), None, d_state, None, None
+
+
+def _state_taps_backward(grad, gradT, x, wt, bias, state, silu: bool) -> tuple[Tensor, Tensor]:
+    """The gradients of the state (B, D, K) and of the taps on it (K, D), from the first
+    R = min(K - 1, L) steps, the only ones whose taps reach before step 0: their pre-activation
+    recomputed (state and x), its gradient through SiLU, then the taps that read the state.
+    O(B·K²·D) tensor operations, against the kernel's O(B·L·K·D)."""
+    K = wt.shape[0]
+    R = min(K - 1, x.shape[1])
+    history = torch.cat([state[:, :, 1:].transpose(1, 2), x[:, :R]], dim=1)  # (B, K - 1 + R, D)
+    g = 0
+    if grad is not None:
+        g = g + grad[:, :R]
+    if gradT is not None:
+        g = g + gradT[:, :, :R].transpose(1, 2)
+    if not isinstance(g, Tensor):  # neither output has a gradient
+        return torch.zeros_like(state), torch.zeros_like(wt)
+    rows = []  # the gradient of each of the first R pre-activations (B, D)
+    for t in range(R):
+        if silu:
+            v = (history[:, t : t + K] * wt).sum(1) + (0 if bias is None else bias)
+            sig = torch.sigmoid(v)
+            rows.append(g[:, t] * sig * (1 + v * (1 - sig)))
+        else:
+            rows.append(g[:, t])
+    d_history = torch.zeros_like(history[:, : K - 1])  # (B, K - 1, D): state positions 1 .. K - 1
+    d_wt = torch.zeros_like(wt)
+    for t, gv in enumerate(rows):
+        for k in range(K - 1 - t):  # tap k of step t reads history[t + k], a state position
+            d_history[:, t + k] += wt[k] * gv
+            d_wt[k] += (gv * history[:, t + k]).sum(0)
+    d_state = torch.cat([torch.zeros_like(state[:, :, :1]), d_history.transpose(1, 2)], dim=2)
+    return d_state.to(state.dtype), d_wt
 
 
 @kernel_op(
@@ -97,8 +134,8 @@ def _conv_fwd(
     """x (B, L, D) with its channels contiguous (any batch and step strides), wt (K, D) and bias
     (D,) contiguous, all of one dtype → (silu of) the causal depthwise convolution, (B, L, D),
     and with ``transposed`` the same values as (B, D, L) contiguous (else an empty tensor).
-    ``state`` (B, D, K), any strides, x's dtype, no cu_seqlens, no gradient: the inputs before
-    step 0, most recent last."""
+    ``state`` (B, D, K), any strides, x's dtype, no cu_seqlens: the inputs before step 0, most
+    recent last."""
     a = _conv_args(x, wt, bias, cu_seqlens, silu)
     if state is not None:
         a.state, a.sst = state.data_ptr(), (ctypes.c_int64 * 3)(*state.stride())
@@ -109,7 +146,7 @@ def _conv_fwd(
     return y, yT
 
 
-def _conv_bwd_fake(grad, gradT, x, wt, bias, cu_seqlens, silu):
+def _conv_bwd_fake(grad, gradT, x, wt, bias, cu_seqlens, state, silu):
     return x.new_empty(x.shape), torch.empty_like(wt), x.new_empty(wt.shape[1] if bias is not None else 0)
 
 
@@ -121,11 +158,16 @@ def _conv_bwd(
     wt: Tensor,
     bias: Tensor | None,
     cu_seqlens: Tensor | None,
+    state: Tensor | None,
     silu: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of x (B, L, D) contiguous, wt and bias (an empty tensor without one) from
-    those of the two outputs, grad (B, L, D) and gradT (B, D, L), contiguous, either None."""
+    those of the two outputs, grad (B, L, D) and gradT (B, D, L), contiguous, either None.
+    ``state`` as the forward's: read for the first steps' pre-activations; the gradients of the
+    taps on it are not summed here (``_state_taps_backward``)."""
     a = _conv_args(x, wt, bias, cu_seqlens, silu)
+    if state is not None:
+        a.state, a.sst = state.data_ptr(), (ctypes.c_int64 * 3)(*state.stride())
     d_x, d_wt = empty(x.shape, x), torch.empty_like(wt)
     d_bias = x.new_empty(wt.shape[1] if bias is not None else 0)
     part = empty((a.nthreads * (2 * a.K + 2) * a.dim,), x)  # per thread: its sums, its ring of rows, a row
@@ -154,12 +196,13 @@ def causal_conv1d_cpu(
     copy (and the gradients of both are added in the backward's pass).
 
     ``state`` (B, D, K): the K inputs before step 0 of each row, most recent last (a
-    convolution state, as a cache keeps it), read by the first K - 1 steps' taps instead of
-    zeros; forward only (no gradient through it or from it) and without ``cu_seqlens``.
+    convolution state, as a cache keeps it, or a context-parallel rank's halo), read by the
+    first K - 1 steps' taps instead of zeros, with gradients (to it and to the taps that read
+    it); without ``cu_seqlens``.
 
     None when it does not apply, and the caller takes the tensor path: x, weight and bias on
     the CPU in one dtype (float32 or float64), x's channels contiguous, kernels built; with a
-    state, no cu_seqlens and nothing that needs a gradient."""
+    state, no cu_seqlens."""
     dtype = x.dtype
     if (
         dtype not in (torch.float32, torch.float64)
@@ -174,7 +217,6 @@ def causal_conv1d_cpu(
             cu_seqlens is not None
             or state.device.type != "cpu"
             or state.shape != (x.shape[0], x.shape[2], weight.shape[-1])
-            or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, state)))
         ):
             return None
         state = state.to(dtype)

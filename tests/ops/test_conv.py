@@ -140,23 +140,37 @@ def test_the_c_convolution_continues_from_a_state(L, strided_state):
     assert torch.equal(new_state, state_torch)
 
 
-def test_with_a_state_and_a_gradient_the_convolution_takes_the_tensor_path():
-    """The C kernel has no backward through a state: where a gradient is wanted "auto" takes
-    the tensor path (gradients right), and "cpu" says why it cannot."""
-    from ssm.ops import causal_conv1d_silu
+@pytest.mark.parametrize("L", [1, 2, 3, 4, 9, 40])
+@pytest.mark.parametrize("silu", [False, True])
+def test_the_c_convolution_takes_gradients_through_a_state(L, silu):
+    """A context-parallel rank's halo (or any state with a gradient) on the C kernel: values
+    against the loop above, and the gradients of x, weight, bias and the state against finite
+    differences (gradcheck, float64), through either output and both; L shorter than, equal to
+    and longer than K - 1, and long enough (40) that the backward splits its rows among
+    threads."""
+    from ssm.native import library
+    from ssm.ops import causal_conv1d_silu, cpu
 
+    if library() is None:
+        pytest.fail("the cpu kernels did not build: the C convolution is untested")
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(4, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    state = torch.randn(2, 4, 4, generator=g, dtype=torch.float64)
-    y, _ = causal_conv1d_silu(x, weight, None, state)
-    y.sum().backward()
-    want = torch.nn.functional.silu(by_hand(x.transpose(1, 2), weight, None, state)).transpose(1, 2)
-    wx, ww = torch.autograd.grad(want.sum(), (x, weight))
-    torch.testing.assert_close(x.grad, wx)
-    torch.testing.assert_close(weight.grad, ww)
-    with pytest.raises(Exception, match="a state only without cu_seqlens or gradients"):
-        causal_conv1d_silu(x, weight, None, state, backend="cpu")
+    batch, D, K = 2, 5, 4
+    x = torch.randn(batch, L, 2 * D, generator=g, dtype=torch.float64)[..., :D].requires_grad_()
+    weight = torch.randn(D, 1, K, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(D, generator=g, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(batch, K, D, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    y, yT = cpu.causal_conv1d_cpu(x, weight, bias, None, silu=silu, transposed=True, state=state)
+    want = by_hand(x.detach().transpose(1, 2), weight.detach(), bias.detach(), state.detach())
+    want = torch.nn.functional.silu(want) if silu else want
+    torch.testing.assert_close(yT, want, rtol=1e-12, atol=1e-12)
+    inputs = (x, weight, bias, state)
+    both = lambda x, w, b, s: cpu.causal_conv1d_cpu(x, w, b, None, silu=silu, transposed=True, state=s)  # noqa: E731
+    assert torch.autograd.gradcheck(both, inputs)
+    assert torch.autograd.gradcheck(lambda *a: both(*a)[0], inputs)
+    assert torch.autograd.gradcheck(lambda *a: both(*a)[1], inputs)
+    if silu:  # the layers' entry point takes it on "cpu", the new state's gradient included
+        layer = lambda x, w, b, s: causal_conv1d_silu(x, w, b, s, None, True, backend="cpu")  # noqa: E731
+        assert torch.autograd.gradcheck(lambda *a: (layer(*a)[0][1], layer(*a)[1]), inputs)
 
 
 def test_the_channels_last_c_convolution_declines_what_it_does_not_run():
