@@ -160,13 +160,69 @@ def gate_and_contract(y, v, D, z, mimo_z, mimo_o, dtype):
     return y
 
 
+def _pair_slices(N: int, M: int, rotary: str) -> tuple[slice, slice]:
+    """Where the first and second entries of the M rotated pairs lie in a state of size N."""
+    if rotary == "interleaved":
+        return slice(0, 2 * M, 2), slice(1, 2 * M, 2)
+    return slice(0, M), slice(N // 2, N // 2 + M)
+
+
+class _RotatedPerHead(torch.autograd.Function):
+    """:func:`rotated_per_head` with a backward of its own: autograd through the slices, stack
+    and cat of ``rotate`` and through ``repeat_interleave`` writes a zero-filled tensor of the
+    whole (B, L, R, H, N) for every slice and copies into it; this one forms each gradient once
+    (the inverse rotation in place, the groups' sum as one reduction)."""
+
+    @staticmethod
+    def forward(ctx, M, bias, cos, sin, heads: int, rotary: str, dtype):
+        w = per_head(M, heads, bias, dtype)  # (B, L, R, H, N): repeat_interleave's, never M's memory
+        first, second = _pair_slices(w.shape[-1], cos.shape[-1], rotary)
+        w0, w1 = w[..., first].clone(), w[..., second].clone()
+        w[..., first] = w0 * cos - w1 * sin
+        w[..., second] = w0 * sin + w1 * cos
+        ctx.save_for_backward(w0, w1, cos, sin)
+        ctx.rotary, ctx.heads, ctx.shapes = rotary, heads, (M.shape, M.dtype, None if bias is None else bias.dtype)
+        return w
+
+    @staticmethod
+    def backward(ctx, grad):
+        w0, w1, cos, sin = ctx.saved_tensors
+        shape, M_dtype, bias_dtype = ctx.shapes
+        first, second = _pair_slices(grad.shape[-1], cos.shape[-1], ctx.rotary)
+        d0, d1 = grad[..., first], grad[..., second]
+        dcos = d0 * w0 + d1 * w1 if ctx.needs_input_grad[2] else None
+        dsin = d1 * w0 - d0 * w1 if ctx.needs_input_grad[3] else None
+        dcos = None if dcos is None else dcos.sum(2, keepdim=True) if cos.shape[2] == 1 < grad.shape[2] else dcos
+        dsin = None if dsin is None else dsin.sum(2, keepdim=True) if sin.shape[2] == 1 < grad.shape[2] else dsin
+        dw = grad.clone()  # the inverse rotation, (w0, w1) = Rot(−φ)·(d0, d1)
+        dw[..., first] = d0 * cos + d1 * sin
+        dw[..., second] = d1 * cos - d0 * sin
+        d_bias = None
+        if ctx.needs_input_grad[1]:
+            d_bias = dw.flatten(0, 1).sum(0).transpose(0, 1).to(bias_dtype)  # (H, R, N)
+        d_M = None
+        if ctx.needs_input_grad[0]:
+            groups = shape[-2]
+            d_M = dw.unflatten(-2, (groups, ctx.heads // groups)).sum(-2).to(M_dtype)
+        return d_M, d_bias, dcos, dsin, None, None, None
+
+
+def rotated_per_head(M: Tensor, heads: int, bias: Tensor | None, cos: Tensor, sin: Tensor, rotary: str, dtype):
+    """``rotate(per_head(M, heads, bias, dtype), cos, sin, rotary)``: B or C (B, L, R, G, N) as
+    the rotated keys or queries (B, L, R, H, N), cos and sin (B, L, 1 or R, H, M), with one
+    backward pass."""
+    if cos.shape[-1] == 0:
+        return per_head(M, heads, bias, dtype)
+    return _RotatedPerHead.apply(M, bias, cos, sin, heads, rotary, dtype)
+
+
 def keys_queries_values(args: TrapezoidalArgs, cos: Tensor, sin: Tensor):
     """The rotated keys k̃ and queries q̃ (B, L, R, H, N) and the values v (B, L, R, H, P) of
     the core, in the compute dtype; cos, sin (B, L, H, M) of the phase."""
     heads, ranks, dtype = args.x.shape[2], args.B.shape[2], args.dtype
     cos, sin = cos[:, :, None], sin[:, :, None]  # (B, L, 1, H, M): the same for every rank
-    k = rotate(per_head(args.B, heads, args.B_bias, dtype), cos, sin, args.rotary)
-    q = rotate(per_head(args.C, heads, args.C_bias, dtype), cos, sin, args.rotary)
+    k = rotated_per_head(args.B, heads, args.B_bias, cos, sin, args.rotary, dtype)
+    q = rotated_per_head(args.C, heads, args.C_bias, cos, sin, args.rotary, dtype)
     return k, q, values(args.x, args.mimo_x, ranks, dtype)
 
 
