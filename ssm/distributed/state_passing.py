@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .collectives import all_gather_stacked, attach, from_previous_rank, group_rank_and_size
 from .packing import SlicePacking
@@ -187,6 +188,14 @@ def summed_softplus(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return _SummedSoftplus.apply(x, bias)
 
 
+def _recomputed(scan: Callable, initial):
+    """``scan(initial)`` for a summary only (its last state; the rescan gives the output), its
+    saved tensors recomputed in the backward instead of kept (torch.utils.checkpoint): a rank
+    then holds one scan's activations, not two. Its backward runs after the rescan's has freed
+    the rescan's, when the exchange brings the summary's gradient."""
+    return torch.utils.checkpoint.checkpoint(scan, initial, use_reentrant=False)
+
+
 def scan_with_passed_state(
     scan: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
     log_decay: Callable[[int], torch.Tensor],
@@ -225,8 +234,8 @@ def scan_with_passed_state(
     ``decay_scale``: ``log_decay(start)`` times it is the log-decay (``entering_state``)."""
     rank, _ = group_rank_and_size(group)
     continues = (rank > 0 or initial_state is not None) if packing is None else packing.continues
-    if continues and contribution is None and summary is not None:
-        out, last_state = None, summary()  # the rescan below gives the output
+    if continues and contribution is None:  # the rescan below gives the output
+        out, last_state = None, (summary() if summary is not None else _recomputed(scan, None)[1])
     else:
         out, last_state = scan(None)
     if packing is None:
@@ -318,7 +327,8 @@ def scan_with_passed_rotating_state(
         rows = packing.local.num_sequences
         return type(tail)(*(t.new_zeros(rows, *t.shape[1:]).index_copy(0, index, t) for t in state))
 
-    out, last_state = scan(entering(tail.ssm.new_zeros(tail.ssm.shape)))
+    first = entering(tail.ssm.new_zeros(tail.ssm.shape))
+    out, last_state = _recomputed(scan, first) if continues else scan(first)  # the rescan's pass below
     final = last_state.ssm if packing is None else last_state.ssm[packing.last : packing.last + 1]
     initial_ssm = None if initial_state is None else initial_state.ssm
     ssm, whole_ssm = entering_state(log_decay(start), final, group, bool(carries), initial_ssm)
