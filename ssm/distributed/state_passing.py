@@ -30,7 +30,9 @@ rotate) and a Mamba-2 that gates inside its scan (no gated norm) rescan. Mamba-1
 on a rank that rescans, is its summary alone (``summary=``: no gate, no skip term), and its
 log-decay recomputes softplus in the backward (``summed_softplus``): measured with
 ``scripts/benchmark.py --op context-parallel`` at L 32768, W 2, d_model 256, the step's peak per
-rank fell from 0.68 of one process's to 0.54 (1/W is 0.5).
+rank fell from 0.68 of one process's to 0.54 (1/W is 0.5). The other rescanning layers' first
+scan keeps nothing for the backward: it is recomputed there (``_recomputed``), after the
+rescan's backward has freed the rescan's tensors, so a rank holds one scan's activations.
 """
 
 from __future__ import annotations
