@@ -3,7 +3,7 @@
 
    Each family of kernels lives in its own file (selective.c, linear.c, conv.c, norm.c,
    decode_weights.c with decode_simd.c, decode.c, decode_mamba2.c, decode_mamba3.c,
-   decode_attention.c) over common.h; this file
+   decode_attention.c, trapezoidal.c) over common.h; this file
    includes every family twice, REAL = float then double (REAL_IS_F32 1, then 0), so that every
    kernel exists as name_f32 and name_f64. One library keeps start-up to one compile and one
    load per process. */
@@ -25,6 +25,7 @@
 #include "decode_mamba2.c"
 #include "decode_mamba3.c"
 #include "decode_attention.c"
+#include "trapezoidal.c"
 #undef REAL
 #undef REAL_IS_F32
 #undef SUF
@@ -46,6 +47,7 @@
 #include "decode_mamba2.c"
 #include "decode_mamba3.c"
 #include "decode_attention.c"
+#include "trapezoidal.c"
 #undef REAL
 #undef REAL_IS_F32
 #undef SUF
@@ -72,4 +74,4 @@ void ssm_flush_subnormals_on_threads(int on, i64 nthreads) {
 }
 
 /* The version of the argument structs (ssm/native/build.py checks it at load). */
-int ssm_kernels_abi(void) { return 11; }
+int ssm_kernels_abi(void) { return 12; }

@@ -10,7 +10,8 @@ decay a_t = Δ_t·A_t and an input scale s_t of its own:
 and ``ssd`` ties the two together (exp(Δ·A) beside Δ·x ⊗ B). So it runs with A = −1, Δ = −a_t
 and x = v_t·s_t / (−a_t): the sweep's Δ·x is s_t·v_t again, to a rounding or two, and its
 state and output are the core's. The keys and queries are rotated first (per head: the sweep's
-groups are the heads), the diagonal term −c·(q̃·k̃)·v, D and the gate are added after.
+groups are the heads), the diagonal term −c·(q̃·k̃)·v, D and the gate are added after, in one C
+pass each way (``trapezoidal_output``).
 
 That division needs −a_t positive and finite. Where some a_t is 0 (no decay), below 1e-30 or not
 finite, and for MIMO ranks above 1 (a rank-R input is not one sweep), the chunked core runs
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, keys_queries_values, run_core
-from .cpu import ssd_cpu
+from .cpu import ssd_cpu, trapezoidal_output
 from .trapezoidal_chunked import chunked_core
 
 # The smallest −a_t (a decay of exp(−1e-30) per step) that the input's division by −a_t takes:
@@ -55,8 +56,14 @@ def _core(args: TrapezoidalArgs, p: Prepared):
         scaled, rate, -torch.ones(heads, dtype=dtype, device=x.device), k, q,
         initial_state=p.H_init, cu_seqlens=args.cu_seqlens,
     )  # fmt: skip
-    y = y - (p.c * (q * k).sum(-1))[..., None] * v[:, :, 0]  # the diagonal's shifted part
-    out = gate_and_contract(y[:, :, None], v, args.D, args.z, args.mimo_z, args.mimo_o, dtype)
+    z, D = (None if t is None else t.to(dtype) for t in (args.z, args.D))
+    out = None
+    if args.mimo_z is None and args.mimo_o is None:  # rank 1 here: nothing to contract
+        out = trapezoidal_output(y, v[:, :, 0], z, q, k, p.c, D)  # one C pass, or None
+        out = None if out is None else out[:, :, None]  # (B, L, 1, H, P): the rank axis
+    if out is None:
+        y = y - (p.c * (q * k).sum(-1))[..., None] * v[:, :, 0]  # the diagonal's shifted part
+        out = gate_and_contract(y[:, :, None], v, args.D, args.z, args.mimo_z, args.mimo_o, dtype)
     return out.to(x.dtype), H_last
 
 

@@ -381,3 +381,41 @@ def test_chunked_keeps_no_intra_chunk_square_for_the_backward():
     assert shapes, "nothing saved: the test would not see a square"
     squares = [s for s in shapes if 16 in s and s.count(16) >= 2]
     assert not squares, f"intra-chunk tensors kept for the backward: {squares}"
+
+
+@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_c_output_pass_against_its_formula(gate, skip):
+    """ssm.scan.cpu.trapezoidal_output, the C pass that turns the sweep's y into the rank-1
+    scan's output: values against (y + (D − c·Σ_n q·k)·v)·silu(z) written out here, and every
+    gradient (y, v, z, q, k, c, D) against finite differences (gradcheck, float64); v and z
+    strided views, as the layer's in_proj leaves them, and rows enough to split among threads."""
+    from ssm.native import library
+    from ssm.scan.cpu import trapezoidal_output
+
+    if library() is None:
+        pytest.fail("the cpu kernels did not build: the C output pass is untested")
+    g = torch.Generator().manual_seed(7)
+    B, L, H, P, N = 2, 37, 3, 5, 4
+    f64 = dict(dtype=torch.float64, generator=g)
+    y, q, k = torch.randn(B, L, H, P, **f64), torch.randn(B, L, H, N, **f64), torch.randn(B, L, H, N, **f64)
+    c = torch.randn(B, L, H, **f64)
+    wide = torch.randn(B, L, 3 * H * P, **f64)  # v and z as views of one projection's output
+    v = wide[..., : H * P].unflatten(-1, (H, P))
+    z = wide[..., H * P : 2 * H * P].unflatten(-1, (H, P)) if gate else None
+    D = torch.randn(H, **f64) if skip else None
+    inputs = [t.detach().requires_grad_() if t is not None else None for t in (y, v, z, q, k, c, D)]
+    out = trapezoidal_output(*inputs)
+    assert out is not None and out.shape == (B, L, H, P)
+    coef = (D[:, None] if skip else 0) - c[..., None] * (q * k).sum(-1, keepdim=True)
+    want = y + coef * v
+    if gate:
+        want = want * z * torch.sigmoid(z)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    live = [t for t in inputs if t is not None]
+
+    def fn(*args):
+        it = iter(args)
+        return trapezoidal_output(*[next(it) if t is not None else None for t in inputs])
+
+    assert torch.autograd.gradcheck(fn, live)

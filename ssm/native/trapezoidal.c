@@ -1,0 +1,114 @@
+/* The output side of Mamba-3's trapezoidal scan on the CPU (ssm/scan/trapezoidal_cpu.py binds
+   it): what the sweep's y becomes, forward and backward, in one pass each instead of a dozen
+   tensor operations and their gradients. library.c includes this file once per REAL: the
+   argument struct the first time only.
+
+   Per row r (a (batch, step) pair) and head h, with qk = Σ_n q[r,h,n]·k[r,h,n] (the rotated
+   query and key of the step) and coef = D[h] − c[r,h]·qk (the skip term and the diagonal's
+   shifted part, ssm/scan/_common_trapezoidal.py):
+       pre[r,h,p] = y[r,h,p] + coef·v[r,h,p],     out = pre·silu(z[r,h,p])   (out = pre without z)
+   The backward, from g = d out: d pre = g·silu(z), d z = g·pre·silu'(z), d y = d pre,
+   d v = d pre·coef, d coef = Σ_p d pre·v; then d c = −d coef·qk, d q = −d coef·c·k,
+   d k = −d coef·c·q and d D[h] = Σ_r d coef. */
+
+#ifndef SSM_TRAP_TYPES
+#define SSM_TRAP_TYPES
+
+/* rows = batch·L; y, out, grad, d_y, d_v, d_z (rows, H, P) contiguous; v and z (rows, H, P) with
+   heads P and values 1 apart and rows sv / sz apart (z NULL: no gate); q, k, d_q, d_k (rows, H, N)
+   contiguous; c, d_c (rows, H); D (H) or NULL (no skip term), d_D (H); part: scratch of
+   nthreads·H elements. */
+typedef struct {
+    i64 rows, H, P, N, sv, sz, nthreads;
+    const void *y, *v, *z, *q, *k, *c, *D;
+    void *out;
+    const void *grad;
+    void *d_y, *d_v, *d_z, *d_q, *d_k, *d_c, *d_D, *part;
+} TrapOutArgs;
+
+#endif /* SSM_TRAP_TYPES */
+
+static inline REAL SUF(trap_coef)(const TrapOutArgs *a, i64 r, i64 h, REAL *qk_out) {
+    const REAL *q = (const REAL *)a->q + (r * a->H + h) * a->N, *k = (const REAL *)a->k + (r * a->H + h) * a->N;
+    REAL qk = 0;
+#pragma omp simd reduction(+ : qk)
+    for (i64 n = 0; n < a->N; n++) qk += q[n] * k[n];
+    *qk_out = qk;
+    return (a->D ? ((const REAL *)a->D)[h] : 0) - ((const REAL *)a->c)[r * a->H + h] * qk;
+}
+
+void SUF(trap_out_fwd)(const TrapOutArgs *a) {
+    const i64 H = a->H, P = a->P;
+#pragma omp parallel for num_threads((int)a->nthreads) schedule(static) if (a->rows * H * P >= 65536)
+    for (i64 r = 0; r < a->rows; r++) {
+        for (i64 h = 0; h < H; h++) {
+            REAL qk;
+            const REAL coef = SUF(trap_coef)(a, r, h, &qk);
+            const REAL *y = (const REAL *)a->y + (r * H + h) * P, *v = (const REAL *)a->v + r * a->sv + h * P;
+            REAL *out = (REAL *)a->out + (r * H + h) * P;
+            if (a->z) {
+                const REAL *z = (const REAL *)a->z + r * a->sz + h * P;
+#pragma omp simd
+                for (i64 p = 0; p < P; p++) out[p] = (y[p] + coef * v[p]) * z[p] * SUF(sigmoid)(z[p]);
+            } else {
+#pragma omp simd
+                for (i64 p = 0; p < P; p++) out[p] = y[p] + coef * v[p];
+            }
+        }
+    }
+}
+
+void SUF(trap_out_bwd)(const TrapOutArgs *a) {
+    const i64 H = a->H, P = a->P, N = a->N;
+    REAL *part = (REAL *)a->part;
+#pragma omp parallel num_threads((int)a->nthreads)
+    {
+        REAL *acc = part + omp_get_thread_num() * H; /* this thread's Σ d coef per head */
+        for (i64 h = 0; h < H; h++) acc[h] = 0;
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < a->rows; r++) {
+            for (i64 h = 0; h < H; h++) {
+                REAL qk;
+                const REAL coef = SUF(trap_coef)(a, r, h, &qk);
+                const i64 o = (r * H + h) * P;
+                const REAL *y = (const REAL *)a->y + o, *g = (const REAL *)a->grad + o;
+                const REAL *v = (const REAL *)a->v + r * a->sv + h * P;
+                REAL *dy = (REAL *)a->d_y + o, *dv = (REAL *)a->d_v + o;
+                REAL dcoef = 0;
+                if (a->z) {
+                    const REAL *z = (const REAL *)a->z + r * a->sz + h * P;
+                    REAL *dz = (REAL *)a->d_z + o;
+#pragma omp simd reduction(+ : dcoef)
+                    for (i64 p = 0; p < P; p++) {
+                        const REAL s = SUF(sigmoid)(z[p]), pre = y[p] + coef * v[p];
+                        const REAL dpre = g[p] * z[p] * s;
+                        dz[p] = g[p] * pre * s * (1 + z[p] * (1 - s));
+                        dy[p] = dpre;
+                        dv[p] = dpre * coef;
+                        dcoef += dpre * v[p];
+                    }
+                } else {
+#pragma omp simd reduction(+ : dcoef)
+                    for (i64 p = 0; p < P; p++) {
+                        dy[p] = g[p];
+                        dv[p] = g[p] * coef;
+                        dcoef += g[p] * v[p];
+                    }
+                }
+                const i64 rh = r * H + h;
+                const REAL cc = ((const REAL *)a->c)[rh], dqk = -dcoef * cc;
+                ((REAL *)a->d_c)[rh] = -dcoef * qk;
+                const REAL *q = (const REAL *)a->q + rh * N, *k = (const REAL *)a->k + rh * N;
+                REAL *dq = (REAL *)a->d_q + rh * N, *dk = (REAL *)a->d_k + rh * N;
+#pragma omp simd
+                for (i64 n = 0; n < N; n++) {
+                    dq[n] = dqk * k[n];
+                    dk[n] = dqk * q[n];
+                }
+                acc[h] += dcoef;
+            }
+        }
+#pragma omp barrier
+        if (a->D) SUF(sum_parts)(part, H, H, (REAL *)a->d_D);
+    }
+}
