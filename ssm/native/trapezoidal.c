@@ -14,12 +14,14 @@
 #ifndef SSM_TRAP_TYPES
 #define SSM_TRAP_TYPES
 
-/* rows = batch·L; y, out, grad, d_y, d_v, d_z (rows, H, P) contiguous; v and z (rows, H, P) with
-   heads P and values 1 apart and rows sv / sz apart (z NULL: no gate); q, k, d_q, d_k (rows, H, N)
-   contiguous; c, d_c (rows, H); D (H) or NULL (no skip term), d_D (H); part: scratch of
-   nthreads·H elements. */
+/* rows = batch·L; out, grad, d_v, d_z (rows, H, P) contiguous; y and d_y (batch, L, H, P) with
+   the strides sy (batch, step, head, value: the sweep's output as it lies, steps adjacent); v and z
+   (rows, H, P) with heads P and values 1 apart and rows sv / sz apart (z NULL: no gate); q, k,
+   d_q, d_k (rows, H, N) contiguous; c, d_c (rows, H); D (H) or NULL (no skip term), d_D (H);
+   part: scratch of nthreads·H elements. */
 typedef struct {
-    i64 rows, H, P, N, sv, sz, nthreads;
+    i64 rows, L, H, P, N, sv, sz, nthreads;
+    i64 sy[4];
     const void *y, *v, *z, *q, *k, *c, *D;
     void *out;
     const void *grad;
@@ -37,6 +39,11 @@ static inline REAL SUF(trap_coef)(const TrapOutArgs *a, i64 r, i64 h, REAL *qk_o
     return (a->D ? ((const REAL *)a->D)[h] : 0) - ((const REAL *)a->c)[r * a->H + h] * qk;
 }
 
+/* Row r's head h in y (or d_y, laid out alike): its P values sy[3] apart. */
+static inline const REAL *SUF(trap_y)(const TrapOutArgs *a, const void *base, i64 r, i64 h) {
+    return (const REAL *)base + (r / a->L) * a->sy[0] + (r % a->L) * a->sy[1] + h * a->sy[2];
+}
+
 void SUF(trap_out_fwd)(const TrapOutArgs *a) {
     const i64 H = a->H, P = a->P;
 #pragma omp parallel for num_threads((int)a->nthreads) schedule(static) if (a->rows * H * P >= 65536)
@@ -44,15 +51,16 @@ void SUF(trap_out_fwd)(const TrapOutArgs *a) {
         for (i64 h = 0; h < H; h++) {
             REAL qk;
             const REAL coef = SUF(trap_coef)(a, r, h, &qk);
-            const REAL *y = (const REAL *)a->y + (r * H + h) * P, *v = (const REAL *)a->v + r * a->sv + h * P;
+            const REAL *y = SUF(trap_y)(a, a->y, r, h), *v = (const REAL *)a->v + r * a->sv + h * P;
+            const i64 yp = a->sy[3];
             REAL *out = (REAL *)a->out + (r * H + h) * P;
             if (a->z) {
                 const REAL *z = (const REAL *)a->z + r * a->sz + h * P;
 #pragma omp simd
-                for (i64 p = 0; p < P; p++) out[p] = (y[p] + coef * v[p]) * z[p] * SUF(sigmoid)(z[p]);
+                for (i64 p = 0; p < P; p++) out[p] = (y[p * yp] + coef * v[p]) * z[p] * SUF(sigmoid)(z[p]);
             } else {
 #pragma omp simd
-                for (i64 p = 0; p < P; p++) out[p] = y[p] + coef * v[p];
+                for (i64 p = 0; p < P; p++) out[p] = y[p * yp] + coef * v[p];
             }
         }
     }
@@ -70,27 +78,27 @@ void SUF(trap_out_bwd)(const TrapOutArgs *a) {
             for (i64 h = 0; h < H; h++) {
                 REAL qk;
                 const REAL coef = SUF(trap_coef)(a, r, h, &qk);
-                const i64 o = (r * H + h) * P;
-                const REAL *y = (const REAL *)a->y + o, *g = (const REAL *)a->grad + o;
+                const i64 o = (r * H + h) * P, yp = a->sy[3];
+                const REAL *y = SUF(trap_y)(a, a->y, r, h), *g = (const REAL *)a->grad + o;
                 const REAL *v = (const REAL *)a->v + r * a->sv + h * P;
-                REAL *dy = (REAL *)a->d_y + o, *dv = (REAL *)a->d_v + o;
+                REAL *dy = (REAL *)SUF(trap_y)(a, a->d_y, r, h), *dv = (REAL *)a->d_v + o;
                 REAL dcoef = 0;
                 if (a->z) {
                     const REAL *z = (const REAL *)a->z + r * a->sz + h * P;
                     REAL *dz = (REAL *)a->d_z + o;
 #pragma omp simd reduction(+ : dcoef)
                     for (i64 p = 0; p < P; p++) {
-                        const REAL s = SUF(sigmoid)(z[p]), pre = y[p] + coef * v[p];
+                        const REAL s = SUF(sigmoid)(z[p]), pre = y[p * yp] + coef * v[p];
                         const REAL dpre = g[p] * z[p] * s;
                         dz[p] = g[p] * pre * s * (1 + z[p] * (1 - s));
-                        dy[p] = dpre;
+                        dy[p * yp] = dpre;
                         dv[p] = dpre * coef;
                         dcoef += dpre * v[p];
                     }
                 } else {
 #pragma omp simd reduction(+ : dcoef)
                     for (i64 p = 0; p < P; p++) {
-                        dy[p] = g[p];
+                        dy[p * yp] = g[p];
                         dv[p] = g[p] * coef;
                         dcoef += g[p] * v[p];
                     }

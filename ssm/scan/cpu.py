@@ -571,7 +571,8 @@ def selective_step_cpu(state, u, delta, A, B, C, D, z, delta_bias, delta_softplu
 class _TrapOutArgs(ctypes.Structure):
     """TrapOutArgs of ssm/native/trapezoidal.c, field for field."""
 
-    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "H", "P", "N", "sv", "sz", "nthreads")]
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "L", "H", "P", "N", "sv", "sz", "nthreads")]
+    _fields_ += [("sy", ctypes.c_int64 * 4)]
     _fields_ += [(name, ctypes.c_void_p) for name in ("y", "v", "z", "q", "k", "c", "D", "out", "grad")]
     _fields_ += [(name, ctypes.c_void_p) for name in ("d_y", "d_v", "d_z", "d_q", "d_k", "d_c", "d_D", "part")]
 
@@ -583,14 +584,15 @@ declare("trap_out_bwd", [ctypes.POINTER(_TrapOutArgs)])
 def _trap_out_args(y, v, z, q, k, c, D) -> _TrapOutArgs:
     B, L, H, P = y.shape
     a = _TrapOutArgs()
-    a.rows, a.H, a.P, a.N, a.nthreads = B * L, H, P, q.shape[-1], threads()
+    a.rows, a.L, a.H, a.P, a.N, a.nthreads = B * L, L, H, P, q.shape[-1], threads()
+    a.sy = (ctypes.c_int64 * 4)(*y.stride())
     a.sv, a.sz = v.stride(1), (0 if z is None else z.stride(1))
     a.y, a.v, a.z, a.q, a.k, a.c, a.D = (ptr(t) for t in (y, v, z, q, k, c, D))
     return a
 
 
 def _trap_out_fake(y, v, z, q, k, c, D):
-    return torch.empty_like(y)
+    return y.new_empty(y.shape)
 
 
 def _trap_out_setup(ctx, inputs, output):
@@ -620,10 +622,10 @@ def _trap_out_fwd(y: Tensor, v: Tensor, z: Tensor | None, q: Tensor, k: Tensor, 
 
 
 def _trap_out_bwd_fake(grad, y, v, z, q, k, c, D):
-    return (
-        torch.empty_like(y), torch.empty_like(y), torch.empty_like(y) if z is not None else y.new_empty(0),
-        torch.empty_like(q), torch.empty_like(k), torch.empty_like(c), y.new_empty(y.shape[2] if D is not None else 0),
-    )  # fmt: skip
+    d_z = y.new_empty(y.shape) if z is not None else y.new_empty(0)
+    d_D = y.new_empty(y.shape[2] if D is not None else 0)
+    d_y = torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device=y.device)
+    return d_y, y.new_empty(y.shape), d_z, torch.empty_like(q), torch.empty_like(k), torch.empty_like(c), d_D
 
 
 @kernel_op("ssm::cpu_trap_out_bwd", fake=_trap_out_bwd_fake, device_types="cpu")
@@ -632,13 +634,8 @@ def _trap_out_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of y, v, z (empty without one), q, k, c and D (empty without one)."""
     a = _trap_out_args(y, v, z, q, k, c, D)
-    d_y, d_v, d_q, d_k, d_c = (
-        empty(y.shape, y),
-        empty(y.shape, y),
-        empty(q.shape, q),
-        empty(k.shape, k),
-        empty(c.shape, c),
-    )
+    d_y = torch.empty_strided(y.shape, y.stride(), dtype=y.dtype)  # laid out as y: the sweep's layout
+    d_v, d_q, d_k, d_c = empty(y.shape, y), empty(q.shape, q), empty(k.shape, k), empty(c.shape, c)
     d_z = empty(y.shape, y) if z is not None else y.new_empty(0)
     d_D = y.new_empty(y.shape[2] if D is not None else 0)
     part = empty((a.nthreads * y.shape[2],), y)
@@ -670,7 +667,9 @@ def trapezoidal_output(y, v, z, q, k, c, D) -> Tensor | None:
         )
         return x if ok else x.contiguous()
 
-    y, q, k, c = y.contiguous(), q.contiguous(), k.contiguous(), c.contiguous()
+    if min(y.stride()) < 1:
+        y = y.contiguous()  # y is read with its strides (its gradient written with them): none broadcast
+    q, k, c = q.contiguous(), k.contiguous(), c.contiguous()
     v, z = rows(v), (None if z is None else rows(z))
     D = None if D is None else D.contiguous()
     return _trap_out_fwd(y, v, z, q, k, c, D)

@@ -49,9 +49,11 @@ def _core(args: TrapezoidalArgs, p: Prepared):
     x, dtype = args.x, args.dtype
     heads = x.shape[2]
     k, q, v = keys_queries_values(args, p.cos, p.sin)  # rank 1: (B, L, 1, H, N), (B, L, 1, H, P)
-    k, q = k[:, :, 0], q[:, :, 0]
+    # rank 1 dropped as views (squeeze, not [:, :, 0], whose backward writes a zero-filled
+    # tensor of the whole and copies into it)
+    k, q, v1 = k.squeeze(2), q.squeeze(2), v.squeeze(2)
     rate = -p.a  # (B, L, H), in [1e-30, ∞)
-    scaled = v[:, :, 0] * (p.s / rate)[..., None]
+    scaled = v1 * (p.s / rate)[..., None]
     y, H_last = ssd_cpu(
         scaled, rate, -torch.ones(heads, dtype=dtype, device=x.device), k, q,
         initial_state=p.H_init, cu_seqlens=args.cu_seqlens,
@@ -59,10 +61,10 @@ def _core(args: TrapezoidalArgs, p: Prepared):
     z, D = (None if t is None else t.to(dtype) for t in (args.z, args.D))
     out = None
     if args.mimo_z is None and args.mimo_o is None:  # rank 1 here: nothing to contract
-        out = trapezoidal_output(y, v[:, :, 0], z, q, k, p.c, D)  # one C pass, or None
+        out = trapezoidal_output(y, v1, z, q, k, p.c, D)  # one C pass, or None
         out = None if out is None else out[:, :, None]  # (B, L, 1, H, P): the rank axis
     if out is None:
-        y = y - (p.c * (q * k).sum(-1))[..., None] * v[:, :, 0]  # the diagonal's shifted part
+        y = y - (p.c * (q * k).sum(-1))[..., None] * v1  # the diagonal's shifted part
         out = gate_and_contract(y[:, :, None], v, args.D, args.z, args.mimo_z, args.mimo_o, dtype)
     return out.to(x.dtype), H_last
 

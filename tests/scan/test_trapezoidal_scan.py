@@ -383,13 +383,13 @@ def test_chunked_keeps_no_intra_chunk_square_for_the_backward():
     assert not squares, f"intra-chunk tensors kept for the backward: {squares}"
 
 
-@pytest.mark.parametrize("gate", [True, False])
-@pytest.mark.parametrize("skip", [True, False])
-def test_the_c_output_pass_against_its_formula(gate, skip):
+@pytest.mark.parametrize("gate,skip,steps_adjacent", [(True, True, True), (True, False, False), (False, True, False)])
+def test_the_c_output_pass_against_its_formula(gate, skip, steps_adjacent):
     """ssm.scan.cpu.trapezoidal_output, the C pass that turns the sweep's y into the rank-1
     scan's output: values against (y + (D − c·Σ_n q·k)·v)·silu(z) written out here, and every
     gradient (y, v, z, q, k, c, D) against finite differences (gradcheck, float64); v and z
-    strided views, as the layer's in_proj leaves them, and rows enough to split among threads."""
+    strided views, as the layer's in_proj leaves them, y contiguous or laid out as the sweep
+    leaves it (steps adjacent), and rows enough to split among threads."""
     from ssm.native import library
     from ssm.scan.cpu import trapezoidal_output
 
@@ -399,6 +399,8 @@ def test_the_c_output_pass_against_its_formula(gate, skip):
     B, L, H, P, N = 2, 37, 3, 5, 4
     f64 = dict(dtype=torch.float64, generator=g)
     y, q, k = torch.randn(B, L, H, P, **f64), torch.randn(B, L, H, N, **f64), torch.randn(B, L, H, N, **f64)
+    if steps_adjacent:  # (B, H·P, L) seen as (B, L, H, P)
+        y = torch.randn(B, H * P, L, **f64).transpose(1, 2).unflatten(-1, (H, P))
     c = torch.randn(B, L, H, **f64)
     wide = torch.randn(B, L, 3 * H * P, **f64)  # v and z as views of one projection's output
     v = wide[..., : H * P].unflatten(-1, (H, P))
