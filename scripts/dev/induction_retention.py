@@ -9,6 +9,17 @@ minimum; per channel d its mean Δ̄_d; and the slowest state's decay per token,
 r = min over (d, n) of Δ̄_d·|A_dn| (A = -exp(A_log)). A state decaying at r keeps exp(-r·G) of
 what it held G tokens back: printed for G = 2^14 and 2^20. (A summary of the mean decay: the
 readout can still succeed from a decayed state when what the later tokens add is smaller yet.)
+
+``--gradients K``: what training at that length asks of the slowest state. K batches of 8
+validation sequences, each's loss (cross-entropy at the answer) and its gradient with respect to
+log|A| of each layer's slowest (d, n) (A_log[d, n]): their mean and spread over the batches.
+A positive mean is a push towards a slower decay (a descent step lowers A_log); a mean small
+against its spread is no consistent push (Adam then moves the parameter by about its rate
+either way).
+
+``--precision L``: the same --samples validation sequences at length L read in float32 and in
+float64 (the model and its scans), the accuracy of each and the largest difference of the
+answer's log-probability: what float32 accumulation over L steps costs.
 """
 
 from __future__ import annotations
@@ -26,9 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoints", nargs="+", type=Path)
     parser.add_argument("--samples", type=int, default=64, help="validation sequences (default 64)")
+    parser.add_argument(
+        "--gradients", type=int, default=0, metavar="K", help="batches for the gradient (default 0: none)"
+    )
+    parser.add_argument("--precision", type=int, default=0, metavar="L", help="length to read in float32 and float64")
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error(f"--samples must be >= 1, got {args.samples}")
+    if args.gradients < 0 or args.precision < 0:
+        parser.error(f"--gradients and --precision must be >= 0, got {args.gradients} and {args.precision}")
 
     import torch
     import torch.nn.functional as F
@@ -58,19 +75,79 @@ def main(argv: list[str] | None = None) -> int:
         other = x != dataset.trigger  # neither trigger
         keys = (x == dataset.trigger).int().argmax(1) + 1
         other[torch.arange(len(x)), keys] = False  # nor the key
-        parts = [f"step {step:7d}"]
+        parts, slowest = [f"step {step:7d}"], []
         with torch.no_grad():
             for k, mixer in enumerate(mixers):
                 delta = F.softplus(low_rank[k][..., : mixer.dt_rank] @ mixer.dt_proj.weight.T + mixer.dt_proj.bias)
                 tokens = delta[other]  # (tokens, D)
-                rate = float((tokens.mean(0)[:, None] * torch.exp(mixer.A_log.float())).min())
+                rates = tokens.mean(0)[:, None] * torch.exp(mixer.A_log.float())  # (D, N)
+                rate = float(rates.min())
+                slowest.append(divmod(int(rates.argmin()), rates.shape[1]))
                 parts.append(
                     f"layer {k}: Δ median {float(tokens.median()):.3g} min {float(tokens.min()):.2g}, "
                     f"slowest decay {rate:.3g}/token, kept over 2^14 {math.exp(-rate * 2**14):.3g}, "
                     f"over 2^20 {math.exp(-rate * 2**20):.3g}"
                 )
         print("  ".join(parts), flush=True)
+        if args.gradients:
+            print(f"step {step:7d}  " + gradient_report(model, mixers, slowest, config, args.gradients), flush=True)
+        if args.precision:
+            print(f"step {step:7d}  " + precision_report(model, config, args.precision, args.samples), flush=True)
     return 0
+
+
+def gradient_report(model, mixers, slowest, config, batches: int) -> str:
+    """The loss and d loss / d A_log[d, n] at each layer's slowest (d, n), over ``batches``
+    batches of 8 validation sequences at the run's length (mean ± spread)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ssm.training.data import VALIDATION_SPLIT, TaskDataModule
+
+    dataset = TaskDataModule(config.data, seed=config.seed).dataset(VALIDATION_SPLIT, 8 * batches)
+    losses, grads = [], [[] for _ in mixers]
+    for b in range(batches):
+        x, y = (torch.stack(t) for t in zip(*(dataset[i] for i in range(8 * b, 8 * b + 8))))
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), ignore_index=-100)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        for k, (mixer, (d, n)) in enumerate(zip(mixers, slowest)):
+            grads[k].append(float(mixer.A_log.grad[d, n]))
+    model.zero_grad(set_to_none=True)
+    parts = [f"loss {sum(losses) / batches:.3g} (over {batches} batches of 8)"]
+    for k, g in enumerate(grads):
+        mean = sum(g) / len(g)
+        spread = (sum((v - mean) ** 2 for v in g) / max(len(g) - 1, 1)) ** 0.5
+        parts.append(f"layer {k} d loss/d A_log[{slowest[k][0]}, {slowest[k][1]}]: mean {mean:.3g} spread {spread:.3g}")
+    return "  ".join(parts)
+
+
+def precision_report(model, config, length: int, samples: int) -> str:
+    """Accuracy at ``length`` in float32 and float64 on the same validation sequences, and the
+    largest difference of the answers' log-probability between the two."""
+    import copy
+
+    import torch
+
+    from ssm.training.data import VALIDATION_SPLIT, TaskDataModule
+
+    dataset = TaskDataModule(config.data, seed=config.seed).dataset(VALIDATION_SPLIT, samples, length)
+    x, y = (torch.stack(t) for t in zip(*(dataset[i] for i in range(samples))))
+    scored = y != -100
+    results = {}
+    for name, dtype in (("float32", torch.float32), ("float64", torch.float64)):
+        m = copy.deepcopy(model).to(dtype)
+        with torch.no_grad():
+            logp = torch.cat([m(x[i : i + 1]).log_softmax(-1)[scored[i : i + 1]] for i in range(samples)])
+        results[name] = logp.double()
+    answers = y[scored]
+    acc = {n: float((lp.argmax(-1) == answers).double().mean()) for n, lp in results.items()}
+    diff = float((results["float32"] - results["float64"]).gather(-1, answers[:, None]).abs().max())
+    return (
+        f"L {length}: accuracy float32 {acc['float32']:.4f}, float64 {acc['float64']:.4f} ({samples} sequences); "
+        f"largest |Δ log p(answer)| {diff:.3g}"
+    )
 
 
 if __name__ == "__main__":

@@ -144,6 +144,26 @@ def test_retention_script_reads_delta_and_the_slowest_decay(run_dir, tmp_path, c
     median = sorted(delta)[(D - 1) // 2]  # torch.median: the lower of the two middle values
     assert f"Δ median {median:.3g} min {min(delta):.2g}," in line
     assert f"slowest decay {rate:.3g}/token, kept over 2^14 {math.exp(-rate * 2**14):.3g}," in line
+    # --gradients: d loss / d A_log at the slowest state, (0, 0) here, against autograd run here
+    # on the same validation batches; --precision: float32 and float64 differ, but only by rounding
+    assert main([str(path), "--samples", "3", "--gradients", "2", "--precision", "16"]) == 0
+    out = capsys.readouterr().out
+    from ssm.training.data import VALIDATION_SPLIT, TaskDataModule
+    from ssm.training.evaluate import load_checkpoint_model
+
+    config, model, _ = load_checkpoint_model(path)
+    dataset = TaskDataModule(config.data, seed=config.seed).dataset(VALIDATION_SPLIT, 16)
+    grads = []
+    for b in range(2):
+        x, y = (torch.stack(t) for t in zip(*(dataset[i] for i in range(8 * b, 8 * b + 8))))
+        model.zero_grad()
+        logp = model(x).log_softmax(-1)
+        scored = y != -100
+        (-logp[scored].gather(-1, y[scored][:, None]).mean()).backward()
+        grads.append(float(model.backbone.layers[0].mixer.A_log.grad[0, 0]))
+    assert f"layer 0 d loss/d A_log[0, 0]: mean {sum(grads) / 2:.3g} " in out
+    diff = float(out.split("largest |Δ log p(answer)| ")[1].split()[0])
+    assert "L 16: accuracy float32 " in out and 0 < diff < 1e-4
     with pytest.raises(SystemExit):  # parity is not induction heads
         other = tmp_path / "parity"
         train(load_config(None, [*TINY[:3], "data.task=parity", "data.seq_len=8", "trainer.max_steps=1",
