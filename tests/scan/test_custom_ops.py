@@ -39,7 +39,7 @@ needs_triton = pytest.mark.skipif(not TRITON, reason="the triton package is not 
 T = cpu.CHUNK
 
 # the attributes of the op modules that hold their kernel ops, by module
-CPU_OPS = ["_selective_fwd", "_selective_bwd", "_linear_fwd", "_linear_bwd"]
+CPU_OPS = ["_selective_fwd", "_selective_bwd", "_linear_fwd", "_linear_bwd", "_trap_out_fwd", "_trap_out_bwd"]
 TRITON_OPS = {
     "selective_scan": ["selective_scan_fwd", "selective_scan_bwd"],
     "linear_scan": ["linear_scan_fwd", "linear_scan_bwd"],
@@ -75,6 +75,16 @@ def test_the_cpu_linear_scan_ops_agree_with_their_fakes(monkeypatch):
     x = linear_inputs((3, 21, 5), 1)
     calls = kernel_op_calls(monkeypatch, cpu, CPU_OPS[2:], lambda: run_with_grads(linear_call(1, True), x, "cpu"))
     assert set(calls) == {"ssm::cpu_linear_scan_fwd", "ssm::cpu_linear_scan_bwd"}
+    assert_kernel_ops_agree_with_their_fakes(calls)
+
+
+@pytest.mark.parametrize("gate", [True, False], ids=["gate", "no-gate"])
+def test_the_cpu_trapezoidal_output_ops_agree_with_their_fakes(gate, monkeypatch):
+    """Mamba-3's output pass after the sweeps (rank 1, the cpu backend), y in the sweep's layout."""
+    x = trapezoidal_inputs(5, batch=2, heads=2, head_dim=3, groups=1, N=4, M=1, z=gate)
+    run = lambda: run_with_grads(trapezoidal_call(), x, "cpu")  # noqa: E731
+    calls = kernel_op_calls(monkeypatch, cpu, CPU_OPS[4:], run)
+    assert set(calls) == {"ssm::cpu_trap_out_fwd", "ssm::cpu_trap_out_bwd"}
     assert_kernel_ops_agree_with_their_fakes(calls)
 
 
