@@ -448,8 +448,9 @@ def test_decode_table_gathers_each_mixer_and_precision(tmp_path):
 def test_context_parallel_mode_runs_each_world_size_and_counts_what_is_sent(tmp_path):
     """--op context-parallel: one row per (L, W); every rank's step holds memory and takes time;
     one process sends nothing, two send the summary and the halo by hand: Mamba-1 at d_model
-    32 has d_inner 64 and N 16, so its final state and its log-decay, 64·16 floats each, and a
-    flag to the other rank, and the conv's 3 positions of 64 channels to the next, 4 bytes each.
+    32 has d_inner 64 and N 16, so its final state (64·16 floats), its Σ_t Δ_t (64 floats, made
+    the log-decay by A after the exchange) and a flag to the other rank, and the conv's 3
+    positions of 64 channels to the next, 4 bytes each.
     A W that does not divide L is refused."""
     main = runpy.run_path(str(SCRIPT))["main"]
     path = tmp_path / "cp.json"
@@ -460,6 +461,6 @@ def test_context_parallel_mode_runs_each_world_size_and_counts_what_is_sent(tmp_
     for r in rows:
         assert r["step_peak_bytes"] >= 0 and r["before_bytes"] > 0 and r["ms"] > 0
         sent = r["sent_bytes_per_layer"]
-        assert sent == ({"summary": 0, "halo": 0} if r["world"] == 1 else {"summary": 8196, "halo": 768})
+        assert sent == ({"summary": 0, "halo": 0} if r["world"] == 1 else {"summary": 4356, "halo": 768})
     with pytest.raises(SystemExit):
         main([*args, "--worlds", "3"])

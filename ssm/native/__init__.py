@@ -13,7 +13,7 @@ and loads them (build.py).
     decode_simd.c   the same products in AVX2 / AVX-512 (VNNI) intrinsics, chosen at run time (cpu_isa)
     decode.c        a stack of Mamba-1 blocks' decoding step            (ssm/ops/decode.py)
     decode_mamba2.c a stack of Mamba-2 blocks' decoding step            (ssm/ops/decode.py)
-    trapezoidal.c   Mamba-3's scan output: diagonal, skip term, gate    (ssm/scan/cpu.py)
+    trapezoidal.c   Mamba-3's scan output: diagonal, skip term, gate    (ssm/scan/trapezoidal_cpu.py)
     _buffers.py     the pool the kernels' large outputs come from
 
 Nothing here knows a layer or a model: the kernels take pointers, sizes and strides in

@@ -16,7 +16,7 @@ import pkgutil
 import pytest
 
 from ssm._custom_op import KERNEL_OPS
-from ssm.scan import cpu
+from ssm.scan import cpu, trapezoidal_cpu
 from tests.helpers import (
     assert_kernel_ops_agree_with_their_fakes,
     cu_seqlens_of,
@@ -39,7 +39,8 @@ needs_triton = pytest.mark.skipif(not TRITON, reason="the triton package is not 
 T = cpu.CHUNK
 
 # the attributes of the op modules that hold their kernel ops, by module
-CPU_OPS = ["_selective_fwd", "_selective_bwd", "_linear_fwd", "_linear_bwd", "_trap_out_fwd", "_trap_out_bwd"]
+CPU_OPS = ["_selective_fwd", "_selective_bwd", "_linear_fwd", "_linear_bwd"]
+TRAPEZOIDAL_CPU_OPS = ["_trap_out_fwd", "_trap_out_bwd"]  # of ssm.scan.trapezoidal_cpu
 TRITON_OPS = {
     "selective_scan": ["selective_scan_fwd", "selective_scan_bwd"],
     "linear_scan": ["linear_scan_fwd", "linear_scan_bwd"],
@@ -83,7 +84,7 @@ def test_the_cpu_trapezoidal_output_ops_agree_with_their_fakes(gate, monkeypatch
     """Mamba-3's output pass after the sweeps (rank 1, the cpu backend), y in the sweep's layout."""
     x = trapezoidal_inputs(5, batch=2, heads=2, head_dim=3, groups=1, N=4, M=1, z=gate)
     run = lambda: run_with_grads(trapezoidal_call(), x, "cpu")  # noqa: E731
-    calls = kernel_op_calls(monkeypatch, cpu, CPU_OPS[4:], run)
+    calls = kernel_op_calls(monkeypatch, trapezoidal_cpu, TRAPEZOIDAL_CPU_OPS, run)
     assert set(calls) == {"ssm::cpu_trap_out_fwd", "ssm::cpu_trap_out_bwd"}
     assert_kernel_ops_agree_with_their_fakes(calls)
 
@@ -138,8 +139,8 @@ def test_every_scan_kernel_op_is_checked_here():
     for package in ("ssm.scan", "ssm.scan.triton") if TRITON else ("ssm.scan",):
         for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
             importlib.import_module(f"{package}.{info.name}")
-    modules = [cpu] + ([triton_module(name) for name in TRITON_OPS] if TRITON else [])
-    attributes = [CPU_OPS] + ([TRITON_OPS[name] for name in TRITON_OPS] if TRITON else [])
+    modules = [cpu, trapezoidal_cpu] + ([triton_module(name) for name in TRITON_OPS] if TRITON else [])
+    attributes = [CPU_OPS, TRAPEZOIDAL_CPU_OPS] + ([TRITON_OPS[name] for name in TRITON_OPS] if TRITON else [])
     checked = {getattr(m, a) for m, names in zip(modules, attributes) for a in names}
     scan_ops = {op for op in KERNEL_OPS.values() if op._init_fn.__module__.startswith("ssm.scan")}
     assert scan_ops <= checked, sorted(n for n, op in KERNEL_OPS.items() if op in scan_ops - checked)

@@ -385,13 +385,13 @@ def test_chunked_keeps_no_intra_chunk_square_for_the_backward():
 
 @pytest.mark.parametrize("gate,skip,steps_adjacent", [(True, True, True), (True, False, False), (False, True, False)])
 def test_the_c_output_pass_against_its_formula(gate, skip, steps_adjacent):
-    """ssm.scan.cpu.trapezoidal_output, the C pass that turns the sweep's y into the rank-1
+    """ssm.scan.trapezoidal_cpu.trapezoidal_output, the C pass that turns the sweep's y into the rank-1
     scan's output: values against (y + (D − c·Σ_n q·k)·v)·silu(z) written out here, and every
     gradient (y, v, z, q, k, c, D) against finite differences (gradcheck, float64); v and z
     strided views, as the layer's in_proj leaves them, y contiguous or laid out as the sweep
     leaves it (steps adjacent), and rows enough to split among threads."""
     from ssm.native import library
-    from ssm.scan.cpu import trapezoidal_output
+    from ssm.scan.trapezoidal_cpu import trapezoidal_output
 
     if library() is None:
         pytest.fail("the cpu kernels did not build: the C output pass is untested")
