@@ -48,13 +48,17 @@ declare("rms_norm_bwd", [ctypes.POINTER(_NormArgs)])
 # ----------------------------------------------------------------------------- causal conv
 
 
-def _conv_args(x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None, silu: bool) -> _ConvArgs:
+def _conv_args(
+    x: Tensor, wt: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None, state: Tensor | None, silu: bool
+) -> _ConvArgs:
     batch, length, dim = x.shape
     a = _ConvArgs()
     a.batch, a.length, a.dim, a.K, a.sxb, a.sx = batch, length, dim, wt.shape[0], x.stride(0), x.stride(1)
     a.nseq = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
     a.silu, a.nthreads = int(silu), threads()
     a.x, a.wt, a.bias, a.cu_seqlens = x.data_ptr(), wt.data_ptr(), ptr(bias), ptr(cu_seqlens)
+    if state is not None:
+        a.state, a.sst = state.data_ptr(), (ctypes.c_int64 * 3)(*state.stride())
     return a
 
 
@@ -136,9 +140,7 @@ def _conv_fwd(
     and with ``transposed`` the same values as (B, D, L) contiguous (else an empty tensor).
     ``state`` (B, D, K), any strides, x's dtype, no cu_seqlens: the inputs before step 0, most
     recent last."""
-    a = _conv_args(x, wt, bias, cu_seqlens, silu)
-    if state is not None:
-        a.state, a.sst = state.data_ptr(), (ctypes.c_int64 * 3)(*state.stride())
+    a = _conv_args(x, wt, bias, cu_seqlens, state, silu)
     y = empty(x.shape, x)
     yT = empty((x.shape[0], x.shape[2], x.shape[1]) if transposed else (0,), x)
     a.y, a.yT = y.data_ptr(), (yT.data_ptr() if transposed else None)
@@ -165,9 +167,7 @@ def _conv_bwd(
     those of the two outputs, grad (B, L, D) and gradT (B, D, L), contiguous, either None.
     ``state`` as the forward's: read for the first steps' pre-activations; the gradients of the
     taps on it are not summed here (``_state_taps_backward``)."""
-    a = _conv_args(x, wt, bias, cu_seqlens, silu)
-    if state is not None:
-        a.state, a.sst = state.data_ptr(), (ctypes.c_int64 * 3)(*state.stride())
+    a = _conv_args(x, wt, bias, cu_seqlens, state, silu)
     d_x, d_wt = empty(x.shape, x), torch.empty_like(wt)
     d_bias = x.new_empty(wt.shape[1] if bias is not None else 0)
     part = empty((a.nthreads * (2 * a.K + 2) * a.dim,), x)  # per thread: its sums, its ring of rows, a row
