@@ -440,6 +440,29 @@ def trapezoidal_inputs(
     return x
 
 
+# A name the trapezoidal tests take beside the backends': the "cpu" backend with its core forced
+# onto the chunked form's products (which it runs above N·P = SWEEPS_UP_TO), so that the contract's
+# every case runs on both of its cores at the tests' small sizes.
+CPU_PRODUCTS = "cpu:products"
+
+
+@contextlib.contextmanager
+def trapezoidal_backend(backend: str):
+    """The backend name to pass to trapezoidal_scan for ``backend``, CPU_PRODUCTS included (only
+    the forward chooses the core: the backward may run after the block)."""
+    if backend != CPU_PRODUCTS:
+        yield backend
+        return
+    import ssm.scan.trapezoidal_cpu as cpu_backend
+
+    limit = cpu_backend.SWEEPS_UP_TO
+    cpu_backend.SWEEPS_UP_TO = 0
+    try:
+        yield "cpu"
+    finally:
+        cpu_backend.SWEEPS_UP_TO = limit
+
+
 def trapezoidal_call(rotary="interleaved", chunk_size=8):
     """(out, *last state) of trapezoidal_scan on inputs from :func:`trapezoidal_inputs`."""
 
@@ -447,9 +470,10 @@ def trapezoidal_call(rotary="interleaved", chunk_size=8):
         kw = {k: v for k, v in inputs.items() if not k.startswith("initial_")}
         parts = [inputs.get(f"initial_{name}") for name in TrapezoidalState._fields]
         state = TrapezoidalState(*parts) if parts[0] is not None else None
-        out, last = trapezoidal_scan(
-            **kw, rotary=rotary, initial_state=state, return_last_state=True, chunk_size=chunk_size, backend=backend
-        )
+        with trapezoidal_backend(backend) as name:
+            out, last = trapezoidal_scan(
+                **kw, rotary=rotary, initial_state=state, return_last_state=True, chunk_size=chunk_size, backend=name
+            )
         return (out, *last)
 
     return call

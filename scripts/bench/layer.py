@@ -20,13 +20,15 @@ from .common import DTYPES, TOLERANCE, alternate, config_of, describe_device, re
 
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("--op layer (also --batch, --length, --state, --d-model, --headdim, --dtype)")
-    group.add_argument("--mimo-rank", type=int, default=4, help="R of the Mamba3 MIMO row")
+    group.add_argument("--mimo-rank", type=int, default=4, help="R of the Mamba3 MIMO row (0: no such row)")
 
 
 def check(args, parser) -> None:
     args.d_model = args.d_model or 128
-    if min(args.batch, args.length, args.state, args.d_model, args.headdim, args.mimo_rank, args.repeats) < 1:
-        parser.error("--batch, --length, --state, --d-model, --headdim, --mimo-rank and --repeats must be positive")
+    if min(args.batch, args.length, args.state, args.d_model, args.headdim, args.repeats) < 1:
+        parser.error("--batch, --length, --state, --d-model, --headdim and --repeats must be positive")
+    if args.mimo_rank < 0:
+        parser.error(f"--mimo-rank must be >= 0 (0: no MIMO row), got {args.mimo_rank}")
     if (2 * args.d_model) % args.headdim:
         parser.error(f"--headdim {args.headdim} must divide 2·d_model = {2 * args.d_model}")
 
@@ -39,14 +41,11 @@ def run(args) -> tuple[int, dict | None]:
     d, N, P = args.d_model, args.state, args.headdim
     kw = dict(device=device, dtype=dtype)
     torch.manual_seed(args.seed)
-    layers = {
-        "Mamba2": Mamba2(d, d_state=N, headdim=P, **kw),
-        "Mamba3": Mamba3(d, d_state=N, headdim=P, **kw),
-        f"Mamba3 MIMO R={args.mimo_rank}": Mamba3(
-            d, d_state=N, headdim=P, is_mimo=True, mimo_rank=args.mimo_rank, **kw
-        ),
-        "Mamba": Mamba(d, d_state=N, **kw),
-    }
+    layers = {"Mamba2": Mamba2(d, d_state=N, headdim=P, **kw), "Mamba3": Mamba3(d, d_state=N, headdim=P, **kw)}
+    if args.mimo_rank:
+        mimo = Mamba3(d, d_state=N, headdim=P, is_mimo=True, mimo_rank=args.mimo_rank, **kw)
+        layers[f"Mamba3 MIMO R={args.mimo_rank}"] = mimo
+    layers["Mamba"] = Mamba(d, d_state=N, **kw)
     x = torch.randn(args.batch, args.length, d, **kw)
     grad = torch.randn(args.batch, args.length, d, **kw)
     peer = None if args.no_peer else peers.transformers_mamba2_mixer(layers["Mamba2"], d, N, P)

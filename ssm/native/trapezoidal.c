@@ -17,7 +17,8 @@
 /* rows = batch·L; out, grad, d_v, d_z (rows, H, P) contiguous; y and d_y (batch, L, H, P) with
    the strides sy (batch, step, head, value: the sweep's output as it lies, steps adjacent); v and z
    (rows, H, P) with heads P and values 1 apart and rows sv / sz apart (z NULL: no gate); q, k,
-   d_q, d_k (rows, H, N) contiguous; c, d_c (rows, H); D (H) or NULL (no skip term), d_D (H);
+   d_q, d_k (rows, H, N) contiguous; c, d_c (rows, H) (q, k, c NULL: no diagonal term, qk = 0);
+   D (H) or NULL (no skip term), d_D (H);
    part: scratch of nthreads·H elements. */
 typedef struct {
     i64 rows, L, H, P, N, sv, sz, nthreads;
@@ -28,15 +29,39 @@ typedef struct {
     void *d_y, *d_v, *d_z, *d_q, *d_k, *d_c, *d_D, *part;
 } TrapOutArgs;
 
+/* The rotated keys or queries of a rank-1 scan: rows = batch·L; w (rows, G, N) B or C, its rows
+   sw apart (groups N apart, entries adjacent), head h reading group h / (H / G); bias (H, N) or
+   NULL; cos, sin, d_cos, d_sin (rows, H, M) contiguous; out, grad (rows, H, N) contiguous, or
+   (batch, H, L, N) with heads_first; d_w (rows, G, N) contiguous; d_bias (H, N); part: scratch
+   of nthreads·H·N elements (with a bias). Pair m is (2m, 2m + 1) (halved 0) or (m, N/2 + m)
+   (halved 1). */
+typedef struct {
+    i64 rows, L, H, G, N, M, halved, heads_first, sw, nthreads;
+    const void *w, *bias, *cos, *sin;
+    void *out;
+    const void *grad;
+    void *d_w, *d_bias, *d_cos, *d_sin, *part;
+} TrapRotArgs;
+
+/* Where row r's head h lies in out and grad: (r·H + h)·N, or heads first ((b·H + h)·L + t)·N. */
+static inline i64 trap_rot_at(const TrapRotArgs *a, i64 r, i64 h) {
+    return a->heads_first ? (((r / a->L) * a->H + h) * a->L + r % a->L) * a->N : (r * a->H + h) * a->N;
+}
+
 #endif /* SSM_TRAP_TYPES */
 
 static inline REAL SUF(trap_coef)(const TrapOutArgs *a, i64 r, i64 h, REAL *qk_out) {
+    const REAL D = a->D ? ((const REAL *)a->D)[h] : 0;
+    if (!a->q) { /* no diagonal term: the caller's y holds it */
+        *qk_out = 0;
+        return D;
+    }
     const REAL *q = (const REAL *)a->q + (r * a->H + h) * a->N, *k = (const REAL *)a->k + (r * a->H + h) * a->N;
     REAL qk = 0;
 #pragma omp simd reduction(+ : qk)
     for (i64 n = 0; n < a->N; n++) qk += q[n] * k[n];
     *qk_out = qk;
-    return (a->D ? ((const REAL *)a->D)[h] : 0) - ((const REAL *)a->c)[r * a->H + h] * qk;
+    return D - ((const REAL *)a->c)[r * a->H + h] * qk;
 }
 
 /* Row r's head h in y (or d_y, laid out alike): its P values sy[3] apart. */
@@ -103,6 +128,8 @@ void SUF(trap_out_bwd)(const TrapOutArgs *a) {
                         dcoef += g[p] * v[p];
                     }
                 }
+                acc[h] += dcoef;
+                if (!a->q) continue;
                 const i64 rh = r * H + h;
                 const REAL cc = ((const REAL *)a->c)[rh], dqk = -dcoef * cc;
                 ((REAL *)a->d_c)[rh] = -dcoef * qk;
@@ -113,10 +140,91 @@ void SUF(trap_out_bwd)(const TrapOutArgs *a) {
                     dq[n] = dqk * k[n];
                     dk[n] = dqk * q[n];
                 }
-                acc[h] += dcoef;
             }
         }
 #pragma omp barrier
         if (a->D) SUF(sum_parts)(part, H, H, (REAL *)a->d_D);
+    }
+}
+
+/* out[r, h] = Rot(φ[r, h])·(w[r, h / (H / G)] + bias[h]): each pair (n0, n1) turned to
+   (w0·cos − w1·sin, w0·sin + w1·cos), the other entries copied. */
+void SUF(trap_rot_fwd)(const TrapRotArgs *a) {
+    const i64 H = a->H, N = a->N, M = a->M, per_group = a->H / a->G;
+    const i64 i1 = a->halved ? N / 2 : 1, step = a->halved ? 1 : 2; /* pair m: (m·step, m·step + i1) */
+#pragma omp parallel for num_threads((int)a->nthreads) schedule(static) if (a->rows * H * N >= 65536)
+    for (i64 r = 0; r < a->rows; r++) {
+        for (i64 h = 0; h < H; h++) {
+            const REAL *w = (const REAL *)a->w + r * a->sw + (h / per_group) * N;
+            const REAL *b = a->bias ? (const REAL *)a->bias + h * N : NULL;
+            const REAL *cs = (const REAL *)a->cos + (r * H + h) * M, *sn = (const REAL *)a->sin + (r * H + h) * M;
+            REAL *o = (REAL *)a->out + trap_rot_at(a, r, h);
+            if (b) {
+#pragma omp simd
+                for (i64 n = 0; n < N; n++) o[n] = w[n] + b[n];
+            } else {
+#pragma omp simd
+                for (i64 n = 0; n < N; n++) o[n] = w[n];
+            }
+#pragma omp simd
+            for (i64 m = 0; m < M; m++) {
+                const REAL w0 = o[m * step], w1 = o[m * step + i1];
+                o[m * step] = w0 * cs[m] - w1 * sn[m];
+                o[m * step + i1] = w0 * sn[m] + w1 * cs[m];
+            }
+        }
+    }
+}
+
+/* From g = d out: d w[r, g] = Σ over the group's heads of Rot(−φ)·g (each entry's gradient
+   turned back), d bias[h] = Σ_r Rot(−φ[r, h])·g[r, h], and per pair with (w0, w1) the unturned
+   entries (w + bias, recomputed): d cos = g0·w0 + g1·w1, d sin = g1·w0 − g0·w1. */
+void SUF(trap_rot_bwd)(const TrapRotArgs *a) {
+    const i64 H = a->H, G = a->G, N = a->N, M = a->M, per_group = a->H / a->G;
+    const i64 i1 = a->halved ? N / 2 : 1, step = a->halved ? 1 : 2;
+    REAL *part = (REAL *)a->part;
+#pragma omp parallel num_threads((int)a->nthreads)
+    {
+        REAL *acc = a->bias ? part + omp_get_thread_num() * H * N : NULL; /* this thread's d bias */
+        if (acc)
+            for (i64 i = 0; i < H * N; i++) acc[i] = 0;
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < a->rows; r++) {
+            REAL *dw_row = (REAL *)a->d_w + r * G * N;
+            for (i64 i = 0; i < G * N; i++) dw_row[i] = 0;
+            for (i64 h = 0; h < H; h++) {
+                const i64 rh = r * H + h;
+                const REAL *w = (const REAL *)a->w + r * a->sw + (h / per_group) * N;
+                const REAL *b = a->bias ? (const REAL *)a->bias + h * N : NULL;
+                const REAL *cs = (const REAL *)a->cos + rh * M, *sn = (const REAL *)a->sin + rh * M;
+                const REAL *g = (const REAL *)a->grad + trap_rot_at(a, r, h);
+                REAL *dw = dw_row + (h / per_group) * N, *dc = (REAL *)a->d_cos + rh * M, *ds = (REAL *)a->d_sin + rh * M;
+                REAL *db = acc ? acc + h * N : NULL;
+#pragma omp simd
+                for (i64 m = 0; m < M; m++) {
+                    const i64 n0 = m * step, n1 = m * step + i1;
+                    const REAL w0 = w[n0] + (b ? b[n0] : 0), w1 = w[n1] + (b ? b[n1] : 0);
+                    const REAL g0 = g[n0], g1 = g[n1];
+                    dc[m] = g0 * w0 + g1 * w1;
+                    ds[m] = g1 * w0 - g0 * w1;
+                }
+                REAL t[N]; /* Rot(−φ)·g: the unturned entries as they are, the pairs turned back */
+#pragma omp simd
+                for (i64 n = 0; n < N; n++) t[n] = g[n];
+                for (i64 m = 0; m < M; m++) {
+                    const i64 n0 = m * step, n1 = m * step + i1;
+                    t[n0] = g[n0] * cs[m] + g[n1] * sn[m];
+                    t[n1] = g[n1] * cs[m] - g[n0] * sn[m];
+                }
+#pragma omp simd
+                for (i64 n = 0; n < N; n++) dw[n] += t[n];
+                if (db) {
+#pragma omp simd
+                    for (i64 n = 0; n < N; n++) db[n] += t[n];
+                }
+            }
+        }
+#pragma omp barrier
+        if (a->bias) SUF(sum_parts)(part, H * N, H * N, (REAL *)a->d_bias);
     }
 }

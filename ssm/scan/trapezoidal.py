@@ -57,14 +57,6 @@ def auto_on_cuda(batch: int, heads: int, multiprocessors: int) -> str:
     return "triton" if batch * heads >= multiprocessors else "chunked"
 
 
-def auto_on_cpu(N: int) -> str:
-    """What ``backend="auto"`` runs on CPU tensors: the C sweeps ("cpu") up to N = 32, the chunked
-    form's matrix products above. Measured on 2 cores (loaded), fwd+bwd of the scan alone,
-    batch 1, 8 heads, chunked against cpu: N 16, P 16, L 16384 1.26x; N 32, P 32, L 8192 1.15x;
-    N 64, P 64, L 4096 0.66x; N 128, P 64, L 4096 0.32x."""
-    return "cpu" if N <= 32 else "chunked"
-
-
 def trapezoidal_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -131,11 +123,12 @@ def trapezoidal_scan(
     ``chunk_size``: block length of the "chunked" algorithm (others ignore it).
     ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("trapezoidal_scan")``: "ref" (a
     loop over time on the complex state), "chunked" (chunked matrix products, any device),
-    "triton" (fused kernels for CUDA; on the CPU only in Triton's interpreter), "cpu" (rank 1 on
-    the C selective sweeps, trapezoidal_cpu.py; MIMO and decays it cannot take on the chunked
-    form). On CUDA "auto" takes "triton" where batch × H reaches the GPU's multiprocessor count,
-    else "chunked" (``auto_on_cuda``); packed sequences keep "triton" (the chunked form loops
-    over them). On the CPU it takes "cpu" up to N = 32, else "chunked" (``auto_on_cpu``).
+    "triton" (fused kernels for CUDA; on the CPU only in Triton's interpreter), "cpu" (rank 1:
+    the keys' rotation and the output pass in C, the core on the C selective sweeps up to
+    N·P = 1024 and as the chunked form's products above, trapezoidal_cpu.py; MIMO runs the
+    chunked form). On CUDA "auto" takes "triton" where batch × H reaches the GPU's
+    multiprocessor count, else "chunked" (``auto_on_cuda``); packed sequences keep "triton" (the
+    chunked form loops over them). On the CPU it takes "cpu".
     """
     check_tensor("x", x, ndim=4)
     batch, length, heads, head_dim = x.shape
@@ -226,8 +219,6 @@ def trapezoidal_scan(
     if impl.name == "triton" and backend == "auto" and cu_seqlens is None and not torch.compiler.is_compiling():
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         impl = BACKENDS.resolve(auto_on_cuda(batch, heads, sms), x.device)
-    if impl.name == "cpu" and backend == "auto":
-        impl = BACKENDS.resolve(auto_on_cpu(N), x.device)
 
     per_rank = rank_axis and mimo_o is None
     if x.numel() == 0:  # no output to compute (L, batch, H or P is 0): no backend runs

@@ -29,6 +29,7 @@ from ._checks import sequence_bounds
 from ._common import all_finite, finite_or_zero, poisoned_since
 from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, keys_queries_values, run_core
 from .chunked import entering_states
+from .linear import linear_scan
 
 RECOMPUTE = True  # the intra-chunk products recomputed in the backward (see _chunks)
 
@@ -103,30 +104,129 @@ def _poison(k, v, a, sigma, c) -> tuple[torch.Tensor, torch.Tensor]:
 def chunked_core(args: TrapezoidalArgs, p: Prepared):
     """The core (see _common_trapezoidal.py) by chunks: out in x's dtype and H_{L-1}; packed
     sequences one after another. (Also what the "cpu" backend runs where its sweeps cannot.)"""
-    x, cu_seqlens, dtype = args.x, args.cu_seqlens, args.dtype
-    heads = x.shape[2]
     k, q, v = keys_queries_values(args, p.cos, p.sin)  # (B, L, R, H, N), (B, L, R, H, P)
-    a, sigma, c = p.a, p.s, p.c
+    y, H_last = chunked_products(k, q, v, p.a, p.s, p.c, p.H_init, args.cu_seqlens, args.chunk_size)
+    out = gate_and_contract(y, v, args.D, args.z, args.mimo_z, args.mimo_o, args.dtype)
+    return out.to(args.x.dtype), H_last
+
+
+def chunked_products(k, q, v, a, sigma, c, H_init, cu_seqlens, chunk_size: int):
+    """The core's y (B, L, R, H, P) (before the skip term, the gate and the rank contraction)
+    and H_{L-1}, by chunks, from the rotated keys and queries k, q (B, L, R, H, N), the values
+    v (B, L, R, H, P), a, σ, c (B, L, H) and H_{-1} (B or S, H, P, N) or None; packed
+    sequences one after another."""
     if cu_seqlens is None:
-        y, H_last = _chunks(k, q, v, a, sigma, c, p.H_init, args.chunk_size)
-    else:
-        ys, lasts = [], []
-        for i, (start, end) in enumerate(pairwise(sequence_bounds(cu_seqlens))):
-            H0 = None if p.H_init is None else p.H_init[i : i + 1]
-            if end == start:
-                lasts.append(H0 if H0 is not None else v.new_zeros(1, heads, v.shape[-1], k.shape[-1]))
-                continue
-            part = slice(start, end)
-            y_i, last_i = _chunks(
-                k[:, part], q[:, part], v[:, part], a[:, part], sigma[:, part], c[:, part], H0, args.chunk_size
-            )
-            ys.append(y_i)
-            lasts.append(last_i)
-        y, H_last = torch.cat(ys, dim=1), torch.cat(lasts)
-    out = gate_and_contract(y, v, args.D, args.z, args.mimo_z, args.mimo_o, dtype)
-    return out.to(x.dtype), H_last
+        return _chunks(k, q, v, a, sigma, c, H_init, chunk_size)
+    heads = k.shape[3]
+    ys, lasts = [], []
+    for i, (start, end) in enumerate(pairwise(sequence_bounds(cu_seqlens))):
+        H0 = None if H_init is None else H_init[i : i + 1]
+        if end == start:
+            lasts.append(H0 if H0 is not None else v.new_zeros(1, heads, v.shape[-1], k.shape[-1]))
+            continue
+        k_i, q_i, v_i, a_i, sigma_i, c_i = (t[:, start:end] for t in (k, q, v, a, sigma, c))
+        y_i, last_i = _chunks(k_i, q_i, v_i, a_i, sigma_i, c_i, H0, chunk_size)
+        ys.append(y_i)
+        lasts.append(last_i)
+    return torch.cat(ys, dim=1), torch.cat(lasts)
 
 
 def trapezoidal_scan_chunked(args: TrapezoidalArgs):
     """Backend "chunked" of :func:`ssm.scan.trapezoidal_scan`: (out, last state)."""
     return run_core(chunked_core, args)
+
+
+# ----------------------------------------------------------------------------- rank 1, heads first
+
+
+def products_heads_first(k, q, v, a, sigma, c, H_init, chunk_size: int):
+    """The rank-1 core by chunks in the layout of its matrix products: the rotated keys and
+    queries k, q (B, H, L, N) and values v (B, H, L, P), each head's steps adjacent; a, σ, c
+    (B, L, H); H_{-1} (B, H, P, N) or None. Returns y (B, H, L, P) (before the skip term and the
+    gate; the diagonal weighs v_t by σ_t − c_t) and H_{L-1} (B, H, P, N).
+
+    What :func:`chunked_products` computes for R = 1, without its rank axes, permutes and
+    einsum copies: every product is one batched matrix product over (B, H, chunks), and the
+    intra-chunk weights and scores (T × T per chunk) are formed again in the backward
+    (``_IntraChunk``) rather than kept. All entries must be finite (the caller checks)."""
+    batch, heads, length, N = k.shape
+    P = v.shape[-1]
+    T = min(chunk_size, length)
+    pad = (-length) % T
+    a, sigma, c = (t.transpose(1, 2) for t in (a, sigma, c))  # (B, H, L)
+    if pad:  # padded steps: no decay (a = 0), no input: the state passes through unchanged
+        k, q, v = (F.pad(t, (0, 0, 0, pad)) for t in (k, q, v))
+        a, sigma, c = (F.pad(t, (0, pad)) for t in (a, sigma, c))
+    nc = (length + pad) // T
+    s = torch.cumsum(a.reshape(batch, heads, nc, T), dim=-1)  # (B, H, c, T) log decays within each chunk
+    chunks = batch * heads * nc
+    y, inputs = _IntraChunk.apply(
+        q.reshape(chunks, T, N), k.reshape(chunks, T, N), v.reshape(chunks, T, P),
+        s.reshape(chunks, T), sigma.reshape(chunks, T), c.reshape(chunks, T),
+    )  # fmt: skip
+    inputs = inputs.view(batch, heads, nc, P, N)
+    decay = torch.exp(s[..., -1])[..., None, None].expand_as(inputs)  # (B, H, c, P, N)
+    state = k.new_zeros(batch, heads, P, N) if H_init is None else H_init
+    states = linear_scan(decay, inputs, dim=2, initial_state=state)  # the state after each chunk
+    entering = torch.cat([state.unsqueeze(2), states[:, :, :-1]], dim=2).view(chunks, P, N)
+    # the state entering each chunk, read by its queries: exp(s_t)·H·q_t
+    y = torch.baddbmm(y, q.reshape(chunks, T, N) * torch.exp(s).reshape(chunks, T, 1), entering.transpose(1, 2))
+    y = y.view(batch, heads, nc * T, P)[:, :, :length]
+    return y, states[:, :, -1]
+
+
+def _intra_weights(s, sigma, c):
+    """W (X, T, U) of a chunk: exp(s_t − s_u)·σ_u below the diagonal, σ_t − c_t on it, 0 above;
+    and E = exp(s_t − s_u) below the diagonal (0 elsewhere). s, σ, c (X, T)."""
+    T = s.shape[-1]
+    below = torch.ones(T, T, dtype=torch.bool, device=s.device).tril(-1)
+    E = torch.exp((s[:, :, None] - s[:, None, :]).masked_fill(~below, float("-inf")))
+    W = E * sigma[:, None, :]
+    W.diagonal(dim1=1, dim2=2).copy_(sigma - c)
+    return W, E
+
+
+class _IntraChunk(torch.autograd.Function):
+    """Per chunk x (X = B·H·chunks of them): y = (q·kᵀ ⊙ W)·v, the chunk's own steps' part of
+    its outputs, and I = Σ_u exp(s_{T−1} − s_u)·σ_u·v_u ⊗ k_u, what the chunk adds to the state.
+    q, k (X, T, N), v (X, T, P), s, σ, c (X, T). Keeps its inputs only: W and q·kᵀ, T × T per
+    chunk, are formed again in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, s, sigma, c):
+        W, _ = _intra_weights(s, sigma, c)
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(W)  # (X, T, U)
+        y = torch.bmm(scores, v)
+        to_end = torch.exp(s[:, -1:] - s) * sigma  # (X, U)
+        inputs = torch.bmm((v * to_end[..., None]).transpose(1, 2), k)  # (X, P, N)
+        ctx.save_for_backward(q, k, v, s, sigma, c)
+        return y, inputs
+
+    @staticmethod
+    def backward(ctx, dy, d_inputs):
+        q, k, v, s, sigma, c = ctx.saved_tensors
+        W, E = _intra_weights(s, sigma, c)
+        qk = torch.bmm(q, k.transpose(1, 2))  # (X, T, U)
+        d_scores = torch.bmm(dy, v.transpose(1, 2))  # d (q·kᵀ ⊙ W)
+        dv = torch.bmm((qk * W).transpose(1, 2), dy)
+        dW = d_scores * qk
+        d_qk = d_scores.mul_(W)
+        dq = torch.bmm(d_qk, k)
+        dk = torch.bmm(d_qk.transpose(1, 2), q)
+        # the chunk's input to the state, I = Σ_u w_u·v_u ⊗ k_u with w_u = exp(s_{T−1} − s_u)·σ_u
+        to_end_decay = torch.exp(s[:, -1:] - s)
+        to_end = to_end_decay * sigma
+        k_dI = torch.bmm(k, d_inputs.transpose(1, 2))  # (X, U, P): Σ_n k_u[n]·dI[p, n]
+        dv.addcmul_(k_dI, to_end[..., None])
+        dk.addcmul_(torch.bmm(v, d_inputs), to_end[..., None])
+        d_to_end = (k_dI * v).sum(-1)  # (X, U)
+        # W below the diagonal is exp(s_t − s_u)·σ_u, on it σ_t − c_t
+        diagonal = dW.diagonal(dim1=1, dim2=2)
+        d_sigma = (dW * E).sum(1) + diagonal + d_to_end * to_end_decay
+        dc = -diagonal
+        flow = dW.mul_(E).mul_(sigma[:, None, :])  # dW ⊙ W below the diagonal, 0 on and above it
+        ds = flow.sum(2) - flow.sum(1)
+        through_end = d_to_end * to_end
+        ds -= through_end
+        ds[:, -1] += through_end.sum(1)
+        return dq, dk, dv, ds, d_sigma, dc

@@ -1,6 +1,7 @@
-"""Backend "cpu" of ``trapezoidal_scan`` (Mamba-3): its SISO core on the C selective sweeps
-that Mamba-2's ``ssd`` runs on the CPU (cpu.py), forward and backward, packed sequences and
-states included.
+"""Backend "cpu" of ``trapezoidal_scan`` (Mamba-3): rank 1 with its keys' rotation and its
+output pass in C (ssm/native/trapezoidal.c), and its core on the C selective sweeps that Mamba-2's
+``ssd`` runs on the CPU (cpu.py) or, at large N·P, as the chunked form's batched matrix
+products; forward and backward, packed sequences and states included.
 
 The fast paths' shifted form (_common_trapezoidal.py) is, for rank 1, the SSD recurrence with a
 decay a_t = Δ_t·A_t and an input scale s_t of its own:
@@ -13,24 +14,37 @@ state and output are the core's. The keys and queries are rotated first (per hea
 groups are the heads), the diagonal term −c·(q̃·k̃)·v, D and the gate are added after, in one C
 pass each way (``trapezoidal_output``).
 
-That division needs −a_t positive and finite. Where some a_t is 0 (no decay), below 1e-30 or not
-finite, and for MIMO ranks above 1 (a rank-R input is not one sweep), the chunked core runs
-instead, as under torch.compile: the same answer, by another route. ``chunk_size`` is the
-chunked core's; the sweeps walk every step.
+The sweeps cost O(N·P) per step and head, the products O(T·(N + P)) with fewer, larger
+operations: above N·P = SWEEPS_UP_TO the products run (``products_heads_first``, keys and values
+laid out heads first, so that each chunk's products are one batched matrix product; the diagonal
+term is theirs). The division needs −a_t positive and finite: where some a_t is 0 (no decay),
+below 1e-30 or not finite, the products run too, as under torch.compile; MIMO ranks above 1 (a
+rank-R input is not one sweep) run the chunked core. The same answer, by another route.
+``chunk_size`` is the products'; the sweeps walk every step.
 """
 
 from __future__ import annotations
 
 import ctypes
+from itertools import pairwise
 
 import torch
 from torch import Tensor
 
 from .._custom_op import kernel_op
 from ..native import declare, empty, kernel, ptr, ready, threads
-from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, keys_queries_values, run_core
+from ._checks import sequence_bounds
+from ._common import all_finite
+from ._common_trapezoidal import (
+    Prepared,
+    TrapezoidalArgs,
+    gate_and_contract,
+    keys_queries_values,
+    run_core,
+    values,
+)
 from .cpu import ssd_cpu
-from .trapezoidal_chunked import chunked_core
+from .trapezoidal_chunked import chunked_core, chunked_products, products_heads_first
 
 # The smallest −a_t (a decay of exp(−1e-30) per step) that the input's division by −a_t takes:
 # v·s/(−a) stays finite for any finite v·s in float32 and float64.
@@ -56,7 +70,7 @@ declare("trap_out_bwd", [ctypes.POINTER(_TrapOutArgs)])
 def _trap_out_args(y, v, z, q, k, c, D) -> _TrapOutArgs:
     B, L, H, P = y.shape
     a = _TrapOutArgs()
-    a.rows, a.L, a.H, a.P, a.N, a.nthreads = B * L, L, H, P, q.shape[-1], threads()
+    a.rows, a.L, a.H, a.P, a.N, a.nthreads = B * L, L, H, P, (0 if q is None else q.shape[-1]), threads()
     a.sy = (ctypes.c_int64 * 4)(*y.stride())
     a.sv, a.sz = v.stride(1), (0 if z is None else z.stride(1))
     a.y, a.v, a.z, a.q, a.k, a.c, a.D = (ptr(t) for t in (y, v, z, q, k, c, D))
@@ -74,6 +88,7 @@ def _trap_out_setup(ctx, inputs, output):
 def _trap_out_backward(ctx, grad):
     y, v, z, q, k, c, D = ctx.saved_tensors
     d_y, d_v, d_z, d_q, d_k, d_c, d_D = _trap_out_bwd(grad.contiguous(), y, v, z, q, k, c, D)
+    d_q, d_k, d_c = (None, None, None) if q is None else (d_q, d_k, d_c)
     return d_y, d_v, (d_z if z is not None else None), d_q, d_k, d_c, (d_D if D is not None else None)
 
 
@@ -84,7 +99,9 @@ def _trap_out_backward(ctx, grad):
     backward=_trap_out_backward,
     setup_context=_trap_out_setup,
 )
-def _trap_out_fwd(y: Tensor, v: Tensor, z: Tensor | None, q: Tensor, k: Tensor, c: Tensor, D: Tensor | None) -> Tensor:
+def _trap_out_fwd(
+    y: Tensor, v: Tensor, z: Tensor | None, q: Tensor | None, k: Tensor | None, c: Tensor | None, D: Tensor | None
+) -> Tensor:
     """``trapezoidal_output``'s kernel, its arguments in the layouts it reads."""
     a = _trap_out_args(y, v, z, q, k, c, D)
     out = empty(y.shape, y)
@@ -97,17 +114,35 @@ def _trap_out_bwd_fake(grad, y, v, z, q, k, c, D):
     d_z = y.new_empty(y.shape) if z is not None else y.new_empty(0)
     d_D = y.new_empty(y.shape[2] if D is not None else 0)
     d_y = torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device=y.device)
-    return d_y, y.new_empty(y.shape), d_z, torch.empty_like(q), torch.empty_like(k), torch.empty_like(c), d_D
+    d_q, d_k, d_c = (
+        (y.new_empty(0), y.new_empty(0), y.new_empty(0))
+        if q is None
+        else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(c))
+    )
+    return d_y, y.new_empty(y.shape), d_z, d_q, d_k, d_c, d_D
 
 
 @kernel_op("ssm::cpu_trap_out_bwd", fake=_trap_out_bwd_fake, device_types="cpu")
 def _trap_out_bwd(
-    grad: Tensor, y: Tensor, v: Tensor, z: Tensor | None, q: Tensor, k: Tensor, c: Tensor, D: Tensor | None
+    grad: Tensor,
+    y: Tensor,
+    v: Tensor,
+    z: Tensor | None,
+    q: Tensor | None,
+    k: Tensor | None,
+    c: Tensor | None,
+    D: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The gradients of y, v, z (empty without one), q, k, c and D (empty without one)."""
+    """The gradients of y, v, z (empty without one), q, k, c (empty without them) and D (empty
+    without one)."""
     a = _trap_out_args(y, v, z, q, k, c, D)
     d_y = torch.empty_strided(y.shape, y.stride(), dtype=y.dtype)  # laid out as y: the sweep's layout
-    d_v, d_q, d_k, d_c = empty(y.shape, y), empty(q.shape, q), empty(k.shape, k), empty(c.shape, c)
+    d_v = empty(y.shape, y)
+    d_q, d_k, d_c = (
+        (y.new_empty(0), y.new_empty(0), y.new_empty(0))
+        if q is None
+        else (empty(q.shape, q), empty(k.shape, k), empty(c.shape, c))
+    )
     d_z = empty(y.shape, y) if z is not None else y.new_empty(0)
     d_D = y.new_empty(y.shape[2] if D is not None else 0)
     part = empty((a.nthreads * y.shape[2],), y)
@@ -120,7 +155,8 @@ def _trap_out_bwd(
 
 def trapezoidal_output(y, v, z, q, k, c, D) -> Tensor | None:
     """(y + (D − c·Σ_n q·k)·v)·silu(z) for Mamba-3's rank-1 scan on the CPU: y, v, z (B, L, H, P),
-    q, k (B, L, H, N), c (B, L, H), D (H,); z or D None to leave the gate or the skip term out.
+    q, k (B, L, H, N), c (B, L, H), D (H,); z or D None to leave the gate or the skip term out,
+    q, k and c None to leave the diagonal term out (y holds it).
     One C pass forward and one backward (ssm/native/trapezoidal.c), in place of the tensor
     operations and their gradients. None where it does not apply (another device, a dtype other
     than float32 or float64 for all of them, no library): the caller computes it with tensors."""
@@ -131,58 +167,217 @@ def trapezoidal_output(y, v, z, q, k, c, D) -> Tensor | None:
     if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
         return None
 
-    def rows(x):  # (B, L, H, ·) whose (B, L) flatten to one row stride, the rest contiguous
-        ok = (
-            x.stride(-1) == 1
-            and x.stride(-2) == x.shape[-1]
-            and (x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1))
-        )
-        return x if ok else x.contiguous()
-
     if min(y.stride()) < 1:
         y = y.contiguous()  # y is read with its strides (its gradient written with them): none broadcast
-    q, k, c = q.contiguous(), k.contiguous(), c.contiguous()
-    v, z = rows(v), (None if z is None else rows(z))
+    q, k, c = (None if t is None else t.contiguous() for t in (q, k, c))
+    v, z = _rows(v), (None if z is None else _rows(z))
     D = None if D is None else D.contiguous()
     return _trap_out_fwd(y, v, z, q, k, c, D)
+
+
+# ----------------------------------------------------------------------------- the rotation (C)
+
+
+class _TrapRotArgs(ctypes.Structure):
+    """TrapRotArgs of ssm/native/trapezoidal.c, field for field."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "L", "H", "G", "N", "M", "halved", "heads_first")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("sw", "nthreads")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("w", "bias", "cos", "sin", "out", "grad")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("d_w", "d_bias", "d_cos", "d_sin", "part")]
+
+
+declare("trap_rot_fwd", [ctypes.POINTER(_TrapRotArgs)])
+declare("trap_rot_bwd", [ctypes.POINTER(_TrapRotArgs)])
+
+
+def _trap_rot_args(w, bias, cos, sin, halved: int, heads_first: int) -> _TrapRotArgs:
+    batch, length, groups, N = w.shape
+    a = _TrapRotArgs()
+    a.rows, a.L, a.H, a.G, a.N, a.M = batch * length, length, cos.shape[2], groups, N, cos.shape[3]
+    a.halved, a.heads_first, a.sw, a.nthreads = halved, heads_first, w.stride(1), threads()
+    a.w, a.bias, a.cos, a.sin = (ptr(t) for t in (w, bias, cos, sin))
+    return a
+
+
+def _rotated_shape(w, cos, heads_first: int) -> tuple[int, ...]:
+    (batch, length, heads, _), N = cos.shape, w.shape[-1]
+    return (batch, heads, length, N) if heads_first else (batch, length, heads, N)
+
+
+def _trap_rot_fake(w, bias, cos, sin, halved, heads_first):
+    return w.new_empty(_rotated_shape(w, cos, heads_first))
+
+
+def _trap_rot_setup(ctx, inputs, output):
+    w, bias, cos, sin, ctx.halved, ctx.heads_first = inputs
+    ctx.save_for_backward(w, bias, cos, sin)
+
+
+def _trap_rot_backward(ctx, grad):
+    w, bias, cos, sin = ctx.saved_tensors
+    d_w, d_bias, d_cos, d_sin = _trap_rot_bwd(grad.contiguous(), w, bias, cos, sin, ctx.halved, ctx.heads_first)
+    return d_w, (d_bias if bias is not None else None), d_cos, d_sin, None, None
+
+
+@kernel_op(
+    "ssm::cpu_trap_rot_fwd",
+    fake=_trap_rot_fake,
+    device_types="cpu",
+    backward=_trap_rot_backward,
+    setup_context=_trap_rot_setup,
+)
+def _trap_rot_fwd(w: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, halved: int, heads_first: int) -> Tensor:
+    """``rotated_keys``' kernel, its arguments in the layouts it reads."""
+    a = _trap_rot_args(w, bias, cos, sin, halved, heads_first)
+    out = empty(_rotated_shape(w, cos, heads_first), w)
+    a.out = out.data_ptr()
+    kernel("trap_rot_fwd", w.dtype)(ctypes.byref(a))
+    return out
+
+
+def _trap_rot_bwd_fake(grad, w, bias, cos, sin, halved, heads_first):
+    d_bias = w.new_empty(bias.shape if bias is not None else 0)
+    return w.new_empty(w.shape), d_bias, torch.empty_like(cos), torch.empty_like(sin)
+
+
+@kernel_op("ssm::cpu_trap_rot_bwd", fake=_trap_rot_bwd_fake, device_types="cpu")
+def _trap_rot_bwd(
+    grad: Tensor, w: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, halved: int, heads_first: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of w (contiguous), bias (empty without one), cos and sin."""
+    a = _trap_rot_args(w, bias, cos, sin, halved, heads_first)
+    d_w, d_cos, d_sin = empty(w.shape, w), empty(cos.shape, cos), empty(sin.shape, sin)
+    d_bias = w.new_empty(bias.shape if bias is not None else 0)
+    part = empty((a.nthreads * bias.numel(),), w) if bias is not None else w.new_empty(0)
+    a.grad, a.d_w, a.d_cos, a.d_sin, a.part = (t.data_ptr() for t in (grad, d_w, d_cos, d_sin, part))
+    a.d_bias = d_bias.data_ptr() if bias is not None else None
+    kernel("trap_rot_bwd", w.dtype)(ctypes.byref(a))
+    return d_w, d_bias, d_cos, d_sin
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x (B, L, ·, ·) whose (B, L) flatten to one row stride, the rest contiguous (else a copy)."""
+    ok = (
+        x.stride(-1) == 1
+        and x.stride(-2) == x.shape[-1]
+        and (x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1))
+    )
+    return x if ok else x.contiguous()
+
+
+def rotated_keys(
+    M: Tensor, heads: int, bias: Tensor | None, cos: Tensor, sin: Tensor, rotary: str, dtype, heads_first=False
+):
+    """``rotated_per_head`` (_common_trapezoidal.py) for rank 1 in one C pass each way: B or C
+    (B, L, G, N) as the rotated keys or queries (B, L, H, N), or (B, H, L, N) with
+    ``heads_first``; bias (H, N) or None, cos and sin (B, L, H, M), in ``dtype``. None where it
+    does not apply (another device or dtype, no library): the caller rotates with tensors."""
+    if dtype not in (torch.float32, torch.float64) or not ready() or M.device.type != "cpu":
+        return None
+    w = _rows(M.to(dtype))
+    b = None if bias is None else bias.to(dtype).contiguous()
+    return _trap_rot_fwd(w, b, cos.contiguous(), sin.contiguous(), int(rotary == "halved"), int(heads_first))
 
 
 # ----------------------------------------------------------------------------- the core
 
 
+# The largest N·P per head for which the sweeps run the core; above it the chunked form's matrix
+# products do. Measured on 2 cores (loaded), fwd+bwd of the scan alone, batch 1, 8 heads, chunked
+# against the sweeps: N 16, P 16, L 16384 1.26x; N 32, P 32, L 8192 1.15x; N 64, P 64, L 4096
+# 0.66x; N 128, P 64, L 4096 0.32x. A Mamba3 layer's training step at the parity task's shape
+# (d_model 64, N 64, P 16, batch 64, L 80; 1 thread): the sweeps 179 ms, the chunked form 288.
+SWEEPS_UP_TO = 1024
+
+
 def sweeps_take(args: TrapezoidalArgs, p: Prepared) -> bool:
-    """Whether the sweeps compute this call's core: rank 1, and every −a_t in [1e-30, ∞). Not
-    under torch.compile, where reading the decays would break the graph: the chunked core
-    traces whole."""
+    """Whether the sweeps compute this call's core: rank 1, N·P up to SWEEPS_UP_TO, and every
+    −a_t in [1e-30, ∞). Not under torch.compile, where reading the decays would break the
+    graph: the chunked core traces whole."""
     if args.B.shape[2] != 1 or torch.compiler.is_compiling():
+        return False
+    if args.B.shape[-1] * args.x.shape[-1] > SWEEPS_UP_TO:
         return False
     rate = -p.a
     return bool(((rate >= SMALLEST_DECAY_RATE) & (rate < float("inf"))).all())
 
 
+def _keys_queries_values(args: TrapezoidalArgs, p: Prepared, heads_first: bool):
+    """Rank 1: the rotated keys and queries (B, L, H, N), or (B, H, L, N) with ``heads_first``,
+    by the C rotation where it applies, and the values (B, L, 1, H, P)."""
+    heads, dtype = args.x.shape[2], args.dtype
+    # the rank axis dropped as views (squeeze, not [:, :, 0], whose backward writes a
+    # zero-filled tensor of the whole and copies into it)
+    B, C = args.B.squeeze(2), args.C.squeeze(2)
+    B_bias, C_bias = (None if b is None else b.squeeze(1) for b in (args.B_bias, args.C_bias))
+    k = rotated_keys(B, heads, B_bias, p.cos, p.sin, args.rotary, dtype, heads_first)
+    q = None if k is None else rotated_keys(C, heads, C_bias, p.cos, p.sin, args.rotary, dtype, heads_first)
+    v = values(args.x, args.mimo_x, 1, dtype)
+    if q is None:
+        k, q, v = keys_queries_values(args, p.cos, p.sin)
+        k, q = k.squeeze(2), q.squeeze(2)
+        if heads_first:
+            k, q = k.transpose(1, 2).contiguous(), q.transpose(1, 2).contiguous()
+    return k, q, v
+
+
+def _products(k, q, v, args: TrapezoidalArgs, p: Prepared):
+    """y (B, L, H, P) (the diagonal term included) and H_{L-1} by the chunked form's products,
+    from k, q (B, H, L, N) and v (B, L, H, P); packed sequences one after another."""
+    v = v.transpose(1, 2).contiguous()  # (B, H, L, P)
+    if not all_finite(k, v, p.a, p.s, p.c):  # the general form: it masks what a non-finite entry reaches
+        k, q, v = (t.transpose(1, 2)[:, :, None] for t in (k, q, v))
+        y, H_last = chunked_products(k, q, v, p.a, p.s, p.c, p.H_init, args.cu_seqlens, args.chunk_size)
+        return y.squeeze(2), H_last
+    if args.cu_seqlens is None:
+        y, H_last = products_heads_first(k, q, v, p.a, p.s, p.c, p.H_init, args.chunk_size)
+        return y.transpose(1, 2), H_last
+    (_, heads, _, N), P = k.shape, v.shape[-1]
+    ys, lasts = [v.new_zeros(1, heads, 0, P)], []
+    for i, (start, end) in enumerate(pairwise(sequence_bounds(args.cu_seqlens))):
+        H0 = None if p.H_init is None else p.H_init[i : i + 1]
+        if end == start:
+            lasts.append(H0 if H0 is not None else v.new_zeros(1, heads, P, N))
+            continue
+        part = (t[:, :, start:end] for t in (k, q, v))
+        y_i, last_i = products_heads_first(
+            *part, p.a[:, start:end], p.s[:, start:end], p.c[:, start:end], H0, args.chunk_size
+        )
+        ys.append(y_i)
+        lasts.append(last_i)
+    return torch.cat(ys, dim=2).transpose(1, 2), torch.cat(lasts)
+
+
 def _core(args: TrapezoidalArgs, p: Prepared):
-    """The core on the selective sweeps: out in x's dtype and H_{L-1}."""
-    if not sweeps_take(args, p):
+    """The core: rank 1 on the sweeps or the chunked form's products, with the keys' rotation and
+    the output pass in C; out in x's dtype and H_{L-1}. MIMO on the chunked core."""
+    if args.B.shape[2] != 1:
         return chunked_core(args, p)
     x, dtype = args.x, args.dtype
     heads = x.shape[2]
-    k, q, v = keys_queries_values(args, p.cos, p.sin)  # rank 1: (B, L, 1, H, N), (B, L, 1, H, P)
-    # rank 1 dropped as views (squeeze, not [:, :, 0], whose backward writes a zero-filled
-    # tensor of the whole and copies into it)
-    k, q, v1 = k.squeeze(2), q.squeeze(2), v.squeeze(2)
-    rate = -p.a  # (B, L, H), in [1e-30, ∞)
-    scaled = v1 * (p.s / rate)[..., None]
-    y, H_last = ssd_cpu(
-        scaled, rate, -torch.ones(heads, dtype=dtype, device=x.device), k, q,
-        initial_state=p.H_init, cu_seqlens=args.cu_seqlens,
-    )  # fmt: skip
+    sweeps = sweeps_take(args, p)
+    k, q, v = _keys_queries_values(args, p, heads_first=not sweeps)  # (B, L, 1, H, P) values
+    v1 = v.squeeze(2)
+    if sweeps:
+        rate = -p.a  # (B, L, H), in [1e-30, ∞)
+        scaled = v1 * (p.s / rate)[..., None]
+        y, H_last = ssd_cpu(
+            scaled, rate, -torch.ones(heads, dtype=dtype, device=x.device), k, q,
+            initial_state=p.H_init, cu_seqlens=args.cu_seqlens,
+        )  # fmt: skip
+        diagonal = (q, k, p.c)  # the diagonal's shifted part, −c·(q̃·k̃)·v, still to come
+    else:
+        y, H_last = _products(k, q, v1, args, p)
+        diagonal = (None, None, None)  # in y already
     z, D = (None if t is None else t.to(dtype) for t in (args.z, args.D))
     out = None
     if args.mimo_z is None and args.mimo_o is None:  # rank 1 here: nothing to contract
-        out = trapezoidal_output(y, v1, z, q, k, p.c, D)  # one C pass, or None
+        out = trapezoidal_output(y, v1, z, *diagonal, D)  # one C pass, or None
         out = None if out is None else out[:, :, None]  # (B, L, 1, H, P): the rank axis
     if out is None:
-        y = y - (p.c * (q * k).sum(-1))[..., None] * v1  # the diagonal's shifted part
+        if sweeps:
+            y = y - (p.c * (q * k).sum(-1))[..., None] * v1
         out = gate_and_contract(y[:, :, None], v, args.D, args.z, args.mimo_z, args.mimo_o, dtype)
     return out.to(x.dtype), H_last
 

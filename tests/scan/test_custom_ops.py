@@ -18,6 +18,7 @@ import pytest
 from ssm._custom_op import KERNEL_OPS
 from ssm.scan import cpu, trapezoidal_cpu
 from tests.helpers import (
+    CPU_PRODUCTS,
     assert_kernel_ops_agree_with_their_fakes,
     cu_seqlens_of,
     kernel_op_calls,
@@ -40,7 +41,12 @@ T = cpu.CHUNK
 
 # the attributes of the op modules that hold their kernel ops, by module
 CPU_OPS = ["_selective_fwd", "_selective_bwd", "_linear_fwd", "_linear_bwd"]
-TRAPEZOIDAL_CPU_OPS = ["_trap_out_fwd", "_trap_out_bwd"]  # of ssm.scan.trapezoidal_cpu
+TRAPEZOIDAL_CPU_OPS = [
+    "_trap_out_fwd",
+    "_trap_out_bwd",
+    "_trap_rot_fwd",
+    "_trap_rot_bwd",
+]  # of ssm.scan.trapezoidal_cpu
 TRITON_OPS = {
     "selective_scan": ["selective_scan_fwd", "selective_scan_bwd"],
     "linear_scan": ["linear_scan_fwd", "linear_scan_bwd"],
@@ -79,13 +85,18 @@ def test_the_cpu_linear_scan_ops_agree_with_their_fakes(monkeypatch):
     assert_kernel_ops_agree_with_their_fakes(calls)
 
 
+@pytest.mark.parametrize("core", ["sweeps", "products"])
+@pytest.mark.parametrize("rotary", ["interleaved", "halved"])
 @pytest.mark.parametrize("gate", [True, False], ids=["gate", "no-gate"])
-def test_the_cpu_trapezoidal_output_ops_agree_with_their_fakes(gate, monkeypatch):
-    """Mamba-3's output pass after the sweeps (rank 1, the cpu backend), y in the sweep's layout."""
+def test_the_cpu_trapezoidal_ops_agree_with_their_fakes(gate, rotary, core, monkeypatch):
+    """Mamba-3's C pieces (rank 1, the cpu backend): the keys' rotation (in the sweeps' layout or
+    heads first for the products) and the output pass (y in the sweep's layout, or heads first
+    without the diagonal term)."""
     x = trapezoidal_inputs(5, batch=2, heads=2, head_dim=3, groups=1, N=4, M=1, z=gate)
-    run = lambda: run_with_grads(trapezoidal_call(), x, "cpu")  # noqa: E731
+    backend = "cpu" if core == "sweeps" else CPU_PRODUCTS
+    run = lambda: run_with_grads(trapezoidal_call(rotary), x, backend)  # noqa: E731
     calls = kernel_op_calls(monkeypatch, trapezoidal_cpu, TRAPEZOIDAL_CPU_OPS, run)
-    assert set(calls) == {"ssm::cpu_trap_out_fwd", "ssm::cpu_trap_out_bwd"}
+    assert set(calls) == {f"ssm::cpu_trap_{op}" for op in ("out_fwd", "out_bwd", "rot_fwd", "rot_bwd")}
     assert_kernel_ops_agree_with_their_fakes(calls)
 
 

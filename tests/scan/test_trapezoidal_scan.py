@@ -12,10 +12,18 @@ import torch
 
 from ssm.scan import TrapezoidalState, backends, trapezoidal_scan, trapezoidal_scan_step
 from ssm.scan.cpu import ssd_cpu
-from ssm.scan.trapezoidal_chunked import chunked_core
-from tests.helpers import assert_close, check_trapezoidal, trapezoidal_call, trapezoidal_inputs
+from ssm.scan.trapezoidal_chunked import chunked_core, products_heads_first
+from tests.helpers import (
+    CPU_PRODUCTS,
+    assert_close,
+    check_trapezoidal,
+    trapezoidal_backend,
+    trapezoidal_call,
+    trapezoidal_inputs,
+)
 
 FAST_BACKENDS = [b for b in backends("trapezoidal_scan", "cpu") if b not in ("ref", "triton")]
+FAST_BACKENDS += [CPU_PRODUCTS] * ("cpu" in FAST_BACKENDS)  # "cpu" with its other core
 ROTARY = ["interleaved", "halved"]
 
 
@@ -33,9 +41,10 @@ def two_steps(delta: float, theta: float, rotary="interleaved", N=2, backend="re
     A = torch.full((1, steps, 1), -math.log(2.0) / delta, dtype=torch.float64)
     trap = torch.full((1, steps, 1), 0.5, dtype=torch.float64)
     angles = torch.full((1, steps, 1, 1), theta, dtype=torch.float64)
-    return trapezoidal_scan(
-        x, dt, A, BC, BC, trap, angles, rotary=rotary, return_last_state=True, backend=backend, **kw
-    )
+    with trapezoidal_backend(backend) as name:
+        return trapezoidal_scan(
+            x, dt, A, BC, BC, trap, angles, rotary=rotary, return_last_state=True, backend=name, **kw
+        )
 
 
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
@@ -320,18 +329,22 @@ def test_auto_on_cuda_takes_the_chunked_form_where_triton_would_leave_the_gpu_id
 # ----------------------------------------------------------------------------- backend "cpu"
 
 
-def test_cpu_backend_runs_siso_on_the_sweeps(monkeypatch):
-    """The "cpu" cases above run the C sweeps for rank 1 (not its chunked fallback), and "auto"
-    takes it on CPU tensors; MIMO goes to the chunked core."""
+def test_cpu_backend_runs_siso_on_the_sweeps_or_the_products(monkeypatch):
+    """On CPU tensors "auto" is "cpu", whose rank-1 core is the C sweeps up to N·P = SWEEPS_UP_TO
+    (not the chunked fallback) and the chunked form's products above; MIMO goes to the chunked
+    core."""
     import ssm.scan.trapezoidal_cpu as cpu_backend
 
     calls = []
     monkeypatch.setattr(cpu_backend, "ssd_cpu", lambda *a, **k: calls.append("sweeps") or ssd_cpu(*a, **k))
     monkeypatch.setattr(cpu_backend, "chunked_core", lambda *a: calls.append("chunked") or chunked_core(*a))
+    products = products_heads_first
+    monkeypatch.setattr(cpu_backend, "products_heads_first", lambda *a: calls.append("products") or products(*a))
     check_trapezoidal(trapezoidal_inputs(19), "auto")
     check_trapezoidal(trapezoidal_inputs(19, ranks=2), "cpu")
-    check_trapezoidal(trapezoidal_inputs(19, N=34, M=2), "auto")  # N > 32: "auto" is the chunked backend
-    assert calls == ["sweeps", "chunked"]
+    assert cpu_backend.SWEEPS_UP_TO < 33 * 32
+    check_trapezoidal(trapezoidal_inputs(19, N=34, head_dim=32, M=2), "auto")
+    assert calls == ["sweeps", "chunked", "products"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -31,7 +31,7 @@ def small(length: int, **kw) -> dict:
 
 def test_backend_runs_here_and_never_by_default_on_cpu():
     assert "triton" in backends("trapezoidal_scan", DEVICE)
-    assert trapezoidal_op.BACKENDS.resolve("auto", torch.device("cpu")).name == "cpu"  # then auto_on_cpu
+    assert trapezoidal_op.BACKENDS.resolve("auto", torch.device("cpu")).name == "cpu"
     assert trapezoidal_op.BACKENDS.resolve("auto", torch.device("cuda")).name == "triton"
 
 
