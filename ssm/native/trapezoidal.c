@@ -31,16 +31,16 @@ typedef struct {
 
 /* The rotated keys or queries of a rank-1 scan: rows = batch·L; w (rows, G, N) B or C, its rows
    sw apart (groups N apart, entries adjacent), head h reading group h / (H / G); bias (H, N) or
-   NULL; cos, sin, d_cos, d_sin (rows, H, M) contiguous; out, grad (rows, H, N) contiguous, or
-   (batch, H, L, N) with heads_first; d_w (rows, G, N) contiguous; d_bias (H, N); part: scratch
-   of nthreads·H·N elements (with a bias). Pair m is (2m, 2m + 1) (halved 0) or (m, N/2 + m)
-   (halved 1). */
+   NULL; cos, sin, d_cos, d_sin (rows, H, M) contiguous; scale, d_scale (rows, H) or NULL (no
+   scale); out, grad (rows, H, N) contiguous, or (batch, H, L, N) with heads_first; d_w (rows, G,
+   N) contiguous; d_bias (H, N); part: scratch of nthreads·H·N elements (with a bias). Pair m is
+   (2m, 2m + 1) (halved 0) or (m, N/2 + m) (halved 1). */
 typedef struct {
     i64 rows, L, H, G, N, M, halved, heads_first, sw, nthreads;
-    const void *w, *bias, *cos, *sin;
+    const void *w, *bias, *cos, *sin, *scale;
     void *out;
     const void *grad;
-    void *d_w, *d_bias, *d_cos, *d_sin, *part;
+    void *d_w, *d_bias, *d_cos, *d_sin, *d_scale, *part;
 } TrapRotArgs;
 
 /* Where row r's head h lies in out and grad: (r·H + h)·N, or heads first ((b·H + h)·L + t)·N. */
@@ -147,8 +147,8 @@ void SUF(trap_out_bwd)(const TrapOutArgs *a) {
     }
 }
 
-/* out[r, h] = Rot(φ[r, h])·(w[r, h / (H / G)] + bias[h]): each pair (n0, n1) turned to
-   (w0·cos − w1·sin, w0·sin + w1·cos), the other entries copied. */
+/* out[r, h] = scale[r, h]·Rot(φ[r, h])·(w[r, h / (H / G)] + bias[h]): each pair (n0, n1) turned
+   to (w0·cos − w1·sin, w0·sin + w1·cos), the other entries copied (the scale 1 without one). */
 void SUF(trap_rot_fwd)(const TrapRotArgs *a) {
     const i64 H = a->H, N = a->N, M = a->M, per_group = a->H / a->G;
     const i64 i1 = a->halved ? N / 2 : 1, step = a->halved ? 1 : 2; /* pair m: (m·step, m·step + i1) */
@@ -172,13 +172,20 @@ void SUF(trap_rot_fwd)(const TrapRotArgs *a) {
                 o[m * step] = w0 * cs[m] - w1 * sn[m];
                 o[m * step + i1] = w0 * sn[m] + w1 * cs[m];
             }
+            if (a->scale) {
+                const REAL sc = ((const REAL *)a->scale)[r * H + h];
+#pragma omp simd
+                for (i64 n = 0; n < N; n++) o[n] *= sc;
+            }
         }
     }
 }
 
-/* From g = d out: d w[r, g] = Σ over the group's heads of Rot(−φ)·g (each entry's gradient
-   turned back), d bias[h] = Σ_r Rot(−φ[r, h])·g[r, h], and per pair with (w0, w1) the unturned
-   entries (w + bias, recomputed): d cos = g0·w0 + g1·w1, d sin = g1·w0 − g0·w1. */
+/* From g = d out, and g·scale the gradient of the unscaled rotation: d w[r, g] = Σ over the
+   group's heads of scale·Rot(−φ)·g (each entry's gradient turned back), d bias[h] =
+   Σ_r scale·Rot(−φ[r, h])·g[r, h], and per pair with (w0, w1) the unturned entries (w + bias,
+   recomputed): d cos = scale·(g0·w0 + g1·w1), d sin = scale·(g1·w0 − g0·w1); d scale = g·Rot(φ)·
+   (w + bias) = (Rot(−φ)·g)·(w + bias). */
 void SUF(trap_rot_bwd)(const TrapRotArgs *a) {
     const i64 H = a->H, G = a->G, N = a->N, M = a->M, per_group = a->H / a->G;
     const i64 i1 = a->halved ? N / 2 : 1, step = a->halved ? 1 : 2;
@@ -215,6 +222,19 @@ void SUF(trap_rot_bwd)(const TrapRotArgs *a) {
                     const i64 n0 = m * step, n1 = m * step + i1;
                     t[n0] = g[n0] * cs[m] + g[n1] * sn[m];
                     t[n1] = g[n1] * cs[m] - g[n0] * sn[m];
+                }
+                if (a->scale) {
+                    const REAL sc = ((const REAL *)a->scale)[rh];
+                    REAL d_sc = 0;
+#pragma omp simd reduction(+ : d_sc)
+                    for (i64 n = 0; n < N; n++) d_sc += t[n] * (w[n] + (b ? b[n] : 0));
+                    ((REAL *)a->d_scale)[rh] = d_sc;
+#pragma omp simd
+                    for (i64 n = 0; n < N; n++) t[n] *= sc;
+                    for (i64 m = 0; m < M; m++) {
+                        dc[m] *= sc;
+                        ds[m] *= sc;
+                    }
                 }
 #pragma omp simd
                 for (i64 n = 0; n < N; n++) dw[n] += t[n];

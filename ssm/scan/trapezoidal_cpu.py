@@ -183,20 +183,20 @@ class _TrapRotArgs(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int64) for name in ("rows", "L", "H", "G", "N", "M", "halved", "heads_first")]
     _fields_ += [(name, ctypes.c_int64) for name in ("sw", "nthreads")]
-    _fields_ += [(name, ctypes.c_void_p) for name in ("w", "bias", "cos", "sin", "out", "grad")]
-    _fields_ += [(name, ctypes.c_void_p) for name in ("d_w", "d_bias", "d_cos", "d_sin", "part")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("w", "bias", "cos", "sin", "scale", "out", "grad")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("d_w", "d_bias", "d_cos", "d_sin", "d_scale", "part")]
 
 
 declare("trap_rot_fwd", [ctypes.POINTER(_TrapRotArgs)])
 declare("trap_rot_bwd", [ctypes.POINTER(_TrapRotArgs)])
 
 
-def _trap_rot_args(w, bias, cos, sin, halved: int, heads_first: int) -> _TrapRotArgs:
+def _trap_rot_args(w, bias, cos, sin, scale, halved: int, heads_first: int) -> _TrapRotArgs:
     batch, length, groups, N = w.shape
     a = _TrapRotArgs()
     a.rows, a.L, a.H, a.G, a.N, a.M = batch * length, length, cos.shape[2], groups, N, cos.shape[3]
     a.halved, a.heads_first, a.sw, a.nthreads = halved, heads_first, w.stride(1), threads()
-    a.w, a.bias, a.cos, a.sin = (ptr(t) for t in (w, bias, cos, sin))
+    a.w, a.bias, a.cos, a.sin, a.scale = (ptr(t) for t in (w, bias, cos, sin, scale))
     return a
 
 
@@ -205,19 +205,22 @@ def _rotated_shape(w, cos, heads_first: int) -> tuple[int, ...]:
     return (batch, heads, length, N) if heads_first else (batch, length, heads, N)
 
 
-def _trap_rot_fake(w, bias, cos, sin, halved, heads_first):
+def _trap_rot_fake(w, bias, cos, sin, scale, halved, heads_first):
     return w.new_empty(_rotated_shape(w, cos, heads_first))
 
 
 def _trap_rot_setup(ctx, inputs, output):
-    w, bias, cos, sin, ctx.halved, ctx.heads_first = inputs
-    ctx.save_for_backward(w, bias, cos, sin)
+    w, bias, cos, sin, scale, ctx.halved, ctx.heads_first = inputs
+    ctx.save_for_backward(w, bias, cos, sin, scale)
 
 
 def _trap_rot_backward(ctx, grad):
-    w, bias, cos, sin = ctx.saved_tensors
-    d_w, d_bias, d_cos, d_sin = _trap_rot_bwd(grad.contiguous(), w, bias, cos, sin, ctx.halved, ctx.heads_first)
-    return d_w, (d_bias if bias is not None else None), d_cos, d_sin, None, None
+    w, bias, cos, sin, scale = ctx.saved_tensors
+    d_w, d_bias, d_cos, d_sin, d_scale = _trap_rot_bwd(
+        grad.contiguous(), w, bias, cos, sin, scale, ctx.halved, ctx.heads_first
+    )
+    d_bias, d_scale = (d if t is not None else None for d, t in ((d_bias, bias), (d_scale, scale)))
+    return d_w, d_bias, d_cos, d_sin, d_scale, None, None
 
 
 @kernel_op(
@@ -227,33 +230,46 @@ def _trap_rot_backward(ctx, grad):
     backward=_trap_rot_backward,
     setup_context=_trap_rot_setup,
 )
-def _trap_rot_fwd(w: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, halved: int, heads_first: int) -> Tensor:
+def _trap_rot_fwd(
+    w: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, scale: Tensor | None, halved: int, heads_first: int
+) -> Tensor:
     """``rotated_keys``' kernel, its arguments in the layouts it reads."""
-    a = _trap_rot_args(w, bias, cos, sin, halved, heads_first)
+    a = _trap_rot_args(w, bias, cos, sin, scale, halved, heads_first)
     out = empty(_rotated_shape(w, cos, heads_first), w)
     a.out = out.data_ptr()
     kernel("trap_rot_fwd", w.dtype)(ctypes.byref(a))
     return out
 
 
-def _trap_rot_bwd_fake(grad, w, bias, cos, sin, halved, heads_first):
+def _trap_rot_bwd_fake(grad, w, bias, cos, sin, scale, halved, heads_first):
     d_bias = w.new_empty(bias.shape if bias is not None else 0)
-    return w.new_empty(w.shape), d_bias, torch.empty_like(cos), torch.empty_like(sin)
+    d_scale = w.new_empty(scale.shape if scale is not None else 0)
+    return w.new_empty(w.shape), d_bias, torch.empty_like(cos), torch.empty_like(sin), d_scale
 
 
 @kernel_op("ssm::cpu_trap_rot_bwd", fake=_trap_rot_bwd_fake, device_types="cpu")
 def _trap_rot_bwd(
-    grad: Tensor, w: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, halved: int, heads_first: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The gradients of w (contiguous), bias (empty without one), cos and sin."""
-    a = _trap_rot_args(w, bias, cos, sin, halved, heads_first)
+    grad: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    cos: Tensor,
+    sin: Tensor,
+    scale: Tensor | None,
+    halved: int,
+    heads_first: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of w (contiguous), bias (empty without one), cos, sin and scale (empty
+    without one)."""
+    a = _trap_rot_args(w, bias, cos, sin, scale, halved, heads_first)
     d_w, d_cos, d_sin = empty(w.shape, w), empty(cos.shape, cos), empty(sin.shape, sin)
     d_bias = w.new_empty(bias.shape if bias is not None else 0)
+    d_scale = empty(scale.shape, scale) if scale is not None else w.new_empty(0)
     part = empty((a.nthreads * bias.numel(),), w) if bias is not None else w.new_empty(0)
     a.grad, a.d_w, a.d_cos, a.d_sin, a.part = (t.data_ptr() for t in (grad, d_w, d_cos, d_sin, part))
     a.d_bias = d_bias.data_ptr() if bias is not None else None
+    a.d_scale = d_scale.data_ptr() if scale is not None else None
     kernel("trap_rot_bwd", w.dtype)(ctypes.byref(a))
-    return d_w, d_bias, d_cos, d_sin
+    return d_w, d_bias, d_cos, d_sin, d_scale
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -267,17 +283,27 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def rotated_keys(
-    M: Tensor, heads: int, bias: Tensor | None, cos: Tensor, sin: Tensor, rotary: str, dtype, heads_first=False
+    M: Tensor,
+    heads: int,
+    bias: Tensor | None,
+    cos: Tensor,
+    sin: Tensor,
+    rotary: str,
+    dtype,
+    heads_first=False,
+    scale: Tensor | None = None,
 ):
     """``rotated_per_head`` (_common_trapezoidal.py) for rank 1 in one C pass each way: B or C
     (B, L, G, N) as the rotated keys or queries (B, L, H, N), or (B, H, L, N) with
-    ``heads_first``; bias (H, N) or None, cos and sin (B, L, H, M), in ``dtype``. None where it
-    does not apply (another device or dtype, no library): the caller rotates with tensors."""
+    ``heads_first``; bias (H, N) or None, cos and sin (B, L, H, M), in ``dtype``; each (step,
+    head) times ``scale`` (B, L, H) when given. None where it does not apply (another device or
+    dtype, no library): the caller rotates with tensors."""
     if dtype not in (torch.float32, torch.float64) or not ready() or M.device.type != "cpu":
         return None
     w = _rows(M.to(dtype))
     b = None if bias is None else bias.to(dtype).contiguous()
-    return _trap_rot_fwd(w, b, cos.contiguous(), sin.contiguous(), int(rotary == "halved"), int(heads_first))
+    scale = None if scale is None else scale.to(dtype).contiguous()
+    return _trap_rot_fwd(w, b, cos.contiguous(), sin.contiguous(), scale, int(rotary == "halved"), int(heads_first))
 
 
 # ----------------------------------------------------------------------------- the core
@@ -292,31 +318,35 @@ SWEEPS_UP_TO = 1024
 
 
 def sweeps_take(args: TrapezoidalArgs, p: Prepared) -> bool:
-    """Whether the sweeps compute this call's core: rank 1, N·P up to SWEEPS_UP_TO, and every
-    −a_t in [1e-30, ∞). Not under torch.compile, where reading the decays would break the
+    """Whether the sweeps compute this call's core: rank 1, N·P up to SWEEPS_UP_TO, every
+    −a_t in [1e-30, ∞) and every s_t above 0. Not under torch.compile, where reading the decays would break the
     graph: the chunked core traces whole."""
     if args.B.shape[2] != 1 or torch.compiler.is_compiling():
         return False
     if args.B.shape[-1] * args.x.shape[-1] > SWEEPS_UP_TO:
         return False
     rate = -p.a
-    return bool(((rate >= SMALLEST_DECAY_RATE) & (rate < float("inf"))).all())
+    # and s_t > 0: the output pass divides c_t by the keys' scale s_t / −a_t
+    return bool(((rate >= SMALLEST_DECAY_RATE) & (rate < float("inf")) & (p.s > 0)).all())
 
 
-def _keys_queries_values(args: TrapezoidalArgs, p: Prepared, heads_first: bool):
-    """Rank 1: the rotated keys and queries (B, L, H, N), or (B, H, L, N) with ``heads_first``,
-    by the C rotation where it applies, and the values (B, L, 1, H, P)."""
+def _keys_queries_values(args: TrapezoidalArgs, p: Prepared, heads_first: bool, key_scale: Tensor | None = None):
+    """Rank 1: the rotated keys (times ``key_scale`` (B, L, H) when given) and queries
+    (B, L, H, N), or (B, H, L, N) with ``heads_first``, by the C rotation where it applies, and
+    the values (B, L, 1, H, P)."""
     heads, dtype = args.x.shape[2], args.dtype
     # the rank axis dropped as views (squeeze, not [:, :, 0], whose backward writes a
     # zero-filled tensor of the whole and copies into it)
     B, C = args.B.squeeze(2), args.C.squeeze(2)
     B_bias, C_bias = (None if b is None else b.squeeze(1) for b in (args.B_bias, args.C_bias))
-    k = rotated_keys(B, heads, B_bias, p.cos, p.sin, args.rotary, dtype, heads_first)
+    k = rotated_keys(B, heads, B_bias, p.cos, p.sin, args.rotary, dtype, heads_first, key_scale)
     q = None if k is None else rotated_keys(C, heads, C_bias, p.cos, p.sin, args.rotary, dtype, heads_first)
     v = values(args.x, args.mimo_x, 1, dtype)
     if q is None:
         k, q, v = keys_queries_values(args, p.cos, p.sin)
         k, q = k.squeeze(2), q.squeeze(2)
+        if key_scale is not None:
+            k = k * key_scale[..., None]
         if heads_first:
             k, q = k.transpose(1, 2).contiguous(), q.transpose(1, 2).contiguous()
     return k, q, v
@@ -357,16 +387,18 @@ def _core(args: TrapezoidalArgs, p: Prepared):
     x, dtype = args.x, args.dtype
     heads = x.shape[2]
     sweeps = sweeps_take(args, p)
-    k, q, v = _keys_queries_values(args, p, heads_first=not sweeps)  # (B, L, 1, H, P) values
+    rate = -p.a  # (B, L, H), in [1e-30, ∞) for the sweeps
+    # the sweeps' input Δ·x ⊗ B is rate·v ⊗ k' with the keys k' = k̃·s/rate: s·v ⊗ k̃
+    key_scale = p.s / rate if sweeps else None
+    k, q, v = _keys_queries_values(args, p, not sweeps, key_scale)  # (B, L, 1, H, P) values
     v1 = v.squeeze(2)
     if sweeps:
-        rate = -p.a  # (B, L, H), in [1e-30, ∞)
-        scaled = v1 * (p.s / rate)[..., None]
         y, H_last = ssd_cpu(
-            scaled, rate, -torch.ones(heads, dtype=dtype, device=x.device), k, q,
+            v1, rate, -torch.ones(heads, dtype=dtype, device=x.device), k, q,
             initial_state=p.H_init, cu_seqlens=args.cu_seqlens,
         )  # fmt: skip
-        diagonal = (q, k, p.c)  # the diagonal's shifted part, −c·(q̃·k̃)·v, still to come
+        # the diagonal's shifted part, −c·(q̃·k̃)·v = −(c·rate/s)·(q̃·k')·v, still to come
+        diagonal = (q, k, p.c / key_scale)
     else:
         y, H_last = _products(k, q, v1, args, p)
         diagonal = (None, None, None)  # in y already
@@ -377,7 +409,7 @@ def _core(args: TrapezoidalArgs, p: Prepared):
         out = None if out is None else out[:, :, None]  # (B, L, 1, H, P): the rank axis
     if out is None:
         if sweeps:
-            y = y - (p.c * (q * k).sum(-1))[..., None] * v1
+            y = y - (diagonal[2] * (q * k).sum(-1))[..., None] * v1
         out = gate_and_contract(y[:, :, None], v, args.D, args.z, args.mimo_z, args.mimo_o, dtype)
     return out.to(x.dtype), H_last
 

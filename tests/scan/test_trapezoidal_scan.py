@@ -362,20 +362,31 @@ def test_cpu_backend_gradcheck_siso():
     assert torch.autograd.gradcheck(f, tuple(inputs.values()))
 
 
-@pytest.mark.parametrize("a", [0.0, -1e-320, -math.inf])
-def test_cpu_backend_where_the_sweeps_cannot_divide(a):
-    """The sweeps take x·s/(−a): a step with no decay (a = 0), a rate below 1e-30 (1e-320: the
-    division overflows) or an infinite one goes to the chunked core. The answer is the
+@pytest.mark.parametrize("a", [0.0, -1e-320, -math.inf, "s = 0"])
+def test_cpu_backend_where_the_sweeps_cannot_divide(a, monkeypatch):
+    """The sweeps take keys scaled by s/(−a) and divide c by that scale: a step with no decay
+    (a = 0), a rate below 1e-30 (1e-320: the division overflows), an infinite one, or s = 0
+    (λ_t = 0 and λ_{t+1} = 1) goes to the chunked form's products. The answer is the
     reference's, except at a = −∞: there the chunked forms' rule for non-finite inputs (NaN from
     that step on, _common.py) holds, where the reference's exp(−∞) = 0 stays finite; "cpu" must
     give what "chunked" gives."""
+    import ssm.scan.trapezoidal_cpu as cpu_backend
+
+    calls = []
+    monkeypatch.setattr(cpu_backend, "ssd_cpu", lambda *a, **k: calls.append("sweeps") or ssd_cpu(*a, **k))
     inputs = {k: v.detach() for k, v in trapezoidal_inputs(9, dtype=torch.float64).items()}
-    inputs["A"] = inputs["A"].clone()
-    inputs["A"][0, 4, 1] = a / float(inputs["dt"][0, 4, 1])
+    if a == "s = 0":
+        inputs["trap"] = inputs["trap"].clone()
+        inputs["trap"][0, 4, 1], inputs["trap"][0, 5, 1] = 0.0, 1.0
+    else:
+        inputs["A"] = inputs["A"].clone()
+        inputs["A"][0, 4, 1] = a / float(inputs["dt"][0, 4, 1])
     call = trapezoidal_call("interleaved", 4)
-    got, want = call(inputs, "cpu"), call(inputs, "ref" if math.isfinite(a) else "chunked")
+    finite = a == "s = 0" or math.isfinite(a)
+    got, want = call(inputs, "cpu"), call(inputs, "ref" if finite else "chunked")
+    assert not calls
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, equal_nan=not math.isfinite(a))
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, equal_nan=not finite)
 
 
 def test_chunked_keeps_no_intra_chunk_square_for_the_backward():
