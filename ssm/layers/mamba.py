@@ -180,15 +180,15 @@ class Mamba(nn.Module):
         gate, z = (z[:, :, -last:], None) if last > 0 and wide else (None, z)
         A = -torch.exp(upcast(self.A_log))
 
-        def scan(initial_state):
+        def scan(initial_state=None, gated=True):  # gated=False: without the gate nor the skip term
             return selective_scan(
                 u,
                 dt,
                 A,
                 B,
                 C,
-                upcast(self.D),
-                z,
+                upcast(self.D) if gated else None,
+                z if gated else None,
                 upcast(self.dt_proj.bias),
                 delta_softplus=True,
                 return_last_state=True,
@@ -206,10 +206,7 @@ class Mamba(nn.Module):
                 return summed_softplus(dt_wide[..., start:], bias)[..., None]
 
             def summary():  # the last states from zero: no gate nor skip term (the rescan has them)
-                return selective_scan(
-                    u, dt, A, B, C, None, None, bias, delta_softplus=True, return_last_state=True,
-                    cu_seqlens=packed, backend=self.backend,
-                )[1]  # fmt: skip
+                return scan(gated=False)[1]
 
             initial = None if cache is None else cache.ssm_state
             y, whole = scan_with_passed_state(scan, log_decay, cp_group, packing, None, initial, summary, A)
