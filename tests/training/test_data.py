@@ -277,14 +277,15 @@ def test_the_data_module_reads_modular_arithmetic_from_the_config():
     assert inputs.shape[1] == 64 and module.vocab_size == 11 and (targets[:, :-1] == IGNORE).all()
 
 
-@pytest.mark.parametrize("task", ["induction_heads", "selective_copying"])
+@pytest.mark.parametrize("task", ["induction_heads", "selective_copying", "parity"])
 @pytest.mark.parametrize("seq_len", [64, 4096])
 def test_the_splits_are_streams_of_their_own(task, seq_len):
     """No example of one split is an example of another (issue 46: the test split is a stream
-    that nothing chose on), at a short and a long length, for two seeds."""
-    from ssm.training.data import SPLITS, TEST_SPLIT, VALIDATION_SPLIT
+    that nothing chose on; issue 48: parity's second one), at a short and a long length, for two
+    seeds."""
+    from ssm.training.data import PARITY_TEST_SPLIT, SPLITS, TEST_SPLIT, VALIDATION_SPLIT
 
-    assert len(set(SPLITS)) == 4 and TEST_SPLIT != VALIDATION_SPLIT
+    assert len(set(SPLITS)) == 5 and len({TEST_SPLIT, PARITY_TEST_SPLIT, VALIDATION_SPLIT}) == 3
     for seed in (0, 1):
         data = TaskDataModule(DataSection(task=task, seq_len=seq_len, num_memorize=4), seed=seed)
         drawn = {split: {tuple(data.dataset(split, 64)[i][0].tolist()) for i in range(64)} for split in SPLITS}
