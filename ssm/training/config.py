@@ -167,6 +167,9 @@ class TrainConfig:
     keep_checkpoint_every: int = 0
     log_every: int = 50  # steps between log lines when not on a terminal
     progress_bar: bool | None = None  # None: a bar on a terminal, log lines otherwise
+    # the weights model/ gets at the end: "last" (the final step's) or "best" (checkpoints/best.ckpt's,
+    # the lowest validation loss of the run's validations: early stopping chosen on the validation split)
+    export: str = "last"
 
 
 # ----------------------------------------------------------------------------- loading
@@ -362,6 +365,7 @@ RANGES: dict[str, tuple] = {
     "checkpoint_every": _int_from(1),
     "keep_checkpoint_every": ((lambda v: _is_int(v) and v >= 0), "an int >= 0 (0: keep no step checkpoints)"),
     "log_every": _int_from(1),
+    "export": ((lambda v: v in ("last", "best")), '"last" or "best"'),
     "data.task": ((lambda v: v in TASKS), f"one of {list(TASKS)}"),
     "data.seq_len": _int_from(1),
     "data.min_seq_len": ((lambda v: _is_int(v) and v >= 0), "an int >= 0 (0: every step at data.seq_len)"),
@@ -434,6 +438,8 @@ def check_config(config: TrainConfig, run: bool = False) -> None:
             f"trainer.context_parallel = {t.context_parallel} does not combine with data.stateful (which carries "
             "each row's state on one device)"
         )
+    if config.export == "best" and t.strategy == "fsdp":
+        raise ConfigError('export = "best" does not combine with trainer.strategy = fsdp (its checkpoints are sharded)')
     if run and config.optim.decay_steps > config.trainer.max_steps:
         raise ConfigError(
             f"optim.decay_steps must be <= trainer.max_steps = {config.trainer.max_steps} (the decay is the "

@@ -368,8 +368,15 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
             print(f"stopped at step {trainer.global_step}; continue with: python scripts/train.py resume={run_dir}")
         return RunResult(run_dir, {}, interrupted=True)
 
+    exported = trainer.global_step
+    best = ckpt_dir / "best.ckpt"
+    if config.export == "best" and best.is_file():  # the validation's choice, in place of the last step's
+        chosen = load_checkpoint(best)
+        module.load_state_dict(chosen["state_dict"])
+        exported = int(chosen["global_step"])
     metrics = {k: float(v) for k, v in trainer.validate(module, datamodule=data, verbose=False)[0].items()}
     metrics["step"] = trainer.global_step
+    metrics["exported_step"] = exported
     metrics["wall_s"] = round(time.perf_counter() - started, 1)
     whole = full_state_dict(model)  # sharded (trainer.strategy=fsdp): gathered, on every process
     if trainer.is_global_zero:
@@ -382,6 +389,7 @@ def _train(config: TrainConfig, callbacks: tuple, started: float) -> RunResult:
             data.tokenizer.save(run_dir / "model")
         plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
         shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in ("val/loss", "val/acc", "val/bpb") if k in metrics)
-        print(f"done: step {trainer.global_step}  {shown}  ({metrics['wall_s']:.0f} s)")
+        chosen = f", the weights of step {exported} (export = best)" if exported != trainer.global_step else ""
+        print(f"done: step {trainer.global_step}  {shown}  ({metrics['wall_s']:.0f} s){chosen}")
         print(f"results in {run_dir}/: config.yaml checkpoints/ metrics.csv metrics.json model/ curves.png")
     return RunResult(run_dir, metrics)

@@ -290,6 +290,43 @@ def test_resume_keeps_the_best_checkpoint_of_before_the_interruption(tmp_path):
     assert load_checkpoint(best)["global_step"] == best_step
 
 
+class ScrambleAfter(pl.Callback):
+    """Ruins the model after step ``step``, so that every later validation is worse."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step == self.step:
+            Scramble().on_train_start(trainer, pl_module)
+
+
+@pytest.mark.parametrize("export", ["best", "last"])
+def test_export_best_leaves_the_weights_the_validation_chose(tmp_path, export):
+    # Ruined after its first validation (step 2), a run's later validations are worse: export =
+    # best leaves best.ckpt's weights (step 2) in model/, export = last the final step's.
+    run = train(
+        load_config(None, RESUMABLE + [f"run_dir={tmp_path}", f"export={export}"]), callbacks=(ScrambleAfter(2),)
+    )
+    best = load_checkpoint(tmp_path / "checkpoints" / "best.ckpt")
+    last = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert best["global_step"] == 2 and last["global_step"] == 6
+    exported = MambaLM.from_pretrained(tmp_path / "model").state_dict()
+    chosen = best if export == "best" else last
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, chosen["state_dict"][f"model.{name}"], rtol=0, atol=0)
+    assert run.metrics["exported_step"] == chosen["global_step"]
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["exported_step"] == chosen["global_step"] and saved["step"] == 6
+
+
+def test_export_best_refuses_sharded_training():
+    with pytest.raises(ConfigError, match='export = "best" does not combine with trainer.strategy = fsdp'):
+        load_config(None, ["export=best", "trainer.strategy=fsdp"])
+    with pytest.raises(ConfigError, match='export must be "last" or "best", got \'first\''):
+        load_config(None, ["export=first"])
+
+
 class CreatesFile:
     """Unpickling this object creates ``path`` (open(path, "w")): a stand-in for any code a
     pickled checkpoint could run."""
