@@ -116,7 +116,7 @@ STAGES = {
 # The Mamba-3 paper's state tracking (section 4.2): one stage, lengths drawn per step from
 # the config's data.min_seq_len up to the stage's length, validated at its data.val_seq_len (256)
 # on the validation split; the recipe (rate, schedule) is the config's.
-STAGES["parity"] = [Stage(160, 64, 4000, 256)]
+STAGES["parity"] = [Stage(160, 64, 8000, 256)]
 STAGES["modular_arithmetic"] = [Stage(64, 64, 4000, 512)]
 STATE_TRACKING = ("parity", "modular_arithmetic")
 
