@@ -389,11 +389,13 @@ def test_cpu_backend_where_the_sweeps_cannot_divide(a, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, equal_nan=not finite)
 
 
-def test_chunked_keeps_no_intra_chunk_square_for_the_backward():
-    """The chunked form recomputes its (B, chunks, H, T, T) weights and scores in the backward:
-    no tensor saved for it has two trailing axes of the chunk length (T = 16 here, which no other
-    size of these inputs equals); the gradients are checked against the reference above."""
-    inputs = {k: v.detach().requires_grad_() for k, v in trapezoidal_inputs(64, ranks=2).items()}
+@pytest.mark.parametrize("backend,ranks", [("chunked", 2), (CPU_PRODUCTS, None)])
+def test_chunked_keeps_no_intra_chunk_square_for_the_backward(backend, ranks):
+    """The chunked form (and the cpu backend's products, rank 1) recompute their (·, T, T)
+    weights and scores in the backward: no tensor saved for it has two axes of the chunk length
+    (T = 16 here, which no other size of these inputs equals); the gradients are checked against
+    the reference above."""
+    inputs = {k: v.detach().requires_grad_() for k, v in trapezoidal_inputs(64, ranks=ranks).items()}
     shapes = []
 
     def pack(t):
@@ -401,7 +403,7 @@ def test_chunked_keeps_no_intra_chunk_square_for_the_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trapezoidal_call("interleaved", 16)(inputs, "chunked")
+        trapezoidal_call("interleaved", 16)(inputs, backend)
     assert shapes, "nothing saved: the test would not see a square"
     squares = [s for s in shapes if 16 in s and s.count(16) >= 2]
     assert not squares, f"intra-chunk tensors kept for the backward: {squares}"
