@@ -117,18 +117,29 @@ def chunked_products(k, q, v, a, sigma, c, H_init, cu_seqlens, chunk_size: int):
     sequences one after another."""
     if cu_seqlens is None:
         return _chunks(k, q, v, a, sigma, c, H_init, chunk_size)
-    heads = k.shape[3]
+
+    def run(start, end, H0):
+        k_i, q_i, v_i, a_i, sigma_i, c_i = (t[:, start:end] for t in (k, q, v, a, sigma, c))
+        return _chunks(k_i, q_i, v_i, a_i, sigma_i, c_i, H0, chunk_size)
+
+    ys, H_last = each_sequence(cu_seqlens, H_init, lambda: v.new_zeros(1, k.shape[3], v.shape[-1], k.shape[-1]), run)
+    return torch.cat(ys, dim=1), H_last
+
+
+def each_sequence(cu_seqlens, H_init, empty_state, run):
+    """Packed sequences one after another: the outputs ``run(start, end, H0)`` of each non-empty
+    sequence (a list, for the caller to join along its length axis) and the last states of all
+    (S, H, P, N), an empty sequence's its initial state (H_init[i], or ``empty_state()``)."""
     ys, lasts = [], []
     for i, (start, end) in enumerate(pairwise(sequence_bounds(cu_seqlens))):
         H0 = None if H_init is None else H_init[i : i + 1]
         if end == start:
-            lasts.append(H0 if H0 is not None else v.new_zeros(1, heads, v.shape[-1], k.shape[-1]))
+            lasts.append(H0 if H0 is not None else empty_state())
             continue
-        k_i, q_i, v_i, a_i, sigma_i, c_i = (t[:, start:end] for t in (k, q, v, a, sigma, c))
-        y_i, last_i = _chunks(k_i, q_i, v_i, a_i, sigma_i, c_i, H0, chunk_size)
+        y_i, last_i = run(start, end, H0)
         ys.append(y_i)
         lasts.append(last_i)
-    return torch.cat(ys, dim=1), torch.cat(lasts)
+    return ys, torch.cat(lasts)
 
 
 def trapezoidal_scan_chunked(args: TrapezoidalArgs):

@@ -26,14 +26,12 @@ rank-R input is not one sweep) run the chunked core. The same answer, by another
 from __future__ import annotations
 
 import ctypes
-from itertools import pairwise
 
 import torch
 from torch import Tensor
 
 from .._custom_op import kernel_op
 from ..native import declare, empty, kernel, ptr, ready, threads
-from ._checks import sequence_bounds
 from ._common import all_finite
 from ._common_trapezoidal import (
     Prepared,
@@ -44,7 +42,7 @@ from ._common_trapezoidal import (
     values,
 )
 from .cpu import ssd_cpu
-from .trapezoidal_chunked import chunked_core, chunked_products, products_heads_first
+from .trapezoidal_chunked import chunked_core, chunked_products, each_sequence, products_heads_first
 
 # The smallest −a_t (a decay of exp(−1e-30) per step) that the input's division by −a_t takes:
 # v·s/(−a) stays finite for any finite v·s in float32 and float64.
@@ -310,17 +308,19 @@ def rotated_keys(
 
 
 # The largest N·P per head for which the sweeps run the core; above it the chunked form's matrix
-# products do. Measured on 2 cores (loaded), fwd+bwd of the scan alone, batch 1, 8 heads, chunked
-# against the sweeps: N 16, P 16, L 16384 1.26x; N 32, P 32, L 8192 1.15x; N 64, P 64, L 4096
-# 0.66x; N 128, P 64, L 4096 0.32x. A Mamba3 layer's training step at the parity task's shape
-# (d_model 64, N 64, P 16, batch 64, L 80; 1 thread): the sweeps 179 ms, the chunked form 288.
+# products do. Measured with the "chunked" backend before the products here existed, on 2 cores
+# (loaded), fwd+bwd of the scan alone, batch 1, 8 heads, chunked against the sweeps: N 16, P 16,
+# L 16384 1.26x; N 32, P 32, L 8192 1.15x; N 64, P 64, L 4096 0.66x; N 128, P 64, L 4096 0.32x.
+# At N·P = 1024 the two are about even: a Mamba3 training step at the parity task's shape
+# (d_model 64, N 64, P 16, batch 64, chunks of 32; 1 thread, alternating) took 149 ms on the
+# sweeps and 185 on these products at L 80, 360 and 339 at L 160.
 SWEEPS_UP_TO = 1024
 
 
 def sweeps_take(args: TrapezoidalArgs, p: Prepared) -> bool:
-    """Whether the sweeps compute this call's core: rank 1, N·P up to SWEEPS_UP_TO, every
-    −a_t in [1e-30, ∞) and every s_t above 0. Not under torch.compile, where reading the decays would break the
-    graph: the chunked core traces whole."""
+    """Whether the sweeps compute this call's core: rank 1, N·P up to SWEEPS_UP_TO, every −a_t in
+    [1e-30, ∞) and every s_t above 0. Not under torch.compile, where reading the decays would
+    break the graph: the chunked core traces whole."""
     if args.B.shape[2] != 1 or torch.compiler.is_compiling():
         return False
     if args.B.shape[-1] * args.x.shape[-1] > SWEEPS_UP_TO:
@@ -364,19 +364,14 @@ def _products(k, q, v, args: TrapezoidalArgs, p: Prepared):
         y, H_last = products_heads_first(k, q, v, p.a, p.s, p.c, p.H_init, args.chunk_size)
         return y.transpose(1, 2), H_last
     (_, heads, _, N), P = k.shape, v.shape[-1]
-    ys, lasts = [v.new_zeros(1, heads, 0, P)], []
-    for i, (start, end) in enumerate(pairwise(sequence_bounds(args.cu_seqlens))):
-        H0 = None if p.H_init is None else p.H_init[i : i + 1]
-        if end == start:
-            lasts.append(H0 if H0 is not None else v.new_zeros(1, heads, P, N))
-            continue
-        part = (t[:, :, start:end] for t in (k, q, v))
-        y_i, last_i = products_heads_first(
-            *part, p.a[:, start:end], p.s[:, start:end], p.c[:, start:end], H0, args.chunk_size
-        )
-        ys.append(y_i)
-        lasts.append(last_i)
-    return torch.cat(ys, dim=2).transpose(1, 2), torch.cat(lasts)
+
+    def run(start, end, H0):
+        k_i, q_i, v_i = (t[:, :, start:end] for t in (k, q, v))
+        a_i, s_i, c_i = (t[:, start:end] for t in (p.a, p.s, p.c))
+        return products_heads_first(k_i, q_i, v_i, a_i, s_i, c_i, H0, args.chunk_size)
+
+    ys, H_last = each_sequence(args.cu_seqlens, p.H_init, lambda: v.new_zeros(1, heads, P, N), run)
+    return torch.cat([v.new_zeros(1, heads, 0, P), *ys], dim=2).transpose(1, 2), H_last
 
 
 def _core(args: TrapezoidalArgs, p: Prepared):
