@@ -74,6 +74,7 @@ PEER_CASES = {"peers": "ssd,mamba3", "peers_built": "selective,mamba2_layer,trai
 GPU_TESTS = [
     "tests/scan/test_triton.py",
     "tests/scan/test_triton_trapezoidal.py",
+    "tests/scan/test_triton_trapezoidal_ssd.py",
     "tests/scan/test_triton_ssd.py",
     "tests/scan/test_compile.py",
     "tests/layers/test_mixers.py",
@@ -99,6 +100,13 @@ SCAN_CASES = [
     ("ssd float32 L 2048, Mamba-2-130m's heads", ["--op", "ssd", "--batch", "8", "--length", "2048", "--headdim", "64",
                                                   "--state", "128"]),
     ("trapezoidal float32 L 2048", ["--op", "trapezoidal", "--batch", "8", "--length", "2048", "--skip", "ref"]),
+    # Mamba-3's own heads (P 64, N 128) in bfloat16, and batch 1 at long L: "triton" (a program per
+    # row and head) against "triton-ssd" (chunk-parallel) and "chunked", which auto chooses between
+    ("trapezoidal bfloat16 L 2048, Mamba-3's heads", ["--op", "trapezoidal", "--batch", "8", "--length", "2048",
+                                                      "--headdim", "64", "--state", "128", "--dtype", "bfloat16",
+                                                      "--skip", "ref"]),
+    ("trapezoidal float32 batch 1 L 65536", ["--op", "trapezoidal", "--batch", "1", "--length", "65536",
+                                             "--skip", "ref"]),
 ]  # fmt: skip
 SCAN_CASES[2][1].append("--compiled-step")  # fp32 L 2048: beside a loop of torch.compile'd reference steps
 DRY_SHAPE = {"--batch": "1", "--dim": "8", "--length": "64", "--state": "4"}

@@ -171,7 +171,8 @@ def ssd(peer, shape: dict, dtype, device, tolerance) -> Pair:
 
 
 def mamba3(peer, shape: dict, dtype, device, tolerance) -> Pair:
-    """ssm.scan.trapezoidal_scan(backend="triton") against mamba3_siso_combined (MAMBA3_MAPPING),
+    """ssm.scan.trapezoidal_scan(backend="auto": "triton-ssd" on CUDA for rank 1, the SSD kernels'
+    chunk-parallel form) against mamba3_siso_combined (MAMBA3_MAPPING),
     one group of B and C, M = N/4 rotary pairs (mamba-ssm's Mamba3: rope_fraction 0.5), chunk 64.
     Δ, A and the rates are float32, as mamba-ssm's Mamba3 hands them over."""
     from ssm.scan import trapezoidal_scan
@@ -200,7 +201,7 @@ def mamba3(peer, shape: dict, dtype, device, tolerance) -> Pair:
 
     def ours(x, dt, A, B, C, trap, theta, D, z, B_bias, C_bias):
         return trapezoidal_scan(
-            x, dt, A, B, C, trap, theta, D, z, B_bias=B_bias, C_bias=C_bias, chunk_size=chunk, backend="triton"
+            x, dt, A, B, C, trap, theta, D, z, B_bias=B_bias, C_bias=C_bias, chunk_size=chunk, backend="auto"
         )
 
     def peer_args(v):

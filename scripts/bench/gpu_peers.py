@@ -3,7 +3,7 @@ from its source in third_party/ (scripts/peers/fetch_mamba_ssm.sh; see mamba_ssm
 
     selective     ssm.scan.selective_scan(backend="triton") / selective_scan_fn (its CUDA build)
     ssd           ssm.scan.ssd(backend="triton") / mamba_chunk_scan_combined
-    mamba3        ssm.scan.trapezoidal_scan(backend="triton") / mamba3_siso_combined
+    mamba3        ssm.scan.trapezoidal_scan(backend="auto", i.e. "triton-ssd") / mamba3_siso_combined
     mamba2_layer  ssm.Mamba2 / mamba_ssm.modules.mamba2.Mamba2, the same weights
     train_step    ssm.MambaLM / MambaLMHeadModel at mamba-130m's shapes, Mamba-1 and Mamba-2
 

@@ -226,6 +226,20 @@ def keys_queries_values(args: TrapezoidalArgs, cos: Tensor, sin: Tensor):
     return k, q, values(args.x, args.mimo_x, ranks, dtype)
 
 
+# The smallest −a_t (a decay of exp(−1e-30) per step) that the SSD form of the core takes (A = −1,
+# Δ = −a_t, the input scaled by s_t / −a_t): v·s/(−a) stays finite for any finite v·s in float32
+# and float64.
+SMALLEST_DECAY_RATE = 1e-30
+
+
+def decays_in_range(a: Tensor) -> bool:
+    """Whether every −a_t lies in [SMALLEST_DECAY_RATE, ∞), so that the core can run as Mamba-2's
+    SSD (A = −1, Δ = −a_t, the keys scaled by s_t / −a_t): the "cpu" backend's sweeps and the
+    "triton-ssd" backend. (It reads the tensor: a host sync, and a graph break under compile.)"""
+    rate = -a
+    return bool(((rate >= SMALLEST_DECAY_RATE) & (rate < float("inf"))).all())
+
+
 class Prepared(NamedTuple):
     """The core's inputs that the prologue derives (all in the compute dtype)."""
 

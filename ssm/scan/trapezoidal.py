@@ -43,17 +43,24 @@ BACKENDS.add("ref", _reference)
 BACKENDS.add("chunked", subnormals_flushed(trapezoidal_scan_chunked))
 BACKENDS.add("cpu", subnormals_flushed(trapezoidal_scan_cpu), devices=("cpu",))
 BACKENDS.add("triton", triton.trapezoidal_scan_triton, devices=triton.devices, hint=triton.hint)
+BACKENDS.add("triton-ssd", triton.trapezoidal_scan_ssd, devices=triton.devices, hint=triton.hint)
 
 ROTARY = ("interleaved", "halved")
 
 
-def auto_on_cuda(batch: int, heads: int, multiprocessors: int) -> str:
-    """What ``backend="auto"`` runs on a CUDA device: "triton" where its scan fills the GPU,
-    else "chunked". The Triton scan runs a program per row and head (and block of P), each walking
-    all L steps, so with fewer of them than multiprocessors most of the GPU idles. Measured on an
-    H100 (132 SMs), float32 forward+backward: batch 1 × 8 heads, N 40, the chunked form 12.8
-    against 38.6 ms at L 16384, 242 against 650 at 2^18; batch 8 × 96 heads, N 16, L 2048, Triton
-    11.0 against 14.2."""
+def auto_on_cuda(batch: int, heads: int, ranks: int, multiprocessors: int) -> str:
+    """What ``backend="auto"`` runs on a CUDA device: for rank 1 "triton-ssd", the SSD kernels'
+    chunk-parallel form, at any batch; for MIMO "triton" where its scan fills the GPU, else
+    "chunked". The Triton scan runs a program per row and head (and block of P), each walking all
+    L steps, so with fewer of them than multiprocessors most of the GPU idles. Measured on an H100
+    (132 SMs), float32 forward+backward: batch 1 × 8 heads, N 40, the chunked form 12.8 against
+    38.6 ms at L 16384, 242 against 650 at 2^18; batch 8 × 96 heads, N 16, L 2048, Triton 11.0
+    against 14.2. ("triton-ssd" is not timed yet, no GPU having been lent since it was written: it
+    is rank 1's default by design, the SSD kernels being the form mamba-ssm runs, within 0.9x of
+    mamba-ssm's own SSD on an H200 (BENCHMARKS.md); scripts/gpu_check.py times it beside the
+    other two.)"""
+    if ranks == 1:
+        return "triton-ssd"
     return "triton" if batch * heads >= multiprocessors else "chunked"
 
 
@@ -123,12 +130,14 @@ def trapezoidal_scan(
     ``chunk_size``: block length of the "chunked" algorithm (others ignore it).
     ``backend``: ``"auto"`` or a name from ``ssm.scan.backends("trapezoidal_scan")``: "ref" (a
     loop over time on the complex state), "chunked" (chunked matrix products, any device),
-    "triton" (fused kernels for CUDA; on the CPU only in Triton's interpreter), "cpu" (rank 1:
+    "triton" (fused kernels for CUDA, a program per row and head walking every step; on the CPU
+    only in Triton's interpreter), "triton-ssd" (rank 1 on Mamba-2's chunked SSD kernels:
+    chunk-parallel, triton/trapezoidal_ssd.py; MIMO runs the chunked form), "cpu" (rank 1:
     the keys' rotation and the output pass in C, the core on the C selective sweeps up to
     N·P = 1024 and as the chunked form's products above, trapezoidal_cpu.py; MIMO runs the
-    chunked form). On CUDA "auto" takes "triton" where batch × H reaches the GPU's
-    multiprocessor count, else "chunked" (``auto_on_cuda``); packed sequences keep "triton" (the
-    chunked form loops over them). On the CPU it takes "cpu".
+    chunked form). On CUDA "auto" takes "triton-ssd" for rank 1 and, for MIMO, "triton" where
+    batch × H reaches the GPU's multiprocessor count, else "chunked" (``auto_on_cuda``); packed
+    MIMO sequences keep "triton" (the chunked form loops over them). On the CPU it takes "cpu".
     """
     check_tensor("x", x, ndim=4)
     batch, length, heads, head_dim = x.shape
@@ -215,10 +224,12 @@ def trapezoidal_scan(
     )
     check_same_device("x", x, **args.tensors())
     impl = BACKENDS.resolve(backend, x.device)
-    # (under torch.compile the choice stays Triton's: the traced graph asks no device properties)
-    if impl.name == "triton" and backend == "auto" and cu_seqlens is None and not torch.compiler.is_compiling():
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        impl = BACKENDS.resolve(auto_on_cuda(batch, heads, sms), x.device)
+    # (under torch.compile the choice stays Triton's: the traced graph asks no device properties,
+    # and "triton-ssd" would hand the call to the chunked core; packed MIMO sequences keep it too)
+    if impl.name == "triton" and backend == "auto" and (ranks == 1 or cu_seqlens is None):
+        if not torch.compiler.is_compiling():
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            impl = BACKENDS.resolve(auto_on_cuda(batch, heads, ranks, sms), x.device)
 
     per_rank = rank_axis and mimo_o is None
     if x.numel() == 0:  # no output to compute (L, batch, H or P is 0): no backend runs

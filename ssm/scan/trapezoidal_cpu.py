@@ -36,6 +36,7 @@ from ._common import all_finite
 from ._common_trapezoidal import (
     Prepared,
     TrapezoidalArgs,
+    decays_in_range,
     gate_and_contract,
     keys_queries_values,
     run_core,
@@ -43,11 +44,6 @@ from ._common_trapezoidal import (
 )
 from .cpu import ssd_cpu
 from .trapezoidal_chunked import chunked_core, chunked_products, each_sequence, products_heads_first
-
-# The smallest −a_t (a decay of exp(−1e-30) per step) that the input's division by −a_t takes:
-# v·s/(−a) stays finite for any finite v·s in float32 and float64.
-SMALLEST_DECAY_RATE = 1e-30
-
 
 # ----------------------------------------------------------------------------- the output pass (C)
 
@@ -325,9 +321,8 @@ def sweeps_take(args: TrapezoidalArgs, p: Prepared) -> bool:
         return False
     if args.B.shape[-1] * args.x.shape[-1] > SWEEPS_UP_TO:
         return False
-    rate = -p.a
     # and s_t > 0: the output pass divides c_t by the keys' scale s_t / −a_t
-    return bool(((rate >= SMALLEST_DECAY_RATE) & (rate < float("inf")) & (p.s > 0)).all())
+    return decays_in_range(p.a) and bool((p.s > 0).all())
 
 
 def _keys_queries_values(args: TrapezoidalArgs, p: Prepared, heads_first: bool, key_scale: Tensor | None = None):

@@ -22,7 +22,8 @@ from tests.helpers import (
     trapezoidal_inputs,
 )
 
-FAST_BACKENDS = [b for b in backends("trapezoidal_scan", "cpu") if b not in ("ref", "triton")]
+# (the Triton backends' cases, interpreted here, are in test_triton_trapezoidal*.py)
+FAST_BACKENDS = [b for b in backends("trapezoidal_scan", "cpu") if b not in ("ref", "triton", "triton-ssd")]
 FAST_BACKENDS += [CPU_PRODUCTS] * ("cpu" in FAST_BACKENDS)  # "cpu" with its other core
 ROTARY = ["interleaved", "halved"]
 
@@ -315,15 +316,18 @@ def test_errors_name_the_argument():
         trapezoidal_scan(**packed, initial_state=bad_state)
 
 
-def test_auto_on_cuda_takes_the_chunked_form_where_triton_would_leave_the_gpu_idle():
-    """One Triton program per row and head: fewer than the multiprocessors, the chunked form
-    (3x faster at batch 1 × 8 heads on an H100); as many or more, Triton."""
+def test_auto_on_cuda_takes_the_chunk_parallel_forms():
+    """Rank 1: the SSD kernels at any batch. MIMO: one Triton program per row and head; fewer
+    than the multiprocessors, the chunked form (3x faster at batch 1 × 8 heads on an H100); as
+    many or more, Triton."""
     from ssm.scan.trapezoidal import auto_on_cuda
 
-    assert auto_on_cuda(1, 8, 132) == "chunked"
-    assert auto_on_cuda(1, 131, 132) == "chunked"
-    assert auto_on_cuda(1, 132, 132) == "triton"
-    assert auto_on_cuda(8, 96, 132) == "triton"
+    assert auto_on_cuda(1, 8, 1, 132) == "triton-ssd"
+    assert auto_on_cuda(8, 96, 1, 132) == "triton-ssd"
+    assert auto_on_cuda(1, 8, 2, 132) == "chunked"
+    assert auto_on_cuda(1, 131, 4, 132) == "chunked"
+    assert auto_on_cuda(1, 132, 2, 132) == "triton"
+    assert auto_on_cuda(8, 96, 2, 132) == "triton"
 
 
 # ----------------------------------------------------------------------------- backend "cpu"

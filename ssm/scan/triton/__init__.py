@@ -4,6 +4,7 @@
     _selective_kernels.py    its forward and backward kernels, with the @triton.jit helpers they share
     linear_scan.py           kernel, launchers, custom ops with autograd, linear_scan_triton
     trapezoidal_scan.py      launchers, custom ops with autograd, trapezoidal_scan_triton (Mamba-3)
+    trapezoidal_ssd.py       trapezoidal_scan_ssd: Mamba-3 (rank 1) on the SSD kernels, chunk-parallel
     _trapezoidal_kernels.py  its forward and backward kernels
     _trapezoidal_jit.py      the @triton.jit helpers those two kernels share
     ssd.py                   launchers, custom ops with autograd, ssd_triton (Mamba-2's SSD, chunked)
@@ -77,6 +78,14 @@ def trapezoidal_scan_triton(*args):
     return trapezoidal_scan_triton(*args)
 
 
+def trapezoidal_scan_ssd(*args):
+    """Backend "triton-ssd" of ``trapezoidal_scan`` (see trapezoidal_ssd.py): rank 1 on the SSD
+    kernels."""
+    from .trapezoidal_ssd import trapezoidal_scan_ssd
+
+    return trapezoidal_scan_ssd(*args)
+
+
 def ssd_triton(*args):
     """Backend "triton" of ``ssd`` (see ssd.py); None when it declines the inputs."""
     from .ssd import ssd_triton
@@ -88,6 +97,7 @@ __all__ = [
     "selective_scan_triton",
     "linear_scan_triton",
     "trapezoidal_scan_triton",
+    "trapezoidal_scan_ssd",
     "ssd_triton",
     "available",
     "devices",

@@ -467,12 +467,14 @@ def _ssd_dt_bwd_kernel(
     L, H, Lp, n_chunks, stride_dt_b, stride_dt_l, dt_min, dt_max,
     PACKED: tl.constexpr, HAS_DS_LAST: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     CLAMP: tl.constexpr, COMPUTE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr,
+    DT_SCALES_INPUT: tl.constexpr = True,
 ):  # fmt: skip
     """Grid (B·c, ⌈H / BLOCK_H⌉). One chunk's dcum (ds_rows, −Δ·dd_intra, ds_last, and the end's
     share from the state passing at its last step) summed in reverse, plus the sums of rr = Δ·
     dd_state over the earlier steps, inside each sequence: da. Then dΔ = da·A + dd_intra +
-    dd_state, back through the clamp, softplus and bias: ddt (contiguous (B, L, H)), and the
-    chunk's partial sums of dA and ddt_bias, (B·c, H)."""
+    dd_state (da·A alone without DT_SCALES_INPUT: the decay's share), back through the clamp,
+    softplus and bias: ddt (contiguous (B, L, H)), and the chunk's partial sums of dA and
+    ddt_bias, (B·c, H)."""
     pid = tl.program_id(0).to(tl.int64)
     b, k = pid // n_chunks, pid % n_chunks
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -498,7 +500,9 @@ def _ssd_dt_bwd_kernel(
         before = tl.cumsum(rr, axis=0)
     da += before - rr
     A = tl.load(A_ptr + h, mask=h < H, other=0.0).to(COMPUTE)
-    grad = da * A[None, :] + dd_intra + dd_state
+    grad = da * A[None, :]
+    if DT_SCALES_INPUT:
+        grad += dd_intra + dd_state
     tl.store(dA_part_ptr + pid * H + h, tl.sum(tl.where(valid, da * delta, 0.0), axis=0), mask=h < H)
 
     raw = tl.load(dt_ptr + b * stride_dt_b + pos[:, None] * stride_dt_l + h[None, :], mask=valid, other=0.0).to(COMPUTE)

@@ -273,11 +273,15 @@ def _ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial
 
 
 def _ssd_bwd(
-    dout, dlast, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_state, chunk, cu_seqlens, y_pre
-):
+    dout, dlast, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_state, chunk, cu_seqlens, y_pre,
+    dt_scales_input=True,
+):  # fmt: skip
     """Gradients of :func:`_ssd_fwd`'s out and last state(s): (dx, ddt, dA, dB, dC, dD, dz,
     ddt_bias, dinitial_state), each in its input's dtype (None for an absent input;
-    dinitial_state in the state dtype). ``y_pre``: the forward's output before the gate (with z)."""
+    dinitial_state in the state dtype). ``y_pre``: the forward's output before the gate (with z).
+    ``dt_scales_input=False``: ddt is Δ's gradient through the decay exp(Δ·A) alone, not through
+    the input Δ·x ⊗ B (for a caller whose x or B divides by Δ, so that the two parts would
+    cancel: trapezoidal_ssd.py)."""
     batch, length, heads, P = x.shape
     groups, N = B.shape[2:]
     dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
@@ -376,6 +380,7 @@ def _ssd_bwd(
         dt, A, dt_bias, delta, ds_rows, dd_intra, dd_state, ds_last, yend, seq, ddt, dA_part, dbias_part,
         length, heads, Lp, c, dt.stride(0), dt.stride(1), float(dt_min), float(dt_max),
         PACKED=packed, HAS_DS_LAST=ds_last is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+        DT_SCALES_INPUT=bool(dt_scales_input),
         CLAMP=(dt_min, dt_max) != (0.0, math.inf), COMPUTE=flags["COMPUTE"], CHUNK=T, BLOCK_H=cfg.block_h,
         num_warps=cfg.num_warps,
     )  # fmt: skip
