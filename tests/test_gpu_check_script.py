@@ -35,7 +35,7 @@ def test_the_dry_run_reports_every_step(tmp_path):
     assert tests["counts"].get("passed", 0) >= 10 and not tests["failed"], tests
     assert tests["returncode"] == 0
     cases = {row["case"]: row for row in report["bench"]}
-    assert len(cases) == 8
+    assert len(cases) == len(script()["SCAN_CASES"])
     for label, row in cases.items():
         assert row["returncode"] == 0, (label, row)
         results = row["report"].get("results") or row["report"].get("ms")
@@ -56,6 +56,7 @@ def test_the_dry_run_reports_every_step(tmp_path):
     assert "| selective float32 L 2048 | triton |" in summary and "passed" in summary
     assert "| selective float32 L 2048 | step loop (torch.compile) |" in summary
     assert "| ssd float32 L 2048 | triton |" in summary  # the ssd benchmark times every backend of the table
+    assert "| trapezoidal float32 batch 1 L 65536 | triton-ssd |" in summary
     assert code == 0
 
 

@@ -22,6 +22,7 @@ typedef struct {
     i64 chunk;                             /* T: steps between saved states (ckpt) */
     i64 B_fixed, C_fixed, softplus;
     i64 nparts;                            /* backward: channel blocks, each with its own B, C partial sums */
+    i64 delta_decay_only;                  /* backward: d_delta through exp(Δ·A) alone, not through Δ·B·u */
     const void *u, *delta, *A, *B, *C, *D, *z, *delta_bias, *h0;
     const i64 *cu_seqlens;                 /* NULL, or (S + 1,) with batch 1 */
     i64 su[3], sdelta[3], sz[3], sB[3], sC[3];
@@ -478,7 +479,7 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                         }
 #pragma omp simd reduction(+ : sum_bias, sum_D)
                         for (i64 k = 0; k < nt; k++) {
-                            REAL gdt = sA[k] + u[k] * sBk[k];
+                            REAL gdt = a->delta_decay_only ? sA[k] : sA[k] + u[k] * sBk[k];
                             if (a->softplus) gdt *= raw[k];
                             du[t0 + k] = gy[k] * Dd + dt[k] * sBk[k];
                             ddl[t0 + k] = gdt;

@@ -71,6 +71,7 @@ class _SelectiveArgs(ctypes.Structure):
                 "C_fixed",
                 "softplus",
                 "nparts",
+                "delta_decay_only",
             )
         ]
         + [
@@ -170,7 +171,7 @@ def _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlen
     return a
 
 
-def _selective_fwd_fake(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, keep_states):
+def _selective_fwd_fake(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, keep_states, decay_only):
     batch, dim, length = u.shape
     S = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ckpt = u.new_empty(batch, -(-length // CHUNK), dim, A.shape[1]) if keep_states else u.new_empty(0)
@@ -178,9 +179,9 @@ def _selective_fwd_fake(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_se
 
 
 def _selective_setup(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, _ = inputs
+    u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, _, decay_only = inputs
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, h0, cu_seqlens, output[2])
-    ctx.softplus = softplus
+    ctx.softplus, ctx.decay_only = softplus, decay_only
     ctx.set_materialize_grads(False)  # no zero tensors for the gradients of unused outputs (the states)
 
 
@@ -203,6 +204,7 @@ def _selective_backward(ctx, grad_out, grad_last, _grad_ckpt):
         h0,
         cu_seqlens,
         ckpt,
+        ctx.decay_only,
     )
     d_u, d_delta, d_A, d_B, d_C, d_D, d_z, d_bias, d_h0 = grads
     return (
@@ -216,6 +218,7 @@ def _selective_backward(ctx, grad_out, grad_last, _grad_ckpt):
         d_bias if delta_bias is not None else None,
         None,
         d_h0 if h0 is not None else None,
+        None,
         None,
         None,
     )
@@ -241,11 +244,13 @@ def _selective_fwd(
     h0: Tensor | None,
     cu_seqlens: Tensor | None,
     keep_states: bool,
+    decay_only: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """u, delta, z (B, D, L), any strides; A (D, N), D and delta_bias (D,), h0 (S, D, N)
     contiguous; B, C as above; all of one dtype (float32 or float64).
     Returns out (B, D, L), the last states (S, D, N), and the state entering each chunk
-    (B, ceil(L / T), D, N) when ``keep_states`` (else an empty tensor)."""
+    (B, ceil(L / T), D, N) when ``keep_states`` (else an empty tensor). ``decay_only``: the
+    backward's gradient of delta is its share through exp(Δ·A) alone (see selective_scan_cpu)."""
     batch, dim, length = u.shape
     a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
     out = empty((batch, dim, length), u)
@@ -256,7 +261,9 @@ def _selective_fwd(
     return out, last, ckpt
 
 
-def _selective_bwd_fake(grad_out, grad_last, u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, ckpt):
+def _selective_bwd_fake(
+    grad_out, grad_last, u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, ckpt, decay_only
+):
     return (
         u.new_empty(u.shape),
         u.new_empty(u.shape),
@@ -286,6 +293,7 @@ def _selective_bwd(
     h0: Tensor | None,
     cu_seqlens: Tensor | None,
     ckpt: Tensor,
+    decay_only: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients of u, delta, A, B, C, D, z, delta_bias, h0 (an empty tensor for each absent
     one) from those of out (any strides) and of the last states (contiguous, or None)."""
@@ -296,6 +304,7 @@ def _selective_bwd(
         grad_out = empty(grad_out.shape, u).copy_(grad_out)
     a = _selective_args(u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens)
     a.ckpt, a.grad_out, a.grad_last, a.sgo = ckpt.data_ptr(), grad_out.data_ptr(), ptr(grad_last), grad_out.stride()
+    a.delta_decay_only = int(decay_only)
     d_u, d_delta = empty(u.shape, u), empty(u.shape, u)
     d_z = empty(u.shape if z is not None else (0,), u)  # (an empty tensor stands for an absent input's)
     d_A, d_B, d_C = torch.empty_like(A), empty(B.shape, u), empty(C.shape, u)
@@ -343,13 +352,16 @@ def selective_scan_cpu(
     delta_softplus: bool = False,
     initial_state: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
+    delta_decay_only: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Backend "cpu" of :func:`ssm.scan.selective_scan`.
 
     u, delta, z: (B, D, L); A: (D, N); B, C: (D, N) or (B, G, N, L); D, delta_bias: (D,);
     initial_state: (B, D, N), or (S, D, N) with cu_seqlens (S + 1,) (validated; batch 1).
     Returns out (B, D, L) in u's dtype and the last state (B or S, D, N) in float32 (float64
-    for float64 inputs)."""
+    for float64 inputs). ``delta_decay_only``: delta's gradient through the decay exp(Δ·A) alone,
+    not through the input Δ·B·u, for a caller whose u or B divides by Δ (Mamba-3's scan on the
+    sweeps, trapezoidal_cpu.py): through both, two rounded terms that cancel would be left."""
     if not ready():
         return selective_scan_pscan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, cu_seqlens)
     dtype = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
@@ -365,7 +377,7 @@ def selective_scan_cpu(
     )
     h0 = None if initial_state is None else initial_state.to(dtype).contiguous()
     keep = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (*args, h0))
-    out, last, _ = _selective_fwd(*args, bool(delta_softplus), h0, cu_seqlens, keep)
+    out, last, _ = _selective_fwd(*args, bool(delta_softplus), h0, cu_seqlens, keep, bool(delta_decay_only))
     return out.to(u.dtype), last
 
 
@@ -484,13 +496,15 @@ def ssd_cpu(
     initial_state: Tensor | None = None,
     chunk_size: int = 64,
     cu_seqlens: Tensor | None = None,
+    dt_decay_only: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Backend "cpu" of :func:`ssm.scan.ssd`: the SSD recurrence is a selective scan whose
     channels are the H·P head channels, whose Δ and A are shared by the P channels of a head and
     whose B and C are grouped, so it runs on the selective sweeps. x, z, B and C are passed as
     views (the kernels take strides); Δ (softplus and clamp included, by autograd) and A are
     broadcast to the channels. ``chunk_size`` is not used: the sweeps walk every step.
-    Same contract as ``reference.ssd_ref``, packed sequences included."""
+    Same contract as ``reference.ssd_ref``, packed sequences included. ``dt_decay_only``: see
+    selective_scan_cpu's ``delta_decay_only``."""
     batch, length, heads, P = x.shape
     dim = heads * P
     N = B.shape[-1]
@@ -513,6 +527,7 @@ def ssd_cpu(
         None if z is None else z.reshape(batch, length, dim).transpose(1, 2),
         initial_state=None if initial_state is None else initial_state.reshape(-1, dim, N),
         cu_seqlens=cu_seqlens,
+        delta_decay_only=dt_decay_only,
     )
     return out.transpose(1, 2).reshape(batch, length, heads, P), last.reshape(-1, heads, P, N)
 

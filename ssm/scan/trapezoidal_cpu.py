@@ -378,14 +378,18 @@ def _core(args: TrapezoidalArgs, p: Prepared):
     heads = x.shape[2]
     sweeps = sweeps_take(args, p)
     rate = -p.a  # (B, L, H), in [1e-30, ∞) for the sweeps
-    # the sweeps' input Δ·x ⊗ B is rate·v ⊗ k' with the keys k' = k̃·s/rate: s·v ⊗ k̃
-    key_scale = p.s / rate if sweeps else None
+    # the sweeps' input Δ·x ⊗ B is rate·v ⊗ k' with the keys k' = k̃·s/rate: s·v ⊗ k̃, which does
+    # not depend on the rate. So the rate's gradient is the decay's share alone: the scale takes
+    # the rate as a constant, and the sweeps' backward leaves out Δ's share through their input
+    # (through both, two terms of size 1/|A| would cancel after rounding: at |A| ~ 1e-4 that was
+    # dA 2e-3 off in float32).
+    key_scale = p.s / rate.detach() if sweeps else None
     k, q, v = _keys_queries_values(args, p, not sweeps, key_scale)  # (B, L, 1, H, P) values
     v1 = v.squeeze(2)
     if sweeps:
         y, H_last = ssd_cpu(
             v1, rate, -torch.ones(heads, dtype=dtype, device=x.device), k, q,
-            initial_state=p.H_init, cu_seqlens=args.cu_seqlens,
+            initial_state=p.H_init, cu_seqlens=args.cu_seqlens, dt_decay_only=True,
         )  # fmt: skip
         # the diagonal's shifted part, −c·(q̃·k̃)·v = −(c·rate/s)·(q̃·k')·v, still to come
         diagonal = (q, k, p.c / key_scale)

@@ -147,6 +147,20 @@ def test_half_precision(backend, dtype):
     check_trapezoidal(trapezoidal_inputs(40, ranks=2, dtype=dtype), backend)
 
 
+@pytest.mark.parametrize("packed", [None, [5, 0, 18]])
+@pytest.mark.parametrize("scale", [1e-4, 1e-6])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_slow_decays_keep_their_gradients(backend, scale, packed):
+    """|A| of 1e-7 .. 3e-4 (heads that hold a state for 10^4 steps and more). The "cpu" backend's
+    sweeps run with Δ = −a and the keys scaled by s/−a: the rate's gradient through the sweeps'
+    input and through that scale, each of size 1/|A|, cancel, and taken apart after rounding
+    they left dA 2e-3 off in float32 at 1e-4. The decay's share alone is the gradient."""
+    inputs = trapezoidal_inputs(23, packed=packed)
+    with torch.no_grad():
+        inputs["A"].mul_(scale)
+    check_trapezoidal(inputs, backend, chunk_size=16)
+
+
 @pytest.mark.parametrize("lengths", [[5, 0, 12, 1], [0, 17], [9, 8, 0]])
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_packed_sequences(backend, lengths):

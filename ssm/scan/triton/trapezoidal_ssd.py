@@ -65,29 +65,34 @@ class _SSDCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, rate, k, q, s, H_init, operand, chunk: int, cu_seqlens):
         scale = s / rate
-        keys = (k * scale[..., None]).to(operand)
-        A = torch.full((v.shape[2],), -1.0, dtype=rate.dtype, device=v.device)
-        v_, q_ = v.to(operand), q.to(operand)
-        y, H_last, _ = _ssd_fwd(
-            v_, rate, A, keys, q_, None, None, None, False, 0.0, math.inf, H_init, chunk, cu_seqlens, False
-        )
-        ctx.save_for_backward(v_, rate, A, keys, q_, k, scale, H_init, cu_seqlens)
-        ctx.chunk, ctx.dtypes = chunk, (v.dtype, q.dtype)
+        y, H_last, _ = _ssd_fwd(*_operands(v, rate, k, q, scale, operand), H_init, chunk, cu_seqlens, False)
+        # what the kernels read is formed again in the backward from tensors kept anyway (v, k̃
+        # and q̃ by the diagonal term's autograd), not kept in the operands' dtype beside them
+        ctx.save_for_backward(v, rate, k, q, scale, H_init, cu_seqlens)
+        ctx.chunk, ctx.operand = chunk, operand
         return y, H_last
 
     @staticmethod
     def backward(ctx, dy, dlast):
-        v_, rate, A, keys, q_, k, scale, H_init, cu_seqlens = ctx.saved_tensors
+        v, rate, k, q, scale, H_init, cu_seqlens = ctx.saved_tensors
         if dy is None:
-            dy = torch.zeros_like(v_)
+            dy = torch.zeros_like(v, dtype=ctx.operand)
+        v_, rate, A, keys, q_, *options = _operands(v, rate, k, q, scale, ctx.operand)
         dx, drate, _, dB, dC, _, _, _, dH = _ssd_bwd(
-            dy.contiguous(), dlast, v_, rate, A, keys, q_, None, None, None, False, 0.0, math.inf, H_init,
-            ctx.chunk, cu_seqlens, None, dt_scales_input=False,
+            dy.contiguous(), dlast, v_, rate, A, keys, q_, *options, H_init, ctx.chunk, cu_seqlens, None,
+            dt_scales_input=False,
         )  # fmt: skip
-        v_dtype, q_dtype = ctx.dtypes
         dB = dB.to(k.dtype)
         ds = (dB * k).sum(-1) / rate
-        return dx.to(v_dtype), drate, dB * scale[..., None], dC.to(q_dtype), ds, dH, None, None, None
+        return dx.to(v.dtype), drate, dB * scale[..., None], dC.to(q.dtype), ds, dH, None, None, None
+
+
+def _operands(v, rate, k, q, scale, operand):
+    """The SSD kernels' arguments up to the initial state: x = v, Δ = rate, A = −1, B = k̃·scale,
+    C = q̃ (x, B, C in ``operand``), no D, z or Δ bias, no softplus, no clamp."""
+    A = torch.full((v.shape[2],), -1.0, dtype=rate.dtype, device=v.device)
+    keys = (k * scale[..., None]).to(operand)
+    return v.to(operand), rate, A, keys, q.to(operand), None, None, None, False, 0.0, math.inf
 
 
 def _core(args: TrapezoidalArgs, p: Prepared):
