@@ -15,10 +15,16 @@ import torch
 
 pytest.importorskip("triton", reason="the triton package is not installed (it is on Linux)")
 
-from ssm.scan import backends
+from ssm.scan import TrapezoidalState, backends
 from ssm.scan import trapezoidal as trapezoidal_op
 from ssm.scan.triton import trapezoidal_ssd
-from tests.helpers import check_trapezoidal, rounding_noise_floor, trapezoidal_call, trapezoidal_inputs
+from tests.helpers import (
+    assert_close,
+    check_trapezoidal,
+    rounding_noise_floor,
+    trapezoidal_call,
+    trapezoidal_inputs,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CHUNK = 16  # the SSD kernels' smallest chunk: chunk_size 16 here
@@ -124,3 +130,30 @@ def test_length_zero():
     out, *last = trapezoidal_call(chunk_size=CHUNK)(x, "triton-ssd")
     assert out.shape == (2, 0, 4, 3)
     assert all(torch.equal(got, x[f"initial_{n}"].detach()) for got, n in zip(last, ("phase", "ssm", "key", "value")))
+
+
+def test_gradients_from_the_last_state_alone(ssd_calls):
+    """A loss of only the last state: the output's gradient never arrives (zeros for the kernels)."""
+    x = small(CHUNK + 3)
+    grads = {}
+    for b in ("ref", "triton-ssd"):
+        _, *last = trapezoidal_call(chunk_size=CHUNK)(x, b)
+        loss = sum((t * t).sum() for t in last)
+        grads[b] = torch.autograd.grad(loss, list(x.values()), allow_unused=True, materialize_grads=True)
+    assert ssd_calls
+    for name, got, want in zip(x, grads["triton-ssd"], grads["ref"]):
+        assert_close(got, want, torch.float32, f"triton-ssd d{name}")
+
+
+def test_split_sequence_continues_from_last_state():
+    x = {k: v.detach() for k, v in small(2 * CHUNK + 5, dtype=torch.float64).items()}
+    call, L = trapezoidal_call(chunk_size=CHUNK), 2 * CHUNK + 5
+    full, *full_last = call(x, "triton-ssd")
+    first = {k: (v[:, : CHUNK + 2] if v.ndim >= 3 and v.shape[1] == L else v) for k, v in x.items()}
+    rest = {k: (v[:, CHUNK + 2 :] if v.ndim >= 3 and v.shape[1] == L else v) for k, v in x.items()}
+    rest = {k: v for k, v in rest.items() if not k.startswith("initial_")}
+    y1, *state = call(first, "triton-ssd")
+    y2, *last = call({**rest, **{f"initial_{n}": s for n, s in zip(TrapezoidalState._fields, state)}}, "triton-ssd")
+    torch.testing.assert_close(torch.cat([y1, y2], 1), full, rtol=1e-10, atol=1e-10)
+    for a, b in zip(last, full_last):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
