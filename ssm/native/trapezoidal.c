@@ -43,6 +43,25 @@ typedef struct {
     void *d_w, *d_bias, *d_cos, *d_sin, *d_scale, *part;
 } TrapRotArgs;
 
+/* The rotary phase of the prologue (ssm/scan/_common_trapezoidal.py): per sequence (a batch row,
+   or with cu_seqlens (S + 1,) and batch 1 each packed sequence), head h and pair m,
+       φ_t = φ0 + Σ_{u ≤ t} Δ_u·θ_{u,m},   phase = φ_t,   cos, sin of φ_t reduced modulo 2π,
+   the sum in double whatever REAL. delta (B, L, H), angles and the outputs phase, cos, sin
+   (B, L, H, M), phase0 (B or S, H, M) or NULL (φ0 = 0), all contiguous.
+   The backward, from d_phase, d_cos, d_sin (B, L, H, M) contiguous (NULL: zeros): the gradient
+   of φ_t, d_phase − sin·d_cos + cos·d_sin, summed from the sequence's end back to t: G_t; then
+   d_angles = Δ_t·G_t, d_delta[t, h] = Σ_m θ_{t,m}·G_t, and d_phase0 (B or S, H, M) = G at the
+   sequence's first step (0 for an empty sequence: its last state's phase is φ0 itself, whose
+   gradient the caller's tensors carry). */
+typedef struct {
+    i64 batch, length, H, M, nseq, nthreads;
+    const i64 *cu_seqlens;
+    const void *delta, *angles, *phase0;
+    void *phase, *cos, *sin;
+    const void *d_phase, *d_cos, *d_sin;
+    void *d_delta, *d_angles, *d_phase0;
+} TrapPhaseArgs;
+
 /* Where row r's head h lies in out and grad: (r·H + h)·N, or heads first ((b·H + h)·L + t)·N. */
 static inline i64 trap_rot_at(const TrapRotArgs *a, i64 r, i64 h) {
     return a->heads_first ? (((r / a->L) * a->H + h) * a->L + r % a->L) * a->N : (r * a->H + h) * a->N;
@@ -246,5 +265,79 @@ void SUF(trap_rot_bwd)(const TrapRotArgs *a) {
         }
 #pragma omp barrier
         if (a->bias) SUF(sum_parts)(part, H * N, H * N, (REAL *)a->d_bias);
+    }
+}
+
+
+/* ------------------------------------------------------------------ the rotary phase (TrapPhaseArgs) */
+
+/* The sequences' steps [lo, hi) of row b: with cu_seqlens, sequence q (b = 0); else the row. */
+static inline void SUF(trap_phase_span)(const TrapPhaseArgs *a, i64 q, i64 *b, i64 *lo, i64 *hi) {
+    if (a->cu_seqlens) {
+        *b = 0, *lo = a->cu_seqlens[q], *hi = a->cu_seqlens[q + 1];
+    } else {
+        *b = q, *lo = 0, *hi = a->length;
+    }
+}
+
+void SUF(trap_phase_fwd)(const TrapPhaseArgs *a) {
+    const i64 H = a->H, M = a->M, HM = H * M, L = a->length;
+    const i64 seqs = a->cu_seqlens ? a->nseq : a->batch;
+    const double two_pi = 6.283185307179586476925286766559;
+#pragma omp parallel for collapse(2) num_threads((int)a->nthreads) schedule(static) if (seqs * L * HM >= 32768)
+    for (i64 q = 0; q < seqs; q++) {
+        for (i64 h = 0; h < H; h++) {
+            i64 b, lo, hi;
+            SUF(trap_phase_span)(a, q, &b, &lo, &hi);
+            double acc[M > 0 ? M : 1];
+            for (i64 m = 0; m < M; m++) acc[m] = a->phase0 ? (double)((const REAL *)a->phase0)[(q * H + h) * M + m] : 0.0;
+            for (i64 t = lo; t < hi; t++) {
+                const i64 row = b * L + t;
+                const double dt = (double)((const REAL *)a->delta)[row * H + h];
+                const REAL *th = (const REAL *)a->angles + (row * H + h) * M;
+                REAL *ph = (REAL *)a->phase + (row * H + h) * M, *c = (REAL *)a->cos + (row * H + h) * M;
+                REAL *sn = (REAL *)a->sin + (row * H + h) * M;
+                for (i64 m = 0; m < M; m++) {
+                    acc[m] += dt * (double)th[m];
+                    const double r = acc[m] - two_pi * floor(acc[m] / two_pi); /* torch.remainder's */
+                    ph[m] = (REAL)acc[m];
+                    c[m] = (REAL)cos(r);
+                    sn[m] = (REAL)sin(r);
+                }
+            }
+        }
+    }
+}
+
+void SUF(trap_phase_bwd)(const TrapPhaseArgs *a) {
+    const i64 H = a->H, M = a->M, L = a->length;
+    const i64 seqs = a->cu_seqlens ? a->nseq : a->batch;
+    const REAL *dph = (const REAL *)a->d_phase, *dc = (const REAL *)a->d_cos, *ds = (const REAL *)a->d_sin;
+#pragma omp parallel for collapse(2) num_threads((int)a->nthreads) schedule(static) if (seqs * L * H * M >= 32768)
+    for (i64 q = 0; q < seqs; q++) {
+        for (i64 h = 0; h < H; h++) {
+            i64 b, lo, hi;
+            SUF(trap_phase_span)(a, q, &b, &lo, &hi);
+            double G[M > 0 ? M : 1];
+            for (i64 m = 0; m < M; m++) G[m] = 0.0;
+            for (i64 t = hi - 1; t >= lo; t--) {
+                const i64 at = ((b * L + t) * H + h) * M;
+                const REAL *th = (const REAL *)a->angles + at;
+                const REAL *c = (const REAL *)a->cos + at, *sn = (const REAL *)a->sin + at;
+                const double dt = (double)((const REAL *)a->delta)[(b * L + t) * H + h];
+                double d_delta = 0.0;
+                for (i64 m = 0; m < M; m++) {
+                    double g = dph ? (double)dph[at + m] : 0.0;
+                    if (dc) g -= (double)sn[m] * (double)dc[at + m];
+                    if (ds) g += (double)c[m] * (double)ds[at + m];
+                    G[m] += g;
+                    ((REAL *)a->d_angles)[at + m] = (REAL)(dt * G[m]);
+                    d_delta += (double)th[m] * G[m];
+                }
+                ((REAL *)a->d_delta)[(b * L + t) * H + h] = (REAL)d_delta;
+            }
+            if (a->d_phase0)
+                for (i64 m = 0; m < M; m++) ((REAL *)a->d_phase0)[(q * H + h) * M + m] = (REAL)G[m];
+        }
     }
 }

@@ -252,8 +252,10 @@ class Prepared(NamedTuple):
     H_init: torch.Tensor | None  # (B or S, H, P, N)
 
 
-def prologue(args: TrapezoidalArgs) -> Prepared:
-    """a, s, c, the phase and H_{-1} (see the module docstring)."""
+def prologue(args: TrapezoidalArgs, rotary_phase: Callable | None = None) -> Prepared:
+    """a, s, c, the phase and H_{-1} (see the module docstring). ``rotary_phase(delta, angles,
+    phase0, cu_seqlens, dtype)``: a backend's (phase, cos, sin), or None to leave them to the
+    tensors here (``tensor_rotary_phase``)."""
     x, initial_state, cu_seqlens, dtype = args.x, args.initial_state, args.cu_seqlens, args.dtype
     batch, length, heads, _ = x.shape
     ranks = args.B.shape[2]
@@ -272,26 +274,9 @@ def prologue(args: TrapezoidalArgs) -> Prepared:
 
     # φ_t = φ_{-1} + Σ_{s ≤ t} Δ_s·θ_s per sequence, summed in float64 so that long sequences
     # keep their precision; cos and sin of it reduced modulo 2π.
-    increments = delta.double()[..., None] * args.angles.double()  # (B, L, H, M)
-    phase0 = None if initial_state is None else initial_state.phase.double()
-    if cu_seqlens is None:  # (a non-finite increment reaches the steps after it only)
-        summed = increments.cumsum(1)
-        phase64 = summed if phase0 is None else summed + phase0[:, None]
-    else:
-        # one sum across the packed sequences, each sequence's start taken off: a non-finite
-        # increment is summed as 0 here (it would reach the next sequences through that
-        # subtraction), and the phase is NaN from it to its sequence's end
-        bad = None if all_finite(increments) else ~torch.isfinite(increments)
-        summed = (increments if bad is None else finite_or_zero(increments)).cumsum(1)
-        before = F.pad(summed, (0, 0, 0, 0, 1, 0))[:, starts]  # (1, S, H, M): sum before each start
-        base = -before if phase0 is None else phase0[None] - before
-        seq_of = torch.repeat_interleave(torch.arange(len(starts), device=x.device), ends - starts, output_size=length)
-        phase64 = summed + base[:, seq_of]
-        if bad is not None:
-            phase64 = phase64.masked_fill(poisoned_since(bad, cu_seqlens), float("nan"))
-    reduced = torch.remainder(phase64, TWO_PI)
-    phase = phase64.to(dtype)
-    cos, sin = torch.cos(reduced).to(dtype), torch.sin(reduced).to(dtype)
+    phase0 = None if initial_state is None else initial_state.phase
+    found = None if rotary_phase is None else rotary_phase(delta, args.angles, phase0, cu_seqlens, dtype)
+    phase, cos, sin = tensor_rotary_phase(delta, args.angles, phase0, cu_seqlens, dtype) if found is None else found
 
     H_init = None
     if initial_state is not None:
@@ -304,6 +289,37 @@ def prologue(args: TrapezoidalArgs) -> Prepared:
         U0 = torch.einsum("srhp,srhn->shpn", v0, initial_state.key.to(dtype))
         H_init = initial_state.ssm.to(dtype) + first[..., None, None] * U0
     return Prepared(a, s, c, phase, cos, sin, H_init)
+
+
+def tensor_rotary_phase(delta: Tensor, angles: Tensor, phase0: Tensor | None, cu_seqlens: Tensor | None, dtype):
+    """φ_t = φ_{-1} + Σ_{s ≤ t} Δ_s·θ_s per sequence (not reduced) and its cos and sin, (B, L, H,
+    M) in ``dtype``, by tensors: delta (B, L, H), angles (B, L, H, M), phase0 (B or S, H, M) or
+    None."""
+    length = delta.shape[1]
+    increments = delta.double()[..., None] * angles.double()  # (B, L, H, M)
+    phase0 = None if phase0 is None else phase0.double()
+    if cu_seqlens is None:  # (a non-finite increment reaches the steps after it only)
+        summed = increments.cumsum(1)
+        phase64 = summed if phase0 is None else summed + phase0[:, None]
+    else:
+        starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+        # one sum across the packed sequences, each sequence's start taken off: a non-finite
+        # increment is summed as 0 here (it would reach the next sequences through that
+        # subtraction), and the phase is NaN from it to its sequence's end
+        bad = None if all_finite(increments) else ~torch.isfinite(increments)
+        summed = (increments if bad is None else finite_or_zero(increments)).cumsum(1)
+        before = F.pad(summed, (0, 0, 0, 0, 1, 0))[:, starts]  # (1, S, H, M): sum before each start
+        base = -before if phase0 is None else phase0[None] - before
+        seq_of = torch.repeat_interleave(
+            torch.arange(len(starts), device=delta.device), ends - starts, output_size=length
+        )
+        phase64 = summed + base[:, seq_of]
+        if bad is not None:
+            phase64 = phase64.masked_fill(poisoned_since(bad, cu_seqlens), float("nan"))
+    reduced = torch.remainder(phase64, TWO_PI)
+    phase = phase64.to(dtype)
+    cos, sin = torch.cos(reduced).to(dtype), torch.sin(reduced).to(dtype)
+    return phase, cos, sin
 
 
 def epilogue(args: TrapezoidalArgs, prepared: Prepared, H_last: Tensor) -> TrapezoidalState:
@@ -342,9 +358,13 @@ def epilogue(args: TrapezoidalArgs, prepared: Prepared, H_last: Tensor) -> Trape
     return TrapezoidalState(pick(phase, empty[0]), H_last, pick(key, empty[1]), pick(value, empty[2]))
 
 
-def run_core(core: Callable[[TrapezoidalArgs, Prepared], tuple[Tensor, Tensor]], args: TrapezoidalArgs):
-    """A fast backend: the prologue, ``core`` (which returns the output and H_{L-1}), the
-    epilogue. Returns (out, last state)."""
-    prepared = prologue(args)
+def run_core(
+    core: Callable[[TrapezoidalArgs, Prepared], tuple[Tensor, Tensor]],
+    args: TrapezoidalArgs,
+    rotary_phase: Callable | None = None,
+):
+    """A fast backend: the prologue (with ``rotary_phase``, see :func:`prologue`), ``core``
+    (which returns the output and H_{L-1}), the epilogue. Returns (out, last state)."""
+    prepared = prologue(args, rotary_phase)
     out, H_last = core(args, prepared)
     return out, epilogue(args, prepared, H_last)

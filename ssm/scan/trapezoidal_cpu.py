@@ -169,6 +169,110 @@ def trapezoidal_output(y, v, z, q, k, c, D) -> Tensor | None:
     return _trap_out_fwd(y, v, z, q, k, c, D)
 
 
+# ----------------------------------------------------------------------------- the rotary phase (C)
+
+
+class _TrapPhaseArgs(ctypes.Structure):
+    """TrapPhaseArgs of ssm/native/trapezoidal.c, field for field."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("batch", "length", "H", "M", "nseq", "nthreads")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("cu_seqlens", "delta", "angles", "phase0", "phase", "cos")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("sin", "d_phase", "d_cos", "d_sin", "d_delta", "d_angles")]
+    _fields_ += [("d_phase0", ctypes.c_void_p)]
+
+
+declare("trap_phase_fwd", [ctypes.POINTER(_TrapPhaseArgs)])
+declare("trap_phase_bwd", [ctypes.POINTER(_TrapPhaseArgs)])
+
+
+def _trap_phase_args(delta, angles, cu_seqlens) -> _TrapPhaseArgs:
+    a = _TrapPhaseArgs()
+    a.batch, a.length, a.H, a.M = angles.shape
+    a.nseq, a.nthreads = (angles.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1), threads()
+    a.cu_seqlens, a.delta, a.angles = ptr(cu_seqlens), delta.data_ptr(), angles.data_ptr()
+    return a
+
+
+def _trap_phase_fake(delta, angles, phase0, cu_seqlens):
+    return tuple(angles.new_empty(angles.shape) for _ in range(3))
+
+
+def _trap_phase_setup(ctx, inputs, output):
+    delta, angles, phase0, cu_seqlens = inputs
+    ctx.save_for_backward(delta, angles, output[1], output[2], cu_seqlens)
+    ctx.with_phase0 = phase0 is not None
+    ctx.set_materialize_grads(False)  # no zeros for the outputs without a gradient
+
+
+def _trap_phase_backward(ctx, d_phase, d_cos, d_sin):
+    delta, angles, cos, sin, cu_seqlens = ctx.saved_tensors
+    d_phase, d_cos, d_sin = (None if g is None else g.contiguous() for g in (d_phase, d_cos, d_sin))
+    d_delta, d_angles, d_phase0 = _trap_phase_bwd(
+        d_phase, d_cos, d_sin, delta, angles, cos, sin, cu_seqlens, ctx.with_phase0
+    )
+    return d_delta, d_angles, (d_phase0 if ctx.with_phase0 else None), None
+
+
+@kernel_op(
+    "ssm::cpu_trap_phase_fwd",
+    fake=_trap_phase_fake,
+    device_types="cpu",
+    backward=_trap_phase_backward,
+    setup_context=_trap_phase_setup,
+)
+def _trap_phase_fwd(
+    delta: Tensor, angles: Tensor, phase0: Tensor | None, cu_seqlens: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``rotary_phase``'s kernel: delta (B, L, H), angles (B, L, H, M), phase0 (B or S, H, M) or
+    None, contiguous, one dtype; returns phase, cos, sin (B, L, H, M)."""
+    a = _trap_phase_args(delta, angles, cu_seqlens)
+    phase, cos, sin = (empty(angles.shape, angles) for _ in range(3))
+    a.phase0, a.phase, a.cos, a.sin = ptr(phase0), phase.data_ptr(), cos.data_ptr(), sin.data_ptr()
+    kernel("trap_phase_fwd", angles.dtype)(ctypes.byref(a))
+    return phase, cos, sin
+
+
+def _trap_phase_bwd_fake(d_phase, d_cos, d_sin, delta, angles, cos, sin, cu_seqlens, with_phase0):
+    rows = angles.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    d_phase0 = angles.new_empty((rows, *angles.shape[2:]) if with_phase0 else (0,))
+    return delta.new_empty(delta.shape), angles.new_empty(angles.shape), d_phase0
+
+
+@kernel_op("ssm::cpu_trap_phase_bwd", fake=_trap_phase_bwd_fake, device_types="cpu")
+def _trap_phase_bwd(
+    d_phase: Tensor | None,
+    d_cos: Tensor | None,
+    d_sin: Tensor | None,
+    delta: Tensor,
+    angles: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    cu_seqlens: Tensor | None,
+    with_phase0: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of delta, angles and phase0 (an empty tensor without one) from those of
+    phase, cos and sin (contiguous, any of them None)."""
+    a = _trap_phase_args(delta, angles, cu_seqlens)
+    rows = a.nseq
+    d_delta, d_angles = empty(delta.shape, delta), empty(angles.shape, angles)
+    d_phase0 = empty((rows, *angles.shape[2:]) if with_phase0 else (0,), angles)
+    a.cos, a.sin, a.d_phase, a.d_cos, a.d_sin = cos.data_ptr(), sin.data_ptr(), ptr(d_phase), ptr(d_cos), ptr(d_sin)
+    a.d_delta, a.d_angles, a.d_phase0 = d_delta.data_ptr(), d_angles.data_ptr(), ptr(d_phase0 if with_phase0 else None)
+    kernel("trap_phase_bwd", angles.dtype)(ctypes.byref(a))
+    return d_delta, d_angles, d_phase0
+
+
+def rotary_phase(delta: Tensor, angles: Tensor, phase0: Tensor | None, cu_seqlens: Tensor | None, dtype):
+    """The prologue's phase φ (not reduced) and its cos and sin (B, L, H, M), in ``dtype``, by one
+    C pass each way (the sum in float64, as the tensor code's): delta (B, L, H) in ``dtype``,
+    angles (B, L, H, M), phase0 (B or S, H, M) or None. None where it does not apply (another
+    device or dtype, no library): the prologue's tensors then compute it."""
+    if dtype not in (torch.float32, torch.float64) or not ready() or delta.device.type != "cpu":
+        return None
+    phase0 = None if phase0 is None else phase0.to(dtype).contiguous()
+    return _trap_phase_fwd(delta.contiguous(), angles.to(dtype).contiguous(), phase0, cu_seqlens)
+
+
 # ----------------------------------------------------------------------------- the rotation (C)
 
 
@@ -410,4 +514,4 @@ def _core(args: TrapezoidalArgs, p: Prepared):
 
 def trapezoidal_scan_cpu(args: TrapezoidalArgs):
     """Backend "cpu" of :func:`ssm.scan.trapezoidal_scan`: (out, last state)."""
-    return run_core(_core, args)
+    return run_core(_core, args, rotary_phase)

@@ -66,6 +66,45 @@ def test_every_backend_same_outputs_and_gradients(kind):
             assert_close(g[name], g_ref[name], torch.float32, f"{kind}/{backend} d{name}")
 
 
+def test_mamba_keeps_one_conv_output_for_the_backward(monkeypatch):
+    """On the CPU the C conv writes its output twice, x (b, l, d) and u (b, d, l); x_proj reads
+    u, so x is not kept for the backward beside it. Same outputs and gradients as x_proj on x."""
+    import ssm.layers.mamba as mamba_layer
+
+    conv_outputs = []
+    original = mamba_layer.causal_conv1d_silu
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        conv_outputs.append(out[0])
+        return out
+
+    monkeypatch.setattr(mamba_layer, "causal_conv1d_silu", spy)
+    torch.manual_seed(0)
+    m = Mamba(24, d_state=6)
+    x = torch.randn(2, 19, 24)
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = m(x)
+    ((x_conv, u),) = conv_outputs
+    assert x_conv.data_ptr() != u.data_ptr()  # the C conv ran: two tensors
+    assert u.untyped_storage().data_ptr() in saved
+    assert x_conv.untyped_storage().data_ptr() not in saved
+    grads = torch.autograd.grad(y.square().sum(), list(m.parameters()))
+    monkeypatch.setattr(m, "_x_proj_reads_u", lambda x, u: False)  # x_proj on x, as before
+    y_x = m(x)
+    assert_close(y, y_x, torch.float32, "output")
+    for (name, _), g, g_x in zip(
+        m.named_parameters(), grads, torch.autograd.grad(y_x.square().sum(), list(m.parameters()))
+    ):
+        assert_close(g, g_x, torch.float32, f"d{name}")
+
+
 @pytest.mark.parametrize("kind", MIXERS)
 def test_compiles_without_graph_breaks(kind):
     """The whole mixer, layout changes included, traces as one graph (forward and backward)."""

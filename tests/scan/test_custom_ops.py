@@ -46,6 +46,8 @@ TRAPEZOIDAL_CPU_OPS = [
     "_trap_out_bwd",
     "_trap_rot_fwd",
     "_trap_rot_bwd",
+    "_trap_phase_fwd",
+    "_trap_phase_bwd",
 ]  # of ssm.scan.trapezoidal_cpu
 TRITON_OPS = {
     "selective_scan": ["selective_scan_fwd", "selective_scan_bwd"],
@@ -89,14 +91,18 @@ def test_the_cpu_linear_scan_ops_agree_with_their_fakes(monkeypatch):
 @pytest.mark.parametrize("rotary", ["interleaved", "halved"])
 @pytest.mark.parametrize("gate", [True, False], ids=["gate", "no-gate"])
 def test_the_cpu_trapezoidal_ops_agree_with_their_fakes(gate, rotary, core, monkeypatch):
-    """Mamba-3's C pieces (rank 1, the cpu backend): the keys' rotation (in the sweeps' layout or
-    heads first for the products) and the output pass (y in the sweep's layout, or heads first
-    without the diagonal term)."""
-    x = trapezoidal_inputs(5, batch=2, heads=2, head_dim=3, groups=1, N=4, M=1, z=gate)
+    """Mamba-3's C pieces (rank 1, the cpu backend): the rotary phase, the keys' rotation (in the
+    sweeps' layout or heads first for the products) and the output pass (y in the sweep's layout,
+    or heads first without the diagonal term); packed sequences (one empty) with the products."""
+    if core == "sweeps":
+        x = trapezoidal_inputs(5, batch=2, heads=2, head_dim=3, groups=1, N=4, M=1, z=gate)
+    else:
+        x = trapezoidal_inputs(9, heads=2, head_dim=3, groups=1, N=4, M=1, z=gate, packed=[4, 0, 5])
     backend = "cpu" if core == "sweeps" else CPU_PRODUCTS
     run = lambda: run_with_grads(trapezoidal_call(rotary), x, backend)  # noqa: E731
     calls = kernel_op_calls(monkeypatch, trapezoidal_cpu, TRAPEZOIDAL_CPU_OPS, run)
-    assert set(calls) == {f"ssm::cpu_trap_{op}" for op in ("out_fwd", "out_bwd", "rot_fwd", "rot_bwd")}
+    ops = ("out_fwd", "out_bwd", "rot_fwd", "rot_bwd", "phase_fwd", "phase_bwd")
+    assert set(calls) == {f"ssm::cpu_trap_{op}" for op in ops}
     assert_kernel_ops_agree_with_their_fakes(calls)
 
 

@@ -5,7 +5,9 @@ test_triton_trapezoidal.py."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -192,14 +194,17 @@ def test_packed_equals_one_call_per_sequence(backend):
 
 
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
-def test_gradcheck(backend):
-    inputs = trapezoidal_inputs(5, batch=1, heads=2, head_dim=2, groups=1, N=4, M=1, ranks=2, dtype=torch.float64)
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_gradcheck(backend, ranks):
+    """Finite differences in float64, to 1e-6 of each gradient (gradcheck's default 1e-3 lets a
+    gradient 1e-4 off pass); rank 1 is the "cpu" backend's C path, rank 2 its chunked core."""
+    inputs = trapezoidal_inputs(5, batch=1, heads=2, head_dim=2, groups=1, N=4, M=1, ranks=ranks, dtype=torch.float64)
     names = list(inputs)
 
     def f(*tensors):
         return trapezoidal_call("halved", 2)(dict(zip(names, tensors)), backend)
 
-    assert torch.autograd.gradcheck(f, tuple(inputs.values()))
+    assert torch.autograd.gradcheck(f, tuple(inputs.values()), atol=1e-8, rtol=1e-6)
 
 
 @pytest.mark.parametrize("ranks", [None, 2])
@@ -465,3 +470,40 @@ def test_the_c_output_pass_against_its_formula(gate, skip, steps_adjacent):
         return trapezoidal_output(*[next(it) if t is not None else None for t in inputs])
 
     assert torch.autograd.gradcheck(fn, live)
+
+
+@pytest.mark.parametrize("packed", [None, [5, 0, 9, 6]], ids=["batch", "packed"])
+def test_the_c_rotary_phase_against_a_loop(packed):
+    """The "cpu" backend's rotary phase (trapezoidal.c, one pass each way) against a loop in
+    Python floats: φ summed per sequence from its initial phase, its cos and sin; gradcheck in
+    float64; a non-finite Δ reaches its own sequence's later steps and no other."""
+    from ssm.scan.trapezoidal_cpu import rotary_phase
+
+    g = torch.Generator().manual_seed(3)
+    B, L, H, M = (2 if packed is None else 1), 20, 3, 2
+    cu = None if packed is None else torch.tensor([0, *itertools.accumulate(packed)])
+    bounds = [(b, 0, L) for b in range(B)] if cu is None else [(0, a, e) for a, e in pairwise(cu.tolist())]
+    d = torch.rand(B, L, H, generator=g, dtype=torch.float64) * 3
+    th = torch.randn(B, L, H, M, generator=g, dtype=torch.float64) * 3
+    p0 = torch.randn(len(bounds), H, M, generator=g, dtype=torch.float64) * 100
+    phase, cos, sin = rotary_phase(d, th, p0, cu, torch.float64)
+    for q, (b, lo, hi) in enumerate(bounds):
+        for h, m in itertools.product(range(H), range(M)):
+            acc = p0[q, h, m].item()
+            for t in range(lo, hi):
+                acc += d[b, t, h].item() * th[b, t, h, m].item()
+                assert phase[b, t, h, m].item() == pytest.approx(acc, rel=1e-13)
+                assert cos[b, t, h, m].item() == pytest.approx(math.cos(acc), abs=1e-12)
+                assert sin[b, t, h, m].item() == pytest.approx(math.sin(acc), abs=1e-12)
+    leaves = [t.requires_grad_() for t in (d, th, p0)]
+    assert torch.autograd.gradcheck(lambda *t: rotary_phase(*t, cu, torch.float64), leaves, atol=1e-8, rtol=1e-6)
+    with torch.no_grad():
+        d[0, 7, 1] = float("inf")
+    _, cos, _ = rotary_phase(d, th, p0, cu, torch.float64)
+    (b, lo, hi), *_ = (s for s in bounds if s[1] <= 7 < s[2])
+    assert torch.isnan(cos[0, 7:hi, 1]).all()
+    assert (
+        torch.isfinite(cos[0, :7]).all()
+        and torch.isfinite(cos[0, hi:]).all()
+        and torch.isfinite(cos[:, :, [0, 2]]).all()
+    )
