@@ -68,6 +68,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     )
 
 
+# torch.autograd.gradcheck's tolerances here: in float64, each gradient to 1e-6 of itself (its
+# defaults, rtol 1e-3 and atol 1e-5, let a gradient 1e-4 off pass: a planted 1.0001 did).
+GRADCHECK_TOL = dict(atol=1e-8, rtol=1e-6)
+
 # Relative tolerances against the float64 reference, (forward, gradients), by the dtype of the
 # backend's inputs. Half-precision results are rounded to their dtype (a relative error up to
 # 2^-8 for bfloat16, 2^-11 for float16 per element) before they are compared.

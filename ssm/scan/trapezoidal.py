@@ -134,8 +134,8 @@ def trapezoidal_scan(
     only in Triton's interpreter), "triton-ssd" (rank 1 on Mamba-2's chunked SSD kernels:
     chunk-parallel, triton/trapezoidal_ssd.py; MIMO runs the chunked form), "cpu" (rank 1:
     the keys' rotation and the output pass in C, the core on the C selective sweeps up to
-    N·P = 1024 and as the chunked form's products above, trapezoidal_cpu.py; MIMO runs the
-    chunked form). On CUDA "auto" takes "triton-ssd" for rank 1 and, for MIMO, "triton" where
+    N·P = 1024 and as the chunked form's products above, trapezoidal_cpu.py; MIMO on those
+    products, a step's ranks as positions). On CUDA "auto" takes "triton-ssd" for rank 1 and, for MIMO, "triton" where
     batch × H reaches the GPU's multiprocessor count, else "chunked" (``auto_on_cuda``); packed
     MIMO sequences keep "triton" (the chunked form loops over them). On the CPU it takes "cpu".
     """

@@ -150,30 +150,35 @@ def trapezoidal_scan_chunked(args: TrapezoidalArgs):
 # ----------------------------------------------------------------------------- rank 1, heads first
 
 
-def products_heads_first(k, q, v, a, sigma, c, H_init, chunk_size: int):
-    """The rank-1 core by chunks in the layout of its matrix products: the rotated keys and
-    queries k, q (B, H, L, N) and values v (B, H, L, P), each head's steps adjacent; a, σ, c
-    (B, L, H); H_{-1} (B, H, P, N) or None. Returns y (B, H, L, P) (before the skip term and the
-    gate; the diagonal weighs v_t by σ_t − c_t) and H_{L-1} (B, H, P, N).
+def products_heads_first(k, q, v, a, sigma, c, H_init, chunk_size: int, ranks: int = 1):
+    """The core by chunks in the layout of its matrix products: the rotated keys and queries
+    k, q (B, H, L·R, N) and values v (B, H, L·R, P), each head's steps adjacent, a step's R ranks
+    at positions t·R .. t·R + R − 1 (R = ``ranks``, 1 without MIMO); a, σ, c (B, L, H) per step;
+    H_{-1} (B, H, P, N) or None. Returns y (B, H, L·R, P) (before the skip term, the gate and the
+    rank contraction; the diagonal weighs v by σ_t − c_t) and H_{L-1} (B, H, P, N).
 
-    What :func:`chunked_products` computes for R = 1, without its rank axes, permutes and
-    einsum copies: every product is one batched matrix product over (B, H, chunks), and the
-    intra-chunk weights and scores (T × T per chunk) are formed again in the backward
-    (``_IntraChunk``) rather than kept. All entries must be finite (the caller checks)."""
-    batch, heads, length, N = k.shape
-    P = v.shape[-1]
+    What :func:`chunked_products` computes, without its rank axes, permutes and einsum copies:
+    every product is one batched matrix product over (B, H, chunks), a step's R ranks R positions
+    that share its decay (a block of R × R on the diagonal), and the intra-chunk weights and
+    scores ((T·R)² per chunk of T steps) are formed again in the backward (``_IntraChunk``)
+    rather than kept. All entries must be finite (the caller checks)."""
+    batch, heads, positions, N = k.shape
+    P, length = v.shape[-1], positions // ranks
     T = min(chunk_size, length)
     pad = (-length) % T
     a, sigma, c = (t.transpose(1, 2) for t in (a, sigma, c))  # (B, H, L)
     if pad:  # padded steps: no decay (a = 0), no input: the state passes through unchanged
-        k, q, v = (F.pad(t, (0, 0, 0, pad)) for t in (k, q, v))
+        k, q, v = (F.pad(t, (0, 0, 0, pad * ranks)) for t in (k, q, v))
         a, sigma, c = (F.pad(t, (0, pad)) for t in (a, sigma, c))
-    nc = (length + pad) // T
-    s = torch.cumsum(a.reshape(batch, heads, nc, T), dim=-1)  # (B, H, c, T) log decays within each chunk
+    nc, TR = (length + pad) // T, T * ranks
+    if ranks > 1:  # per position: the step's decay at its first rank only, its σ and c at each
+        a = F.pad(a[..., None], (0, ranks - 1)).flatten(-2)
+        sigma, c = (t.repeat_interleave(ranks, dim=-1) for t in (sigma, c))
+    s = torch.cumsum(a.reshape(batch, heads, nc, TR), dim=-1)  # (B, H, c, T·R) log decays within each chunk
     chunks = batch * heads * nc
     y, inputs = _IntraChunk.apply(
-        q.reshape(chunks, T, N), k.reshape(chunks, T, N), v.reshape(chunks, T, P),
-        s.reshape(chunks, T), sigma.reshape(chunks, T), c.reshape(chunks, T),
+        q.reshape(chunks, TR, N), k.reshape(chunks, TR, N), v.reshape(chunks, TR, P),
+        s.reshape(chunks, TR), sigma.reshape(chunks, TR), c.reshape(chunks, TR), ranks,
     )  # fmt: skip
     inputs = inputs.view(batch, heads, nc, P, N)
     decay = torch.exp(s[..., -1])[..., None, None].expand_as(inputs)  # (B, H, c, P, N)
@@ -181,42 +186,49 @@ def products_heads_first(k, q, v, a, sigma, c, H_init, chunk_size: int):
     states = linear_scan(decay, inputs, dim=2, initial_state=state)  # the state after each chunk
     entering = torch.cat([state.unsqueeze(2), states[:, :, :-1]], dim=2).view(chunks, P, N)
     # the state entering each chunk, read by its queries: exp(s_t)·H·q_t
-    y = torch.baddbmm(y, q.reshape(chunks, T, N) * torch.exp(s).reshape(chunks, T, 1), entering.transpose(1, 2))
-    y = y.view(batch, heads, nc * T, P)[:, :, :length]
+    y = torch.baddbmm(y, q.reshape(chunks, TR, N) * torch.exp(s).reshape(chunks, TR, 1), entering.transpose(1, 2))
+    y = y.view(batch, heads, nc * TR, P)[:, :, :positions]
     return y, states[:, :, -1]
 
 
-def _intra_weights(s, sigma, c):
-    """W (X, T, U) of a chunk: exp(s_t − s_u)·σ_u below the diagonal, σ_t − c_t on it, 0 above;
-    and E = exp(s_t − s_u) below the diagonal (0 elsewhere). s, σ, c (X, T)."""
+def _intra_weights(s, sigma, c, ranks: int):
+    """W (X, T, U) of a chunk of positions (R = ``ranks`` a step): exp(s_t − s_u)·σ_u where u's
+    step is before t's, σ_t − c_t where they are the same step (the diagonal, or a block of R × R),
+    0 after; E = exp(s_t − s_u) where u's step is before t's (0 elsewhere); and the mask of the
+    same-step block (None for R = 1: the diagonal). s, σ, c (X, T)."""
     T = s.shape[-1]
-    below = torch.ones(T, T, dtype=torch.bool, device=s.device).tril(-1)
-    E = torch.exp((s[:, :, None] - s[:, None, :]).masked_fill(~below, float("-inf")))
+    step = torch.arange(T, device=s.device) // ranks
+    before = step[:, None] > step[None, :]
+    E = torch.exp((s[:, :, None] - s[:, None, :]).masked_fill(~before, float("-inf")))
     W = E * sigma[:, None, :]
-    W.diagonal(dim1=1, dim2=2).copy_(sigma - c)
-    return W, E
+    if ranks == 1:
+        W.diagonal(dim1=1, dim2=2).copy_(sigma - c)
+        return W, E, None
+    same = step[:, None] == step[None, :]
+    return torch.where(same, (sigma - c)[:, :, None], W), E, same
 
 
 class _IntraChunk(torch.autograd.Function):
     """Per chunk x (X = B·H·chunks of them): y = (q·kᵀ ⊙ W)·v, the chunk's own steps' part of
     its outputs, and I = Σ_u exp(s_{T−1} − s_u)·σ_u·v_u ⊗ k_u, what the chunk adds to the state.
-    q, k (X, T, N), v (X, T, P), s, σ, c (X, T). Keeps its inputs only: W and q·kᵀ, T × T per
-    chunk, are formed again in the backward."""
+    q, k (X, T, N), v (X, T, P), s, σ, c (X, T) over positions, ``ranks`` of them a step. Keeps
+    its inputs only: W and q·kᵀ, T × T per chunk, are formed again in the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, s, sigma, c):
-        W, _ = _intra_weights(s, sigma, c)
+    def forward(ctx, q, k, v, s, sigma, c, ranks: int):
+        W, _, _ = _intra_weights(s, sigma, c, ranks)
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(W)  # (X, T, U)
         y = torch.bmm(scores, v)
         to_end = torch.exp(s[:, -1:] - s) * sigma  # (X, U)
         inputs = torch.bmm((v * to_end[..., None]).transpose(1, 2), k)  # (X, P, N)
         ctx.save_for_backward(q, k, v, s, sigma, c)
+        ctx.ranks = ranks
         return y, inputs
 
     @staticmethod
     def backward(ctx, dy, d_inputs):
         q, k, v, s, sigma, c = ctx.saved_tensors
-        W, E = _intra_weights(s, sigma, c)
+        W, E, same = _intra_weights(s, sigma, c, ctx.ranks)
         qk = torch.bmm(q, k.transpose(1, 2))  # (X, T, U)
         d_scores = torch.bmm(dy, v.transpose(1, 2))  # d (q·kᵀ ⊙ W)
         dv = torch.bmm((qk * W).transpose(1, 2), dy)
@@ -231,13 +243,13 @@ class _IntraChunk(torch.autograd.Function):
         dv.addcmul_(k_dI, to_end[..., None])
         dk.addcmul_(torch.bmm(v, d_inputs), to_end[..., None])
         d_to_end = (k_dI * v).sum(-1)  # (X, U)
-        # W below the diagonal is exp(s_t − s_u)·σ_u, on it σ_t − c_t
-        diagonal = dW.diagonal(dim1=1, dim2=2)
-        d_sigma = (dW * E).sum(1) + diagonal + d_to_end * to_end_decay
-        dc = -diagonal
-        flow = dW.mul_(E).mul_(sigma[:, None, :])  # dW ⊙ W below the diagonal, 0 on and above it
+        # W before t's step is exp(s_t − s_u)·σ_u; in t's own step σ_t − c_t (row t's)
+        block = dW.diagonal(dim1=1, dim2=2) if same is None else (dW * same).sum(2)
+        d_sigma = (dW * E).sum(1) + block + d_to_end * to_end_decay
+        dc = -block
+        flow = dW.mul_(E).mul_(sigma[:, None, :])  # dW ⊙ W before the step, 0 in and after it
         ds = flow.sum(2) - flow.sum(1)
         through_end = d_to_end * to_end
         ds -= through_end
         ds[:, -1] += through_end.sum(1)
-        return dq, dk, dv, ds, d_sigma, dc
+        return dq, dk, dv, ds, d_sigma, dc, None

@@ -18,8 +18,9 @@ The sweeps cost O(N·P) per step and head, the products O(T·(N + P)) with fewer
 operations: above N·P = SWEEPS_UP_TO the products run (``products_heads_first``, keys and values
 laid out heads first, so that each chunk's products are one batched matrix product; the diagonal
 term is theirs). The division needs −a_t positive and finite: where some a_t is 0 (no decay),
-below 1e-30 or not finite, the products run too, as under torch.compile; MIMO ranks above 1 (a
-rank-R input is not one sweep) run the chunked core. The same answer, by another route.
+below 1e-30 or not finite, the products run too, as under torch.compile. MIMO ranks above 1 (a
+rank-R input is not one sweep) run the products with a step's R ranks as R positions that share
+its decay (``_mimo``). The same answer, by another route.
 ``chunk_size`` is the products'; the sweeps walk every step.
 """
 
@@ -473,11 +474,40 @@ def _products(k, q, v, args: TrapezoidalArgs, p: Prepared):
     return torch.cat([v.new_zeros(1, heads, 0, P), *ys], dim=2).transpose(1, 2), H_last
 
 
+def _mimo(args: TrapezoidalArgs, p: Prepared):
+    """MIMO (rank R > 1): the chunked form's products laid out heads first, a step's R ranks R
+    positions sharing its decay (``products_heads_first``); out in x's dtype and H_{L-1}. Inputs
+    with a non-finite entry run the chunked core, which masks what it reaches."""
+    k, q, v = keys_queries_values(args, p.cos, p.sin)  # (B, L, R, H, N), (B, L, R, H, P)
+    if not all_finite(k, v, p.a, p.s, p.c):
+        return chunked_core(args, p)
+    batch, length, ranks, heads, P = v.shape
+    N = k.shape[-1]
+    # chunks of chunk_size positions, not steps: the intra-chunk weights grow as the square of a
+    # chunk's positions (at R 4, chunks of 64 steps were 256 positions and 16 times the work)
+    steps = max(1, args.chunk_size // ranks)
+    kh, qh, vh = (t.permute(0, 3, 1, 2, 4).flatten(2, 3) for t in (k, q, v))  # (B, H, L·R, ·)
+    if args.cu_seqlens is None:
+        y, H_last = products_heads_first(kh, qh, vh, p.a, p.s, p.c, p.H_init, steps, ranks)
+    else:
+
+        def run(start, end, H0):
+            k_i, q_i, v_i = (t[:, :, start * ranks : end * ranks] for t in (kh, qh, vh))
+            a_i, s_i, c_i = (t[:, start:end] for t in (p.a, p.s, p.c))
+            return products_heads_first(k_i, q_i, v_i, a_i, s_i, c_i, H0, steps, ranks)
+
+        ys, H_last = each_sequence(args.cu_seqlens, p.H_init, lambda: v.new_zeros(1, heads, P, N), run)
+        y = torch.cat([v.new_zeros(1, heads, 0, P), *ys], dim=2)
+    y = y.unflatten(2, (length, ranks)).permute(0, 2, 3, 1, 4)  # (B, L, R, H, P)
+    out = gate_and_contract(y, v, args.D, args.z, args.mimo_z, args.mimo_o, args.dtype)
+    return out.to(args.x.dtype), H_last
+
+
 def _core(args: TrapezoidalArgs, p: Prepared):
     """The core: rank 1 on the sweeps or the chunked form's products, with the keys' rotation and
-    the output pass in C; out in x's dtype and H_{L-1}. MIMO on the chunked core."""
+    the output pass in C; out in x's dtype and H_{L-1}. MIMO on the products (``_mimo``)."""
     if args.B.shape[2] != 1:
-        return chunked_core(args, p)
+        return _mimo(args, p)
     x, dtype = args.x, args.dtype
     heads = x.shape[2]
     sweeps = sweeps_take(args, p)

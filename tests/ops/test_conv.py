@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ssm.ops import causal_conv1d
+from tests.helpers import GRADCHECK_TOL
 
 
 def by_hand(x, weight, bias, state):
@@ -39,7 +40,7 @@ def test_values_and_gradients(with_bias, with_state):
         it = iter(args)
         return causal_conv1d(next(it), next(it), next(it) if with_bias else None, next(it) if with_state else None)[0]
 
-    assert torch.autograd.gradcheck(conv, inputs)
+    assert torch.autograd.gradcheck(conv, inputs, **GRADCHECK_TOL)
 
 
 def test_the_new_state_is_the_last_inputs_in_a_tensor_of_its_own():
@@ -95,15 +96,15 @@ def test_the_channels_last_c_convolution(case, silu):
 
     inputs = (x, weight) + ((bias,) if bias is not None else ())
     fn = lambda x, w, *b: cpu.causal_conv1d_cpu(x, w, b[0] if b else None, cu, silu=silu)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradcheck(fn, inputs, **GRADCHECK_TOL)
 
     # both layouts from one pass: the same values, and the gradients of both added
     y2, yT = cpu.causal_conv1d_cpu(x, weight, bias, cu, silu=silu, transposed=True)
     assert torch.equal(y2, y) and torch.equal(yT, y.transpose(1, 2)) and yT.is_contiguous()
     both = lambda x, w, *b: cpu.causal_conv1d_cpu(x, w, b[0] if b else None, cu, silu=silu, transposed=True)  # noqa: E731
-    assert torch.autograd.gradcheck(both, inputs)
+    assert torch.autograd.gradcheck(both, inputs, **GRADCHECK_TOL)
     only_t = lambda x, w, *b: both(x, w, *b)[1]  # noqa: E731  (the first output unused: no gradient for it)
-    assert torch.autograd.gradcheck(only_t, inputs)
+    assert torch.autograd.gradcheck(only_t, inputs, **GRADCHECK_TOL)
 
 
 @pytest.mark.parametrize("L", [1, 3, 4, 9])
@@ -165,12 +166,12 @@ def test_the_c_convolution_takes_gradients_through_a_state(L, silu):
     torch.testing.assert_close(yT, want, rtol=1e-12, atol=1e-12)
     inputs = (x, weight, bias, state)
     both = lambda x, w, b, s: cpu.causal_conv1d_cpu(x, w, b, None, silu=silu, transposed=True, state=s)  # noqa: E731
-    assert torch.autograd.gradcheck(both, inputs)
-    assert torch.autograd.gradcheck(lambda *a: both(*a)[0], inputs)
-    assert torch.autograd.gradcheck(lambda *a: both(*a)[1], inputs)
+    assert torch.autograd.gradcheck(both, inputs, **GRADCHECK_TOL)
+    assert torch.autograd.gradcheck(lambda *a: both(*a)[0], inputs, **GRADCHECK_TOL)
+    assert torch.autograd.gradcheck(lambda *a: both(*a)[1], inputs, **GRADCHECK_TOL)
     if silu:  # the layers' entry point takes it on "cpu", the new state's gradient included
         layer = lambda x, w, b, s: causal_conv1d_silu(x, w, b, s, None, True, backend="cpu")  # noqa: E731
-        assert torch.autograd.gradcheck(lambda *a: (layer(*a)[0][1], layer(*a)[1]), inputs)
+        assert torch.autograd.gradcheck(lambda *a: (layer(*a)[0][1], layer(*a)[1]), inputs, **GRADCHECK_TOL)
 
 
 def test_the_channels_last_c_convolution_declines_what_it_does_not_run():

@@ -17,6 +17,7 @@ from ssm.scan.cpu import ssd_cpu
 from ssm.scan.trapezoidal_chunked import chunked_core, products_heads_first
 from tests.helpers import (
     CPU_PRODUCTS,
+    GRADCHECK_TOL,
     assert_close,
     check_trapezoidal,
     trapezoidal_backend,
@@ -204,7 +205,7 @@ def test_gradcheck(backend, ranks):
     def f(*tensors):
         return trapezoidal_call("halved", 2)(dict(zip(names, tensors)), backend)
 
-    assert torch.autograd.gradcheck(f, tuple(inputs.values()), atol=1e-8, rtol=1e-6)
+    assert torch.autograd.gradcheck(f, tuple(inputs.values()), **GRADCHECK_TOL)
 
 
 @pytest.mark.parametrize("ranks", [None, 2])
@@ -354,8 +355,8 @@ def test_auto_on_cuda_takes_the_chunk_parallel_forms():
 
 def test_cpu_backend_runs_siso_on_the_sweeps_or_the_products(monkeypatch):
     """On CPU tensors "auto" is "cpu", whose rank-1 core is the C sweeps up to N·P = SWEEPS_UP_TO
-    (not the chunked fallback) and the chunked form's products above; MIMO goes to the chunked
-    core."""
+    (not the chunked fallback) and the chunked form's products above; MIMO goes to the products
+    too (a step's ranks as positions), or with a non-finite input to the chunked core."""
     import ssm.scan.trapezoidal_cpu as cpu_backend
 
     calls = []
@@ -367,7 +368,12 @@ def test_cpu_backend_runs_siso_on_the_sweeps_or_the_products(monkeypatch):
     check_trapezoidal(trapezoidal_inputs(19, ranks=2), "cpu")
     assert cpu_backend.SWEEPS_UP_TO < 33 * 32
     check_trapezoidal(trapezoidal_inputs(19, N=34, head_dim=32, M=2), "auto")
-    assert calls == ["sweeps", "chunked", "products"]
+    assert calls == ["sweeps", "products", "products"]
+    x = {k: v.detach() for k, v in trapezoidal_inputs(19, ranks=2).items()}
+    x["x"][0, 7, 1, 2] = float("nan")
+    out = trapezoidal_call()(x, "cpu")[0]
+    assert calls[-1] == "chunked"
+    assert torch.isnan(out[0, 7:, 1, 2]).all() and torch.isfinite(out[0, :7]).all() and torch.isfinite(out[1]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -382,7 +388,7 @@ def test_cpu_backend_gradcheck_siso():
     def f(*tensors):
         return trapezoidal_call("interleaved", 2)(dict(zip(names, tensors)), "cpu")
 
-    assert torch.autograd.gradcheck(f, tuple(inputs.values()))
+    assert torch.autograd.gradcheck(f, tuple(inputs.values()), **GRADCHECK_TOL)
 
 
 @pytest.mark.parametrize("a", [0.0, -1e-320, -math.inf, "s = 0"])
@@ -469,7 +475,7 @@ def test_the_c_output_pass_against_its_formula(gate, skip, steps_adjacent):
         it = iter(args)
         return trapezoidal_output(*[next(it) if t is not None else None for t in inputs])
 
-    assert torch.autograd.gradcheck(fn, live)
+    assert torch.autograd.gradcheck(fn, live, **GRADCHECK_TOL)
 
 
 @pytest.mark.parametrize("packed", [None, [5, 0, 9, 6]], ids=["batch", "packed"])
@@ -496,7 +502,7 @@ def test_the_c_rotary_phase_against_a_loop(packed):
                 assert cos[b, t, h, m].item() == pytest.approx(math.cos(acc), abs=1e-12)
                 assert sin[b, t, h, m].item() == pytest.approx(math.sin(acc), abs=1e-12)
     leaves = [t.requires_grad_() for t in (d, th, p0)]
-    assert torch.autograd.gradcheck(lambda *t: rotary_phase(*t, cu, torch.float64), leaves, atol=1e-8, rtol=1e-6)
+    assert torch.autograd.gradcheck(lambda *t: rotary_phase(*t, cu, torch.float64), leaves, **GRADCHECK_TOL)
     with torch.no_grad():
         d[0, 7, 1] = float("inf")
     _, cos, _ = rotary_phase(d, th, p0, cu, torch.float64)
