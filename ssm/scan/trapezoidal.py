@@ -23,7 +23,7 @@ from ._checks import (
 from ._common_trapezoidal import TrapezoidalArgs, TrapezoidalState
 from .cpu import subnormals_flushed
 from .reference import trapezoidal_scan_ref
-from .trapezoidal_chunked import trapezoidal_scan_chunked
+from .trapezoidal_chunked import chunked_core, trapezoidal_scan_chunked
 from .trapezoidal_cpu import trapezoidal_scan_cpu
 
 
@@ -43,7 +43,9 @@ BACKENDS.add("ref", _reference)
 BACKENDS.add("chunked", subnormals_flushed(trapezoidal_scan_chunked))
 BACKENDS.add("cpu", subnormals_flushed(trapezoidal_scan_cpu), devices=("cpu",))
 BACKENDS.add("triton", triton.trapezoidal_scan_triton, devices=triton.devices, hint=triton.hint)
-BACKENDS.add("triton-ssd", triton.trapezoidal_scan_ssd, devices=triton.devices, hint=triton.hint)
+BACKENDS.add(
+    "triton-ssd", lambda args: triton.trapezoidal_scan_ssd(args, chunked_core), devices=triton.devices, hint=triton.hint
+)
 
 ROTARY = ("interleaved", "halved")
 

@@ -17,16 +17,17 @@ runs the same form on the C sweeps (trapezoidal_cpu.py).
 
 bfloat16 inputs give the SSD kernels bfloat16 keys, queries and values (their matrix products
 on the tensor cores, as mamba-ssm's kernels take them); float16 ones float32 (a key scale of
-1/|A| can pass float16's 65504). The chunked core (trapezoidal_chunked.py) runs instead for
-MIMO ranks above 1 (a rank-R input is not one SSD input), P or N above the kernels' 256, a step
-whose −a_t is 0, below 1e-30 or not finite (``decays_in_range``), and under torch.compile (the
-check reads the decays). ``chunk_size`` is the SSD kernels' chunk (rounded to a power of two,
+1/|A| can pass float16's 65504). The chunked core (trapezoidal_chunked.py, passed in) runs
+instead for MIMO ranks above 1 (a rank-R input is not one SSD input), P or N above the kernels'
+256, a step whose −a_t is 0, below 1e-30 or not finite (``decays_in_range``), and under
+torch.compile (the check reads the decays). ``chunk_size`` is the SSD kernels' chunk (rounded to a power of two,
 16 to 256).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +39,6 @@ from .._common_trapezoidal import (
     keys_queries_values,
     run_core,
 )
-from ..trapezoidal_chunked import chunked_core
 from .ssd import _ssd_bwd, _ssd_fwd, chunk_length, declines
 
 
@@ -95,10 +95,11 @@ def _operands(v, rate, k, q, scale, operand):
     return v.to(operand), rate, A, keys, q.to(operand), None, None, None, False, 0.0, math.inf
 
 
-def _core(args: TrapezoidalArgs, p: Prepared):
-    """The core as SSD on the rotated keys; out in x's dtype and H_{L-1}."""
+def _core(args: TrapezoidalArgs, p: Prepared, fallback: Callable):
+    """The core as SSD on the rotated keys (or ``fallback``'s where SSD cannot take it); out in
+    x's dtype and H_{L-1}."""
     if not ssd_takes(args, p):
-        return chunked_core(args, p)
+        return fallback(args, p)
     x, dtype = args.x, args.dtype
     k, q, v = keys_queries_values(args, p.cos, p.sin)  # (B, L, 1, H, N), (B, L, 1, H, P)
     k, q, v1 = k.squeeze(2), q.squeeze(2), v.squeeze(2)
@@ -109,6 +110,8 @@ def _core(args: TrapezoidalArgs, p: Prepared):
     return out.to(x.dtype), H_last
 
 
-def trapezoidal_scan_ssd(args: TrapezoidalArgs):
-    """Backend "triton-ssd" of :func:`ssm.scan.trapezoidal_scan`: (out, last state)."""
-    return run_core(_core, args)
+def trapezoidal_scan_ssd(args: TrapezoidalArgs, fallback: Callable):
+    """Backend "triton-ssd" of :func:`ssm.scan.trapezoidal_scan`: (out, last state). ``fallback``:
+    the core for the calls SSD cannot take (the chunked one, which trapezoidal.py passes in: this
+    module imports nothing above ssm.scan.triton's own, so that no import loops back here)."""
+    return run_core(lambda a, p: _core(a, p, fallback), args)
