@@ -165,19 +165,13 @@ class Mamba(nn.Module):
         conv_state = None if cache is None else cache.conv_state
         if cp_group is not None:  # the previous rank's last d_conv - 1 inputs
             conv_state = conv_state_from_previous_rank(x, self.d_conv, cp_group, packing, conv_state)
-        # x (b, l, d) for x_proj and u (b, d, l) for the scan
-        (x, u), conv_state = causal_conv1d_silu(x, self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens, True)
-        sizes = [self.dt_rank, self.d_state, self.d_state]
-        if self._x_proj_reads_u(x, u):
-            # the C conv wrote x and u apart: x_proj reads u (seen as (b, l, d)), so that x is
-            # not kept for the backward beside it (a (b, l, d) tensor a layer, about a seventh
-            # of its activations)
-            proj = torch.matmul(u.transpose(1, 2), self.x_proj.weight.t())
-        else:
-            proj = self.x_proj(x)
+        # u (b, d, l), the scan's layout; x_proj reads it seen as (b, l, d). (The C conv also
+        # writes a (b, l, d) copy, dropped here at once: read by x_proj it would be kept for the
+        # backward beside u, a seventh of the layer's activations; the tensor path's is a view.)
+        (_, u), conv_state = causal_conv1d_silu(x, self.conv1d.weight, self.conv1d.bias, conv_state, cu_seqlens, True)
+        proj = self.x_proj(u.transpose(1, 2))
         # the scan's (b, d, l) and (b, n, l), as views
-        z, dt, B, C = (t.transpose(1, 2) for t in (z, *proj.split(sizes, -1)))
-        del x
+        z, dt, B, C = (t.transpose(1, 2) for t in (z, *proj.split([self.dt_rank, self.d_state, self.d_state], -1)))
         # Δ = W·dt as (b, d, l), its steps adjacent as the scan reads them: no transposed copy of
         # it, nor of its gradient for dt_proj's backward
         dt = torch.bmm(self.dt_proj.weight.expand(dt.shape[0], -1, -1), dt)
@@ -231,20 +225,6 @@ class Mamba(nn.Module):
         elif last > 0:
             y = y[:, :, -last:]
         return self.out_proj(y.transpose(1, 2))
-
-    def _x_proj_reads_u(self, x: torch.Tensor, u: torch.Tensor) -> bool:
-        """Whether x_proj runs on u (b, d, l) seen as (b, l, d): on the CPU, where the C conv
-        writes x and u as two tensors (elsewhere x is a view of u, and x_proj reads it as before),
-        with x_proj a plain float32 or float64 linear map (not a quantised one, nor bfloat16's
-        widened product)."""
-        w = self.x_proj.weight if isinstance(self.x_proj, nn.Linear) else None
-        return (
-            w is not None
-            and self.x_proj.bias is None
-            and u.device.type == "cpu"
-            and u.dtype in (torch.float32, torch.float64)
-            and w.dtype == u.dtype
-        )
 
     def step(self, hidden_states: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """One token: (batch, d_model) or (batch, 1, d_model) → the same shape. O(1) in the

@@ -68,7 +68,8 @@ def test_every_backend_same_outputs_and_gradients(kind):
 
 def test_mamba_keeps_one_conv_output_for_the_backward(monkeypatch):
     """On the CPU the C conv writes its output twice, x (b, l, d) and u (b, d, l); x_proj reads
-    u, so x is not kept for the backward beside it. Same outputs and gradients as x_proj on x."""
+    u (seen as (b, l, d)), so x is not kept for the backward beside it. (The layer's numbers are
+    checked against references and mamba-ssm elsewhere.)"""
     import ssm.layers.mamba as mamba_layer
 
     conv_outputs = []
@@ -82,7 +83,6 @@ def test_mamba_keeps_one_conv_output_for_the_backward(monkeypatch):
     monkeypatch.setattr(mamba_layer, "causal_conv1d_silu", spy)
     torch.manual_seed(0)
     m = Mamba(24, d_state=6)
-    x = torch.randn(2, 19, 24)
     saved = set()
 
     def pack(t):
@@ -90,19 +90,11 @@ def test_mamba_keeps_one_conv_output_for_the_backward(monkeypatch):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = m(x)
+        m(torch.randn(2, 19, 24))
     ((x_conv, u),) = conv_outputs
     assert x_conv.data_ptr() != u.data_ptr()  # the C conv ran: two tensors
     assert u.untyped_storage().data_ptr() in saved
     assert x_conv.untyped_storage().data_ptr() not in saved
-    grads = torch.autograd.grad(y.square().sum(), list(m.parameters()))
-    monkeypatch.setattr(m, "_x_proj_reads_u", lambda x, u: False)  # x_proj on x, as before
-    y_x = m(x)
-    assert_close(y, y_x, torch.float32, "output")
-    for (name, _), g, g_x in zip(
-        m.named_parameters(), grads, torch.autograd.grad(y_x.square().sum(), list(m.parameters()))
-    ):
-        assert_close(g, g_x, torch.float32, f"d{name}")
 
 
 @pytest.mark.parametrize("kind", MIXERS)
