@@ -188,7 +188,7 @@ def products_heads_first(k, q, v, a, sigma, c, H_init, chunk_size: int, ranks: i
     # the state entering each chunk, read by its queries: exp(s_t)·H·q_t
     y = torch.baddbmm(y, q.reshape(chunks, TR, N) * torch.exp(s).reshape(chunks, TR, 1), entering.transpose(1, 2))
     y = y.view(batch, heads, nc * TR, P)[:, :, :positions]
-    return y, states[:, :, -1]
+    return y, states[:, :, -1].contiguous()  # (a cache keeps it: the fused decoding step reads it whole)
 
 
 def _intra_weights(s, sigma, c, ranks: int):

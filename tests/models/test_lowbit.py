@@ -22,6 +22,9 @@ CONFIGS = {
     "mamba2+mlp": dict(ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 8, "chunk_size": 4}, d_intermediate=40),
     "mamba1-untied": dict(ssm_cfg={"d_state": 8}, tie_embeddings=False),
     "mamba3": dict(ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "chunk_size": 4}),
+    # N·P = 64·24 above the CPU's sweeps: the prompt's state comes from the chunked products,
+    # the prompt over two chunks (a last state that is a strided view declined the fused step)
+    "mamba3-wide": dict(ssm_cfg={"layer": "Mamba3", "d_state": 64, "headdim": 24, "chunk_size": 2}),
     "mamba3-mimo": dict(
         ssm_cfg={"layer": "Mamba3", "d_state": 8, "headdim": 8, "chunk_size": 4, "is_mimo": True, "mimo_rank": 2}
     ),
