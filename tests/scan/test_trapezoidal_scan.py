@@ -513,3 +513,13 @@ def test_the_c_rotary_phase_against_a_loop(packed):
         and torch.isfinite(cos[0, hi:]).all()
         and torch.isfinite(cos[:, :, [0, 2]]).all()
     )
+
+
+@pytest.mark.parametrize("ranks", [None, 2])
+@pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
+def test_last_state_is_contiguous(backend, ranks):
+    """Every part of the last state is contiguous after several chunks: a cache keeps it, and the
+    fused decoding step takes only contiguous states (a strided view made it decline)."""
+    x = {k: v.detach() for k, v in trapezoidal_inputs(21, ranks=ranks).items()}
+    _, *last = trapezoidal_call(chunk_size=4)(x, backend)
+    assert all(t.is_contiguous() for t in last), [tuple(t.stride()) for t in last]
