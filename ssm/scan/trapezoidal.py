@@ -137,9 +137,10 @@ def trapezoidal_scan(
     chunk-parallel, triton/trapezoidal_ssd.py; MIMO runs the chunked form), "cpu" (rank 1:
     the keys' rotation and the output pass in C, the core on the C selective sweeps up to
     N·P = 1024 and as the chunked form's products above, trapezoidal_cpu.py; MIMO on those
-    products, a step's ranks as positions). On CUDA "auto" takes "triton-ssd" for rank 1 and, for MIMO, "triton" where
-    batch × H reaches the GPU's multiprocessor count, else "chunked" (``auto_on_cuda``); packed
-    MIMO sequences keep "triton" (the chunked form loops over them). On the CPU it takes "cpu".
+    products, a step's ranks as positions). On CUDA "auto" takes "triton-ssd" for rank 1 and, for
+    MIMO, "triton" where batch × H reaches the GPU's multiprocessor count, else "chunked"
+    (``auto_on_cuda``); packed MIMO sequences keep "triton" (the chunked form loops over them). On
+    the CPU it takes "cpu".
     """
     check_tensor("x", x, ndim=4)
     batch, length, heads, head_dim = x.shape

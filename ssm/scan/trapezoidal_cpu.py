@@ -44,7 +44,7 @@ from ._common_trapezoidal import (
     values,
 )
 from .cpu import ssd_cpu
-from .trapezoidal_chunked import chunked_core, chunked_products, each_sequence, products_heads_first
+from .trapezoidal_chunked import chunked_products, each_sequence, products_heads_first
 
 # ----------------------------------------------------------------------------- the output pass (C)
 
@@ -452,6 +452,22 @@ def _keys_queries_values(args: TrapezoidalArgs, p: Prepared, heads_first: bool, 
     return k, q, v
 
 
+def _heads_first(k, q, v, p: Prepared, cu_seqlens, chunk_size: int, ranks: int = 1):
+    """``products_heads_first`` over k, q (B, H, L·R, N) and v (B, H, L·R, P), packed sequences
+    one after another: y (B, H, L·R, P) and H_{L-1}."""
+    if cu_seqlens is None:
+        return products_heads_first(k, q, v, p.a, p.s, p.c, p.H_init, chunk_size, ranks)
+    (_, heads, _, N), P = k.shape, v.shape[-1]
+
+    def run(start, end, H0):
+        k_i, q_i, v_i = (t[:, :, start * ranks : end * ranks] for t in (k, q, v))
+        a_i, s_i, c_i = (t[:, start:end] for t in (p.a, p.s, p.c))
+        return products_heads_first(k_i, q_i, v_i, a_i, s_i, c_i, H0, chunk_size, ranks)
+
+    ys, H_last = each_sequence(cu_seqlens, p.H_init, lambda: v.new_zeros(1, heads, P, N), run)
+    return torch.cat([v.new_zeros(1, heads, 0, P), *ys], dim=2), H_last
+
+
 def _products(k, q, v, args: TrapezoidalArgs, p: Prepared):
     """y (B, L, H, P) (the diagonal term included) and H_{L-1} by the chunked form's products,
     from k, q (B, H, L, N) and v (B, L, H, P); packed sequences one after another."""
@@ -460,45 +476,25 @@ def _products(k, q, v, args: TrapezoidalArgs, p: Prepared):
         k, q, v = (t.transpose(1, 2)[:, :, None] for t in (k, q, v))
         y, H_last = chunked_products(k, q, v, p.a, p.s, p.c, p.H_init, args.cu_seqlens, args.chunk_size)
         return y.squeeze(2), H_last
-    if args.cu_seqlens is None:
-        y, H_last = products_heads_first(k, q, v, p.a, p.s, p.c, p.H_init, args.chunk_size)
-        return y.transpose(1, 2), H_last
-    (_, heads, _, N), P = k.shape, v.shape[-1]
-
-    def run(start, end, H0):
-        k_i, q_i, v_i = (t[:, :, start:end] for t in (k, q, v))
-        a_i, s_i, c_i = (t[:, start:end] for t in (p.a, p.s, p.c))
-        return products_heads_first(k_i, q_i, v_i, a_i, s_i, c_i, H0, args.chunk_size)
-
-    ys, H_last = each_sequence(args.cu_seqlens, p.H_init, lambda: v.new_zeros(1, heads, P, N), run)
-    return torch.cat([v.new_zeros(1, heads, 0, P), *ys], dim=2).transpose(1, 2), H_last
+    y, H_last = _heads_first(k, q, v, p, args.cu_seqlens, args.chunk_size)
+    return y.transpose(1, 2), H_last
 
 
 def _mimo(args: TrapezoidalArgs, p: Prepared):
     """MIMO (rank R > 1): the chunked form's products laid out heads first, a step's R ranks R
     positions sharing its decay (``products_heads_first``); out in x's dtype and H_{L-1}. Inputs
-    with a non-finite entry run the chunked core, which masks what it reaches."""
+    with a non-finite entry run the chunked form's general products, which mask what it reaches."""
     k, q, v = keys_queries_values(args, p.cos, p.sin)  # (B, L, R, H, N), (B, L, R, H, P)
     if not all_finite(k, v, p.a, p.s, p.c):
-        return chunked_core(args, p)
-    batch, length, ranks, heads, P = v.shape
-    N = k.shape[-1]
-    # chunks of chunk_size positions, not steps: the intra-chunk weights grow as the square of a
-    # chunk's positions (at R 4, chunks of 64 steps were 256 positions and 16 times the work)
-    steps = max(1, args.chunk_size // ranks)
-    kh, qh, vh = (t.permute(0, 3, 1, 2, 4).flatten(2, 3) for t in (k, q, v))  # (B, H, L·R, ·)
-    if args.cu_seqlens is None:
-        y, H_last = products_heads_first(kh, qh, vh, p.a, p.s, p.c, p.H_init, steps, ranks)
+        y, H_last = chunked_products(k, q, v, p.a, p.s, p.c, p.H_init, args.cu_seqlens, args.chunk_size)
     else:
-
-        def run(start, end, H0):
-            k_i, q_i, v_i = (t[:, :, start * ranks : end * ranks] for t in (kh, qh, vh))
-            a_i, s_i, c_i = (t[:, start:end] for t in (p.a, p.s, p.c))
-            return products_heads_first(k_i, q_i, v_i, a_i, s_i, c_i, H0, steps, ranks)
-
-        ys, H_last = each_sequence(args.cu_seqlens, p.H_init, lambda: v.new_zeros(1, heads, P, N), run)
-        y = torch.cat([v.new_zeros(1, heads, 0, P), *ys], dim=2)
-    y = y.unflatten(2, (length, ranks)).permute(0, 2, 3, 1, 4)  # (B, L, R, H, P)
+        length, ranks = v.shape[1:3]
+        # chunks of chunk_size positions, not steps: the intra-chunk weights grow as the square of
+        # a chunk's positions (at R 4, chunks of 64 steps were 256 positions and 16 times the work)
+        steps = max(1, args.chunk_size // ranks)
+        kh, qh, vh = (t.permute(0, 3, 1, 2, 4).flatten(2, 3) for t in (k, q, v))  # (B, H, L·R, ·)
+        y, H_last = _heads_first(kh, qh, vh, p, args.cu_seqlens, steps, ranks)
+        y = y.unflatten(2, (length, ranks)).permute(0, 2, 3, 1, 4)  # (B, L, R, H, P)
     out = gate_and_contract(y, v, args.D, args.z, args.mimo_z, args.mimo_o, args.dtype)
     return out.to(args.x.dtype), H_last
 

@@ -14,7 +14,7 @@ import torch
 
 from ssm.scan import TrapezoidalState, backends, trapezoidal_scan, trapezoidal_scan_step
 from ssm.scan.cpu import ssd_cpu
-from ssm.scan.trapezoidal_chunked import chunked_core, products_heads_first
+from ssm.scan.trapezoidal_chunked import products_heads_first
 from tests.helpers import (
     CPU_PRODUCTS,
     GRADCHECK_TOL,
@@ -356,12 +356,14 @@ def test_auto_on_cuda_takes_the_chunk_parallel_forms():
 def test_cpu_backend_runs_siso_on_the_sweeps_or_the_products(monkeypatch):
     """On CPU tensors "auto" is "cpu", whose rank-1 core is the C sweeps up to N·P = SWEEPS_UP_TO
     (not the chunked fallback) and the chunked form's products above; MIMO goes to the products
-    too (a step's ranks as positions), or with a non-finite input to the chunked core."""
+    too (a step's ranks as positions), or with a non-finite input to the chunked form's general
+    products."""
     import ssm.scan.trapezoidal_cpu as cpu_backend
 
     calls = []
     monkeypatch.setattr(cpu_backend, "ssd_cpu", lambda *a, **k: calls.append("sweeps") or ssd_cpu(*a, **k))
-    monkeypatch.setattr(cpu_backend, "chunked_core", lambda *a: calls.append("chunked") or chunked_core(*a))
+    general = cpu_backend.chunked_products
+    monkeypatch.setattr(cpu_backend, "chunked_products", lambda *a: calls.append("chunked") or general(*a))
     products = products_heads_first
     monkeypatch.setattr(cpu_backend, "products_heads_first", lambda *a: calls.append("products") or products(*a))
     check_trapezoidal(trapezoidal_inputs(19), "auto")
