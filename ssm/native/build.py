@@ -60,7 +60,7 @@ FLAGS = (
     "-fno-trapping-math",
     "-ffp-contract=fast",
 )
-ABI = 14  # what ssm_kernels_abi() returns for this version of the argument structs
+ABI = 15  # what ssm_kernels_abi() returns for this version of the argument structs
 
 # SSM_CPU_SANITIZE=1 (read when a library is looked up): the library built with AddressSanitizer
 # and UndefinedBehaviorSanitizer instead, into a cache entry of its own (the flags are part of the

@@ -74,4 +74,4 @@ void ssm_flush_subnormals_on_threads(int on, i64 nthreads) {
 }
 
 /* The version of the argument structs (ssm/native/build.py checks it at load). */
-int ssm_kernels_abi(void) { return 14; }
+int ssm_kernels_abi(void) { return 15; }

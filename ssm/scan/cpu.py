@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -108,6 +109,7 @@ class _SelectiveArgs(ctypes.Structure):
                 "d_h0",
             )
         ]
+        + [(name, ctypes.c_int64 * 3) for name in ("sdB", "sdC")]
     )
 
 
@@ -261,6 +263,18 @@ def _selective_fwd(
     return out, last, ckpt
 
 
+def _laid_out_as(M: Tensor, new: Callable[[tuple[int, ...]], Tensor]) -> Tensor:
+    """The gradient of B or C: (B, G, L, N) as M is laid out in memory, its (B, G, L) in the order
+    of M's strides (N innermost, as the kernels read M), from ``new(shape)`` (contiguous). The
+    gradient of Mamba-3's rotated keys, (B, L, H, N) seen as (B, H, L, N), then meets the one from
+    their other use in the same layout, with no transposing add. (D, N): contiguous."""
+    if M.ndim == 2:
+        return new(M.shape)
+    order = sorted(range(3), key=lambda i: -M.stride(i))  # stable: dims of equal stride keep their order
+    inverse = [order.index(i) for i in range(3)]
+    return new((*(M.shape[i] for i in order), M.shape[3])).permute(*inverse, 3)
+
+
 def _selective_bwd_fake(
     grad_out, grad_last, u, delta, A, B, C, D, z, delta_bias, softplus, h0, cu_seqlens, ckpt, decay_only
 ):
@@ -268,8 +282,8 @@ def _selective_bwd_fake(
         u.new_empty(u.shape),
         u.new_empty(u.shape),
         u.new_empty(A.shape),
-        u.new_empty(B.shape),
-        u.new_empty(C.shape),
+        _laid_out_as(B, u.new_empty),
+        _laid_out_as(C, u.new_empty),
         u.new_empty(u.shape[1] if D is not None else 0),
         u.new_empty(u.shape if z is not None else 0),
         u.new_empty(u.shape[1] if delta_bias is not None else 0),
@@ -307,7 +321,8 @@ def _selective_bwd(
     a.delta_decay_only = int(decay_only)
     d_u, d_delta = empty(u.shape, u), empty(u.shape, u)
     d_z = empty(u.shape if z is not None else (0,), u)  # (an empty tensor stands for an absent input's)
-    d_A, d_B, d_C = torch.empty_like(A), empty(B.shape, u), empty(C.shape, u)
+    d_A = torch.empty_like(A)
+    d_B, d_C = (_laid_out_as(M, lambda shape: empty(shape, u)) for M in (B, C))
     d_D, d_bias = (u.new_empty(dim if x is not None else 0) for x in (D, delta_bias))
     d_h0 = u.new_empty(h0.shape if h0 is not None else 0)
     a.nparts = min(dim, 4 * a.nthreads)  # channel blocks: 4 per thread, to share out under load
@@ -317,6 +332,7 @@ def _selective_bwd(
         x.data_ptr() if p is not None else None for x, p in ((d_z, z), (d_D, D), (d_bias, delta_bias), (d_h0, h0))
     )
     a.part_B, a.part_C = (ptr(p) for p in parts)
+    a.sdB, a.sdC = (M.stride()[:3] if M.ndim == 4 else (0, 0, 0) for M in (d_B, d_C))
     kernel("selective_bwd", u.dtype)(ctypes.byref(a))
     return d_u, d_delta, d_A, d_B, d_C, d_D, d_z, d_bias, d_h0
 

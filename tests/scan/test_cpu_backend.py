@@ -58,6 +58,23 @@ def test_selective_unrolled_state_sizes(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selective_state_size_64_with_one_decay_per_channel(dtype):
+    """N = 64 with the same A for every n of a channel (Mamba-2's and Mamba-3's d_state 64) has a
+    specialised sweep; A varying over n, the general one. B and C are laid out (batch, L, G, N),
+    as a layer's keys are, and their gradients come back in that layout."""
+    for same_A in (True, False):
+        x = selective_inputs(2 * T + 5, dim=4, N=64, groups=2, B_form="grouped", dtype=dtype, seed=5)
+        if same_A:
+            x["A"] = x["A"].detach()[:, :1].expand(-1, 64).clone().requires_grad_()
+        for name in ("B", "C"):  # (batch, G, N, L) views of (batch, L, G, N) memory
+            x[name] = x[name].detach().permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1).requires_grad_()
+        _, grads = check_selective(x, "cpu")
+        for name in ("B", "C"):
+            assert grads[name].stride() == x[name].stride(), f"d{name} laid out {grads[name].stride()}"
+
+
+@needs_kernels
 @pytest.mark.parametrize("length", [T - 1, T + 1, 3 * T + 2])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_linear_lengths(length, reverse):
