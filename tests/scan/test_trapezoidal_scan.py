@@ -517,6 +517,30 @@ def test_the_c_rotary_phase_against_a_loop(packed):
     )
 
 
+def test_the_c_rotary_phase_in_float32_against_float64():
+    """Float32's cos and sin (trapezoidal.c's polynomials, not libm) within a rounding of the
+    float64 values, over phases that sweep every quadrant many times (the reduction mod π/2 and
+    its signs), from 0 to about 1e4; a non-finite phase stays NaN."""
+    from ssm.scan.trapezoidal_cpu import rotary_phase
+
+    g = torch.Generator().manual_seed(4)
+    L, H, M = 3000, 2, 8
+    d = torch.rand(1, L, H, generator=g, dtype=torch.float64) + 0.5
+    th = torch.rand(1, L, H, M, generator=g, dtype=torch.float64) * torch.logspace(-3, 0.5, M, dtype=torch.float64)
+    d32, th32 = d.float(), th.float()
+    phase, cos, sin = rotary_phase(d32, th32, None, None, torch.float32)
+    exact = torch.cumsum(d32.double()[..., None] * th32.double(), dim=1)  # what the C pass sums, in float64
+    assert cos.dtype == sin.dtype == torch.float32
+    assert exact.max() > 1e3 and (exact % (2 * math.pi)).min() < 0.05  # many quadrants, some near 0
+    torch.testing.assert_close(phase.double(), exact, rtol=1e-7, atol=0)
+    assert (cos.double() - exact.cos()).abs().max() <= 1e-7
+    assert (sin.double() - exact.sin()).abs().max() <= 1e-7
+    d32[0, 5, 1] = float("nan")
+    _, cos, sin = rotary_phase(d32, th32, None, None, torch.float32)
+    assert torch.isnan(cos[0, 5:, 1]).all() and torch.isnan(sin[0, 5:, 1]).all()
+    assert torch.isfinite(cos[0, :, 0]).all()
+
+
 @pytest.mark.parametrize("ranks", [None, 2])
 @pytest.mark.parametrize("backend", ["ref"] + FAST_BACKENDS)
 def test_last_state_is_contiguous(backend, ranks):
