@@ -375,27 +375,40 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
     const i64 GB = a->groups_B, GC = a->groups_C;
     const i64 part_size_B = a->B_fixed ? 0 : Bn * GB * L * N, part_size_C = a->C_fixed ? 0 : Bn * GC * L * N;
 
+    const i64 block_max = (Dn + a->nparts - 1) / a->nparts; /* the most channels in a block */
 #pragma omp parallel num_threads((int)a->nthreads)
     {
         const fp_mode fp = flush_subnormals();
-        REAL *scratch = (REAL *)malloc(sizeof(REAL) * ((8 + 3 * LANES) * T + 2 * T * N + 6 * N));
+        REAL *scratch = (REAL *)malloc(sizeof(REAL) * ((8 + 3 * LANES) * T + 2 * T * N + N + (5 * N + 2) * block_max));
         REAL *dt = scratch, *raw = dt + T, *u = raw + T, *zv = u + T, *y = zv + T, *gy = y + T;
         REAL *sA = gy + T, *sBk = sA + T, *y_lanes = sBk + T, *sA_lanes = y_lanes + LANES * T;
         REAL *sB_lanes = sA_lanes + LANES * T;
         REAL *hs = sB_lanes + LANES * T;  /* hs[k*N..]: the state entering step t0+k (after any restart) */
         REAL *decay = hs + T * N;         /* decay[k*N..]: exp(Δ_t A) of step t0+k */
-        REAL *lam = decay + T * N, *Ad = lam + N, *accA = Ad + N, *accB = accA + N, *accC = accB + N, *h = accC + N;
+        /* per channel of the block (j = d − d0), N apart: A's row, λ, and the sums of dA, and of dB
+           and dC when those are fixed; then accD and accBias, one each */
+        REAL *Ads = decay + T * N, *lams = Ads + N * block_max, *accAs = lams + N * block_max;
+        REAL *accBs = accAs + N * block_max, *accCs = accBs + N * block_max;
+        REAL *accDs = accCs + N * block_max, *accBiases = accDs + block_max;
+        REAL *h = accBiases + block_max; /* the recomputation's running state (N) */
         i64 own_cu[2] = {0, L};
         const i64 *cu = a->cu_seqlens ? a->cu_seqlens : own_cu;
 
         /* Work units: nparts blocks of channels, handed out dynamically (a thread that shares its
            core with another process takes fewer). Each block adds its channels' dB_t, dC_t into
            rows of its own, in channel order, and the blocks are added up in block order at the
-           end: the gradients are the same bits on every run whichever thread ran which block. */
+           end: the gradients are the same bits on every run whichever thread ran which block.
+           Within a block the walk is chunk by chunk from the end, and in each chunk channel by
+           channel (each with its own λ carried from the chunk after): the chunk's rows of those
+           sums (T·N each for dB and dC) then stay in L1 while every channel of the block adds to
+           them, where a walk of one channel over all L steps at a time went out to L2 for them at
+           every step (measured: that traffic was half of the backward at the parity model's
+           (64, 64, 160), N 64). Each sum still adds its terms in the same order. */
 #pragma omp for schedule(dynamic, 1)
         for (i64 part = 0; part < a->nparts; part++) {
             REAL *pB = a->B_fixed ? NULL : (REAL *)a->part_B + part * part_size_B;
             REAL *pC = a->C_fixed ? NULL : (REAL *)a->part_C + part * part_size_C;
+            const i64 d0 = part * Dn / a->nparts, d1 = (part + 1) * Dn / a->nparts;
             i64 g0, g1;
             if (pB) {
                 groups_of_part(part, a->nparts, Dn, GB, &g0, &g1);
@@ -407,30 +420,43 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                 for (i64 b = 0; b < Bn && g1 >= g0; b++)
                     memset(pC + (b * GC + g0) * L * N, 0, sizeof(REAL) * (g1 - g0 + 1) * L * N);
             }
-            for (i64 d = part * Dn / a->nparts; d < (part + 1) * Dn / a->nparts; d++) {
-                const REAL Dd = a->D ? ((const REAL *)a->D)[d] : 0;
-                const i64 gB = d / (Dn / GB), gC = d / (Dn / GC);
-                REAL accD = 0, accBias = 0;
-                for (i64 n = 0; n < N; n++) { Ad[n] = A[d * N + n]; accA[n] = 0; accB[n] = 0; accC[n] = 0; }
-                const int same_A = SUF(all_equal)(Ad, N);
-                for (i64 b = 0; b < Bn; b++) {
-                    const i64 row = a->cu_seqlens ? 0 : b;
-                    const REAL *Bm = (const REAL *)a->B + b * a->sB[0] + gB * a->sB[1];
-                    const REAL *Cm = (const REAL *)a->C + b * a->sC[0] + gC * a->sC[1];
-                    const REAL *go = (const REAL *)a->grad_out + b * a->sgo[0] + d * a->sgo[1];
-                    REAL *du = (REAL *)a->d_u + (b * Dn + d) * L, *ddl = (REAL *)a->d_delta + (b * Dn + d) * L;
-                    REAL *dz = a->d_z ? (REAL *)a->d_z + (b * Dn + d) * L : NULL;
-                    /* where dB_t, dC_t go: this block's rows of this (batch, group), or the channel's sums */
-                    REAL *pBb = pB ? pB + (b * GB + gB) * L * N : accB, *pCb = pC ? pC + (b * GC + gC) * L * N : accC;
-                    const i64 spB = pB ? N : 0, spC = pC ? N : 0;
+            for (i64 d = d0; d < d1; d++) {
+                REAL *Ad = Ads + (d - d0) * N;
+                for (i64 n = 0; n < N; n++) {
+                    Ad[n] = A[d * N + n];
+                    accAs[(d - d0) * N + n] = 0, accBs[(d - d0) * N + n] = 0, accCs[(d - d0) * N + n] = 0;
+                }
+                accDs[d - d0] = 0, accBiases[d - d0] = 0;
+            }
+            for (i64 b = 0; b < Bn; b++) {
+                const i64 row = a->cu_seqlens ? 0 : b;
+                for (i64 d = d0; d < d1; d++) {
                     for (i64 s = 0; s < S; s++) /* zero-length sequences pass their gradient through */
                         if (cu[s] == cu[s + 1] && dh0)
                             for (i64 n = 0; n < N; n++)
                                 dh0[((row + s) * Dn + d) * N + n] = glast ? glast[((row + s) * Dn + d) * N + n] : 0;
-                    i64 s_end = prev_nonempty(cu, S - 1); /* the sequence the reverse walk is in */
-                    for (i64 n = 0; n < N; n++) lam[n] = 0;
-                    for (i64 c = n_chunks - 1; c >= 0; c--) {
-                        const i64 t0 = c * T, nt = L - t0 < T ? L - t0 : T;
+                    for (i64 n = 0; n < N; n++) lams[(d - d0) * N + n] = 0;
+                }
+                i64 s_last = prev_nonempty(cu, S - 1); /* the sequence the reverse walk is in */
+                for (i64 c = n_chunks - 1; c >= 0; c--) {
+                    const i64 t0 = c * T, nt = L - t0 < T ? L - t0 : T;
+                    i64 s_end = s_last;
+                    for (i64 d = d0; d < d1; d++) {
+                        const REAL *Ad = Ads + (d - d0) * N;
+                        REAL *lam = lams + (d - d0) * N, *accA = accAs + (d - d0) * N;
+                        const int same_A = SUF(all_equal)(Ad, N);
+                        const REAL Dd = a->D ? ((const REAL *)a->D)[d] : 0;
+                        const i64 gB = d / (Dn / GB), gC = d / (Dn / GC);
+                        const REAL *Bm = (const REAL *)a->B + b * a->sB[0] + gB * a->sB[1];
+                        const REAL *Cm = (const REAL *)a->C + b * a->sC[0] + gC * a->sC[1];
+                        const REAL *go = (const REAL *)a->grad_out + b * a->sgo[0] + d * a->sgo[1];
+                        REAL *du = (REAL *)a->d_u + (b * Dn + d) * L, *ddl = (REAL *)a->d_delta + (b * Dn + d) * L;
+                        REAL *dz = a->d_z ? (REAL *)a->d_z + (b * Dn + d) * L : NULL;
+                        /* where dB_t, dC_t go: this block's rows of this (batch, group), or the channel's sums */
+                        REAL *pBb = pB ? pB + (b * GB + gB) * L * N : accBs + (d - d0) * N;
+                        REAL *pCb = pC ? pC + (b * GC + gC) * L * N : accCs + (d - d0) * N;
+                        const i64 spB = pB ? N : 0, spC = pC ? N : 0;
+                        s_end = s_last;
                         const REAL *Bc = Bm + t0 * a->sB[2], *Cc = Cm + t0 * a->sC[2];
                         SUF(chunk_inputs)(a, b, d, t0, nt, dt, raw, u, zv);
                         /* recompute the chunk's states from the saved one, in segments that do not
@@ -495,15 +521,18 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                             sum_bias += gdt;
                             sum_D += gy[k] * u[k];
                         }
-                        accBias += sum_bias;
-                        accD += sum_D;
+                        accBiases[d - d0] += sum_bias;
+                        accDs[d - d0] += sum_D;
                     }
+                    s_last = s_end; /* every channel leaves the chunk in the same sequence */
                 }
-                for (i64 n = 0; n < N; n++) ((REAL *)a->d_A)[d * N + n] = accA[n];
-                if (a->B_fixed) for (i64 n = 0; n < N; n++) ((REAL *)a->d_B)[d * N + n] = accB[n];
-                if (a->C_fixed) for (i64 n = 0; n < N; n++) ((REAL *)a->d_C)[d * N + n] = accC[n];
-                if (a->d_D) ((REAL *)a->d_D)[d] = accD;
-                if (a->d_delta_bias) ((REAL *)a->d_delta_bias)[d] = accBias;
+            }
+            for (i64 d = d0; d < d1; d++) {
+                for (i64 n = 0; n < N; n++) ((REAL *)a->d_A)[d * N + n] = accAs[(d - d0) * N + n];
+                if (a->B_fixed) for (i64 n = 0; n < N; n++) ((REAL *)a->d_B)[d * N + n] = accBs[(d - d0) * N + n];
+                if (a->C_fixed) for (i64 n = 0; n < N; n++) ((REAL *)a->d_C)[d * N + n] = accCs[(d - d0) * N + n];
+                if (a->d_D) ((REAL *)a->d_D)[d] = accDs[d - d0];
+                if (a->d_delta_bias) ((REAL *)a->d_delta_bias)[d] = accBiases[d - d0];
             }
         }
         /* add up the blocks' sums over channels of time-varying B and C */
