@@ -348,18 +348,27 @@ void SUF(trap_phase_bwd)(const TrapPhaseArgs *a) {
             SUF(trap_phase_span)(a, q, &b, &lo, &hi);
             double G[M > 0 ? M : 1];
             for (i64 m = 0; m < M; m++) G[m] = 0.0;
+            double g[M > 0 ? M : 1];
+            REAL *restrict d_angles = (REAL *)a->d_angles;
             for (i64 t = hi - 1; t >= lo; t--) {
                 const i64 at = ((b * L + t) * H + h) * M;
-                const REAL *th = (const REAL *)a->angles + at;
-                const REAL *c = (const REAL *)a->cos + at, *sn = (const REAL *)a->sin + at;
+                const REAL *restrict th = (const REAL *)a->angles + at;
+                const REAL *restrict c = (const REAL *)a->cos + at, *restrict sn = (const REAL *)a->sin + at;
                 const double dt = (double)((const REAL *)a->delta)[(b * L + t) * H + h];
+                /* each input's term in a loop of its own, so that every loop runs several lanes at a
+                   time (a missing gradient skips its loop rather than testing in the loop) */
+                for (i64 m = 0; m < M; m++) g[m] = dph ? (double)dph[at + m] : 0.0;
+                if (dc)
+#pragma omp simd
+                    for (i64 m = 0; m < M; m++) g[m] -= (double)sn[m] * (double)dc[at + m];
+                if (ds)
+#pragma omp simd
+                    for (i64 m = 0; m < M; m++) g[m] += (double)c[m] * (double)ds[at + m];
                 double d_delta = 0.0;
+#pragma omp simd reduction(+ : d_delta)
                 for (i64 m = 0; m < M; m++) {
-                    double g = dph ? (double)dph[at + m] : 0.0;
-                    if (dc) g -= (double)sn[m] * (double)dc[at + m];
-                    if (ds) g += (double)c[m] * (double)ds[at + m];
-                    G[m] += g;
-                    ((REAL *)a->d_angles)[at + m] = (REAL)(dt * G[m]);
+                    G[m] += g[m];
+                    d_angles[at + m] = (REAL)(dt * G[m]);
                     d_delta += (double)th[m] * G[m];
                 }
                 ((REAL *)a->d_delta)[(b * L + t) * H + h] = (REAL)d_delta;
