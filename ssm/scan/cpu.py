@@ -10,8 +10,8 @@ that shares its core with another busy process simply does fewer of them; the se
 backward's units are blocks of channels, each summing its dB and dC into rows of its own, added
 up in block order (bitwise-reproducible gradients for a given thread count). Softplus, the D·u
 skip and the silu(z) gate are fused into the sweep, and the backward writes every gradient in
-one reverse sweep. ``ssd`` runs on the same sweeps, and ``selective_step_cpu`` is the one-token
-step of recurrent decoding.
+one reverse sweep. ``ssd`` runs on the same sweeps; the one-token step of recurrent decoding is
+bound in step_cpu.py.
 
 The library is built, cached and loaded by ``ssm.native`` (one library for every C-backed op).
 Without it (no compiler, or ``SSM_CPU_KERNEL=0``) these functions run ``pscan``'s pure-PyTorch
@@ -132,22 +132,10 @@ class _LinearArgs(ctypes.Structure):
     ]
 
 
-class _StepArgs(ctypes.Structure):
-    """StepArgs of ssm/native/selective.c, field for field."""
-
-    _fields_ = (
-        [(name, ctypes.c_int64) for name in ("batch", "dim", "N", "softplus", "nthreads")]
-        + [(name, ctypes.c_void_p) for name in ("state", "u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
-        + [(name, ctypes.c_int64) for name in ("su", "sdelta", "sz", "sB", "sC")]
-        + [(name, ctypes.c_void_p) for name in ("out", "new_state")]
-    )
-
-
 declare("selective_fwd", [ctypes.POINTER(_SelectiveArgs)])
 declare("selective_bwd", [ctypes.POINTER(_SelectiveArgs)])
 declare("linear_fwd", [ctypes.POINTER(_LinearArgs)])
 declare("linear_bwd", [ctypes.POINTER(_LinearArgs)])
-declare("selective_step", [ctypes.POINTER(_StepArgs)])
 
 
 # ----------------------------------------------------------------------------- selective scan
@@ -546,54 +534,6 @@ def ssd_cpu(
         delta_decay_only=dt_decay_only,
     )
     return out.transpose(1, 2).reshape(batch, length, heads, P), last.reshape(-1, heads, P, N)
-
-
-# ----------------------------------------------------------------------------- one step (decoding)
-
-
-def selective_step_cpu(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus) -> tuple[Tensor, Tensor] | None:
-    """``selective_scan_step`` in one C call, or None when it does not apply: CPU tensors of one
-    float dtype (float32 or float64, the state's and u's), B and C (batch, N), no gradient to
-    keep, not inside torch.compile, kernels built. Arguments validated by the caller."""
-    dtype = state.dtype
-    if (
-        dtype not in (torch.float32, torch.float64)
-        or state.device.type != "cpu"
-        or u.dtype != dtype
-        or compute_dtype(state, u, delta, A, B, C, D, z, delta_bias) != dtype
-        or B.ndim != 2
-        or C.ndim != 2
-        or torch.compiler.is_compiling()
-        or (
-            torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (state, u, delta, A, B, C, D, z, delta_bias))
-        )
-    ):
-        return None
-    if not ready():
-        return None
-    batch, dim, N = state.shape
-
-    def rows(x):  # (batch, k) with the last dim contiguous, in the state's dtype
-        x = x.to(dtype)
-        return x if x.stride(-1) == 1 else x.contiguous()
-
-    state = state.contiguous()
-    u, delta, B, C = rows(u), rows(delta), rows(B), rows(C)
-    z = None if z is None else rows(z)
-    A = A.to(dtype).contiguous()
-    D = None if D is None else D.to(dtype).contiguous()
-    delta_bias = None if delta_bias is None else delta_bias.to(dtype).contiguous()
-    out, new_state = u.new_empty(batch, dim), torch.empty_like(state)
-    a = _StepArgs()
-    a.batch, a.dim, a.N, a.softplus, a.nthreads = batch, dim, N, int(delta_softplus), threads()
-    a.state, a.u, a.delta, a.A, a.B, a.C = (x.data_ptr() for x in (state, u, delta, A, B, C))
-    a.D, a.z, a.delta_bias = ptr(D), ptr(z), ptr(delta_bias)
-    a.su, a.sdelta, a.sB, a.sC = u.stride(0), delta.stride(0), B.stride(0), C.stride(0)
-    a.sz = 0 if z is None else z.stride(0)
-    a.out, a.new_state = out.data_ptr(), new_state.data_ptr()
-    kernel("selective_step", state.dtype)(ctypes.byref(a))
-    return out, new_state
 
 
 def subnormals_flushed(fn):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ._checks import check_shape, check_state_size, check_tensor, compute_dtype
 from ._common import ssd_delta, ssd_skip_and_gate
 from ._common_trapezoidal import TrapezoidalState, gate_and_contract, per_head, rotate, values
-from .cpu import selective_step_cpu
+from .step_cpu import selective_step_cpu
 
 
 def selective_scan_step(

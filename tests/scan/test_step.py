@@ -109,7 +109,7 @@ def test_selective_step_in_c_equals_the_tensor_formulas(dtype):
     tensor formulas. Same values, from strided rows (B, C, dt split out of one projection, z
     half of another) as a Mamba layer passes them."""
     from ssm.native import library
-    from ssm.scan import cpu
+    from ssm.scan import step_cpu
 
     if library() is None:
         pytest.fail("the cpu kernels did not build: the C step is untested")
@@ -124,7 +124,7 @@ def test_selective_step_in_c_equals_the_tensor_formulas(dtype):
     D, bias = torch.randn(dim, generator=g, dtype=dtype), torch.randn(dim, generator=g, dtype=dtype)
     with torch.no_grad():
         y, h = selective_scan_step(state, u, delta, A, B, C, D, z, bias, delta_softplus=True)
-    assert cpu.selective_step_cpu(state, u, delta, A, B, C, D, z, bias, True) is not None
+    assert step_cpu.selective_step_cpu(state, u, delta, A, B, C, D, z, bias, True) is not None
     y_ref, h_ref = selective_scan_step(state.requires_grad_(), u, delta, A, B, C, D, z, bias, delta_softplus=True)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(y, y_ref.detach(), rtol=tol, atol=tol)
