@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -188,13 +189,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     return config
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as PyYAML reads it, but for numbers in exponent form without a dot (``1e-6``, ``3E4``),
+    which PyYAML (YAML 1.1) reads as strings and YAML 1.2 as floats: so ``dt_min: 1e-6`` in a
+    free-keyed section such as model.ssm_cfg, or ``model.ssm_cfg.dt_min=1e-6`` on the command
+    line, is the number it looks like."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str):
+    """``text`` parsed as the config files are (see _Loader)."""
+    return yaml.load(text, Loader=_Loader)
+
+
 def _load_yaml(path: Path, seen: tuple = ()) -> dict:
     if path.resolve() in seen:
         raise ConfigError(f"config files include each other in a loop: {[str(p) for p in seen]}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(raw, dict):
@@ -266,7 +286,7 @@ def set_key(config, key: str, text: str) -> None:
 
 def _parse_yaml_scalar(text: str):
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError:
         return text
 

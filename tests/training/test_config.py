@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from ssm import MambaConfig
 from ssm.training import ConfigError, TrainConfig, load_config
@@ -90,6 +91,20 @@ def test_mistakes_in_files_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"c.yaml is not valid YAML: .* line 2") as err:
         load_config(path)
     assert "\n" not in str(err.value)
+
+
+def test_exponent_numbers_without_a_dot_are_numbers_in_free_keyed_sections(tmp_path):
+    """PyYAML reads 1e-6 as a string; model.ssm_cfg passes its values on untyped, so the layer
+    got '1e-6' and refused it. From a file and from the command line it is the float."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"base: {DEFAULT}\nmodel:\n  ssm_cfg: {{layer: Mamba1, dt_min: 1e-5, dt_max: 2E-1}}\n")
+    config = load_config(path, ["model.ssm_cfg.dt_init_floor=1e-7", "model.ssm_cfg.d_state=8"])
+    assert config.model.ssm_cfg["dt_min"] == 1e-5 and config.model.ssm_cfg["dt_max"] == 0.2
+    assert config.model.ssm_cfg["dt_init_floor"] == 1e-7 and config.model.ssm_cfg["d_state"] == 8
+    mixer = build_model(config, 10).backbone.layers[0].mixer
+    dt = torch.nn.functional.softplus(mixer.dt_proj.bias.detach().double())
+    assert dt.min() >= 1e-5 * (1 - 1e-6) and dt.max() <= 0.2 * (1 + 1e-6)
+    assert load_config(DEFAULT, ["model.ssm_cfg.name=e5"]).model.ssm_cfg["name"] == "e5"  # words stay words
 
 
 def test_misspelt_mixer_argument_fails_before_training():
