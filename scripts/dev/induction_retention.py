@@ -1,11 +1,16 @@
 """How long a Mamba-1 induction-heads checkpoint can hold a key (issue 46, goal 2): per layer, Δ
-over the tokens that are neither the key nor a trigger, and the retention of the slowest state.
+over the tokens that are neither a trigger nor the key (nor the 3 after it), the retention of the
+slowest state, and (--share) the key's share of what a layer reads out at the end.
 
     python scripts/dev/induction_retention.py runs/RUN/checkpoints/step-*.ckpt
 
 For each checkpoint, on --samples validation sequences (the "val" split, never the test split)
-at the run's training length: Δ = softplus(dt_proj(x) + bias) at every such token, its median and
-minimum; per channel d its mean Δ̄_d; and the slowest state's decay per token,
+at the run's training length: Δ = softplus(dt_proj(x) + bias) at every such token (neither a
+trigger, nor the key, nor the 3 tokens after the key: the causal conv of width 4 still sees the
+trigger there, and a model writes the key with a large Δ at those positions, a fixed cost once
+per sequence, not a rate per token; a mean over 256 tokens that counts them overstates the
+decay of the long run up to 20-fold), its median and minimum; per channel d its mean Δ̄_d; and
+the slowest state's decay per token,
 r = min over (d, n) of Δ̄_d·|A_dn| (A = -exp(A_log)). A state decaying at r keeps exp(-r·G) of
 what it held G tokens back: printed for G = 2^14 and 2^20. (A summary of the mean decay: the
 readout can still succeed from a decayed state when what the later tokens add is smaller yet.)
@@ -16,6 +21,17 @@ log|A| of each layer's slowest (d, n) (A_log[d, n]): their mean and spread over 
 A positive mean is a push towards a slower decay (a descent step lowers A_log); a mean small
 against its spread is no consistent push (Adam then moves the parameter by about its rate
 either way).
+
+``--share L1,L2,...``: the key's share of what each layer reads out at the last position (the
+trigger, where the answer is read), on --share-samples validation sequences at each length. The
+layer's output there is a sum over the positions t of what each wrote into its state, decayed
+since: y_d = Σ_t Δ_td·u_td·Σ_n C_n·B_tn·exp(A_dn·(S_d − S_td)), with S the cumulative Δ, then
+gated and projected (out_proj(y·silu(z))). Split into the terms of the key and the three
+positions after it (where the causal conv of width 4 still carries the key) and all the others,
+it prints the median over sequences of |key part| / |the rest| (norms of the projected output),
+and the accuracy: where the ratio falls below about 1, the key is outweighed by the writes of the
+tokens since. Computed in float64 from the layer's own inputs (hooks on in_proj, x_proj and
+out_proj), and checked against the layer's own output there.
 
 ``--precision L``: the same --samples validation sequences at length L read in float32 and in
 float64 (the model and its scans), the accuracy of each and the largest difference of the
@@ -41,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         "--gradients", type=int, default=0, metavar="K", help="batches for the gradient (default 0: none)"
     )
     parser.add_argument("--precision", type=int, default=0, metavar="L", help="length to read in float32 and float64")
+    parser.add_argument("--share", default="", metavar="L1,L2", help="lengths for the key's share (e.g. 2^8,2^12)")
+    parser.add_argument("--share-samples", type=int, default=16, help="sequences per --share length (default 16)")
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error(f"--samples must be >= 1, got {args.samples}")
@@ -74,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             hook.remove()
         other = x != dataset.trigger  # neither trigger
         keys = (x == dataset.trigger).int().argmax(1) + 1
-        other[torch.arange(len(x)), keys] = False  # nor the key
+        for after in range(4):  # nor the key and the 3 tokens after it (see the module's docstring)
+            other[torch.arange(len(x)), (keys + after).clamp(max=x.shape[1] - 1)] = False
         parts, slowest = [f"step {step:7d}"], []
         with torch.no_grad():
             for k, mixer in enumerate(mixers):
@@ -93,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step:7d}  " + gradient_report(model, mixers, slowest, config, args.gradients), flush=True)
         if args.precision:
             print(f"step {step:7d}  " + precision_report(model, config, args.precision, args.samples), flush=True)
+        for length in lengths(args.share):
+            print(f"step {step:7d}  " + share_report(model, mixers, config, length, args.share_samples), flush=True)
     return 0
 
 
@@ -121,6 +142,80 @@ def gradient_report(model, mixers, slowest, config, batches: int) -> str:
         spread = (sum((v - mean) ** 2 for v in g) / max(len(g) - 1, 1)) ** 0.5
         parts.append(f"layer {k} d loss/d A_log[{slowest[k][0]}, {slowest[k][1]}]: mean {mean:.3g} spread {spread:.3g}")
     return "  ".join(parts)
+
+
+def lengths(text: str) -> list[int]:
+    """ "2^8,4096" -> [256, 4096]."""
+    out = []
+    for item in filter(None, text.split(",")):
+        base, _, power = item.partition("^")
+        out.append(int(base) ** int(power) if power else int(base))
+    return out
+
+
+def share_report(model, mixers, config, length: int, samples: int) -> str:
+    """Per layer, the median over ``samples`` validation sequences at ``length`` of the key's
+    share of the layer's output at the last position, |key part| / |rest| (see the module's
+    docstring), and the model's accuracy on those sequences."""
+    import torch
+    import torch.nn.functional as F
+
+    from ssm.training.data import VALIDATION_SPLIT, TaskDataModule
+
+    dataset = TaskDataModule(config.data, seed=config.seed).dataset(VALIDATION_SPLIT, samples, length)
+    ratios, right = [[] for _ in mixers], 0
+    for i in range(samples):
+        x, y = dataset[i]
+        seen = {}
+        hooks = []
+        for k, mixer in enumerate(mixers):
+            hooks.append(mixer.in_proj.register_forward_hook(lambda _m, _i, out, k=k: seen.__setitem__(("z", k), out)))
+            hooks.append(
+                mixer.out_proj.register_forward_hook(lambda _m, inp, _o, k=k: seen.__setitem__(("gated", k), inp[0]))
+            )
+            hooks.append(
+                mixer.x_proj.register_forward_hook(
+                    lambda _m, inp, out, k=k: seen.update({("u", k): inp[0], ("proj", k): out})
+                )
+            )
+        with torch.no_grad():
+            logits = model(x[None])
+        for hook in hooks:
+            hook.remove()
+        scored = y != -100
+        right += int((logits[0][scored].argmax(-1) == y[scored]).all())
+        key = int((x == dataset.trigger).int().argmax()) + 1
+        window = torch.zeros(length, dtype=torch.bool)
+        window[key : key + 4] = True
+        with torch.no_grad():
+            for k, mixer in enumerate(mixers):
+                u = seen[("u", k)][0].double()  # (L, D)
+                dt, B, C = seen[("proj", k)][0].double().split([mixer.dt_rank, mixer.d_state, mixer.d_state], -1)
+                delta = F.softplus(dt @ mixer.dt_proj.weight.double().T + mixer.dt_proj.bias.double())  # (L, D)
+                A = -torch.exp(mixer.A_log.double())  # (D, N)
+                since = delta.flip(0).cumsum(0).flip(0) - delta  # Σ_{s > t} Δ_s: (L, D)
+                parts = torch.zeros(2, u.shape[1], dtype=torch.float64)
+                for lo in range(0, length, 4096):  # (T, D, N) at a time
+                    hi = min(lo + 4096, length)
+                    decay = torch.exp(A * since[lo:hi, :, None])
+                    w = (decay * (B[lo:hi, None, :] * C[-1])).sum(-1) * delta[lo:hi] * u[lo:hi]  # (T, D)
+                    in_window = window[lo:hi]
+                    parts[0] += w[in_window].sum(0)
+                    parts[1] += w[~in_window].sum(0)
+                z = seen[("z", k)][0, -1].chunk(2, dim=-1)[1].double()  # the gate's half of in_proj
+                # the decomposition checked against the layer's own output there (out_proj's input)
+                whole = (parts.sum(0) + mixer.D.double() * u[-1]) * F.silu(z)
+                got = seen[("gated", k)][0, -1].double()
+                if not torch.allclose(whole, got, rtol=1e-3, atol=1e-4 * float(got.abs().max())):
+                    raise RuntimeError(f"layer {k}: the sum over positions is not the layer's output")
+                out = (parts * F.silu(z)) @ mixer.out_proj.weight.double().T  # (2, d_model)
+                ratios[k].append(float(out[0].norm() / out[1].norm()))
+    text = [f"L {length}: accuracy {right}/{samples}"]
+    for k, r in enumerate(ratios):
+        r = torch.tensor(r)
+        spread = f"min {float(r.min()):.3g}, max {float(r.max()):.3g}"
+        text.append(f"layer {k}: |key| / |rest| median {float(r.median()):.3g} ({spread})")
+    return "  ".join(text)
 
 
 def precision_report(model, config, length: int, samples: int) -> str:

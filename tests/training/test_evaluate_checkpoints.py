@@ -164,6 +164,11 @@ def test_retention_script_reads_delta_and_the_slowest_decay(run_dir, tmp_path, c
     assert f"layer 0 d loss/d A_log[0, 0]: mean {sum(grads) / 2:.3g} " in out
     diff = float(out.split("largest |Δ log p(answer)| ")[1].split()[0])
     assert "L 16: accuracy float32 " in out and 0 < diff < 1e-4
+    # --share: the layer's output at the last position split by where it was written; the script
+    # raises unless the parts add up to what the layer computed (its scan, not this formula)
+    assert main([str(path), "--samples", "2", "--share", "2^5", "--share-samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "L 32: accuracy " in out and "layer 0: |key| / |rest| median " in out
     with pytest.raises(SystemExit):  # parity is not induction heads
         other = tmp_path / "parity"
         train(load_config(None, [*TINY[:3], "data.task=parity", "data.seq_len=8", "trainer.max_steps=1",
