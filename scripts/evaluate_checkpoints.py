@@ -110,6 +110,21 @@ def lengths_label(length: int) -> str:
     return f"2^{length.bit_length() - 1}" if length & (length - 1) == 0 else str(length)
 
 
+def save_record(store: Path, records: list[dict], record: dict) -> list[dict]:
+    """``records`` with ``record`` added, merged with what ``store`` holds now (another call
+    writing to the same OUT, e.g. a final evaluation beside a loop over the checkpoints, keeps
+    its records: each call reads the file again before it writes), written atomically (a call
+    stopped mid-write leaves the previous file). Returns the merged list."""
+    key = lambda r: (r["checkpoint"], r["length"], r["samples"], r["split"])  # noqa: E731
+    merged = {key(r): r for r in (json.loads(store.read_text())["records"] if store.is_file() else [])}
+    merged.update((key(r), r) for r in [*records, record])
+    out = list(merged.values())
+    partial = store.with_name(store.name + ".partial")
+    partial.write_text(json.dumps({"records": out}, indent=1) + "\n")
+    partial.replace(store)
+    return out
+
+
 def table(records: list[dict]) -> str:
     """The paper's layout: a row per (run, step), a column per length, accuracy in percent."""
     lengths = sorted({r["length"] for r in records})
@@ -242,9 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": platform.node(),
                 "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             }
-            records.append(record)
+            records = save_record(store, records, record)  # after each length
             have.add((record["checkpoint"], length, n))
-            store.write_text(json.dumps({"records": records}, indent=1) + "\n")  # after each length
             print(
                 f"{run} step {step:>7}  L {lengths_label(length):>5}  acc {m['val/acc']:.4f} "
                 f"({m['correct']}/{m['scored']})  {m['seconds']:7.1f} s",

@@ -90,6 +90,21 @@ def test_checkpoints_on_the_test_split_table_and_curve(run_dir, tmp_path, capsys
     assert (out / "steps.png").is_file()
 
 
+def test_two_calls_on_one_out_keep_each_others_records(tmp_path):
+    """A final evaluation beside a loop over the checkpoints, both writing OUT/evaluations.json:
+    each read the file once at its start, so the later writer dropped the other's records."""
+    save = script()["save_record"]
+    store = tmp_path / "evaluations.json"
+    rec = lambda ckpt, length: {"checkpoint": ckpt, "length": length, "samples": 8, "split": TEST_SPLIT}  # noqa: E731
+    loop = save(store, [], rec("a.ckpt", 16))  # the loop's view: its own record
+    final = save(store, [], rec("b.ckpt", 2**20))  # the final one started before it wrote
+    loop = save(store, loop, rec("a.ckpt", 64))
+    stored = json.loads(store.read_text())["records"]
+    assert {(r["checkpoint"], r["length"]) for r in stored} == {("a.ckpt", 16), ("b.ckpt", 2**20), ("a.ckpt", 64)}
+    assert final == [rec("a.ckpt", 16), rec("b.ckpt", 2**20)] and loop == stored
+    assert not store.with_name("evaluations.json.partial").exists()
+
+
 def test_bad_arguments_are_refused_by_name(run_dir, tmp_path, capsys):
     main = script()["main"]
     out = str(tmp_path / "eval")
