@@ -46,6 +46,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+KEY_WRITES = 4  # the key and the 3 tokens after it: where the key is written (a causal conv of width 4)
 sys.path.insert(0, str(ROOT))
 
 
@@ -70,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from ssm.layers import Mamba
     from ssm.training.data import VALIDATION_SPLIT, TaskDataModule
-    from ssm.training.evaluate import load_checkpoint_model
+    from ssm.training.evaluate import load_checkpoint_model, parse_lengths
 
+    try:
+        share_lengths = parse_lengths(args.share) if args.share else []
+    except ValueError as err:
+        parser.error(f"--share: {err}")
     for path in args.checkpoints:
         config, model, step = load_checkpoint_model(path)
         if config.data.task != "induction_heads":
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             hook.remove()
         other = x != dataset.trigger  # neither trigger
         keys = (x == dataset.trigger).int().argmax(1) + 1
-        for after in range(4):  # nor the key and the 3 tokens after it (see the module's docstring)
+        for after in range(KEY_WRITES):  # nor the key and the 3 tokens after it (see the module's docstring)
             other[torch.arange(len(x)), (keys + after).clamp(max=x.shape[1] - 1)] = False
         parts, slowest = [f"step {step:7d}"], []
         with torch.no_grad():
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step:7d}  " + gradient_report(model, mixers, slowest, config, args.gradients), flush=True)
         if args.precision:
             print(f"step {step:7d}  " + precision_report(model, config, args.precision, args.samples), flush=True)
-        for length in lengths(args.share):
+        for length in share_lengths:
             print(f"step {step:7d}  " + share_report(model, mixers, config, length, args.share_samples), flush=True)
     return 0
 
@@ -142,15 +147,6 @@ def gradient_report(model, mixers, slowest, config, batches: int) -> str:
         spread = (sum((v - mean) ** 2 for v in g) / max(len(g) - 1, 1)) ** 0.5
         parts.append(f"layer {k} d loss/d A_log[{slowest[k][0]}, {slowest[k][1]}]: mean {mean:.3g} spread {spread:.3g}")
     return "  ".join(parts)
-
-
-def lengths(text: str) -> list[int]:
-    """ "2^8,4096" -> [256, 4096]."""
-    out = []
-    for item in filter(None, text.split(",")):
-        base, _, power = item.partition("^")
-        out.append(int(base) ** int(power) if power else int(base))
-    return out
 
 
 def share_report(model, mixers, config, length: int, samples: int) -> str:
@@ -186,7 +182,7 @@ def share_report(model, mixers, config, length: int, samples: int) -> str:
         right += int((logits[0][scored].argmax(-1) == y[scored]).all())
         key = int((x == dataset.trigger).int().argmax()) + 1
         window = torch.zeros(length, dtype=torch.bool)
-        window[key : key + 4] = True
+        window[key : key + KEY_WRITES] = True
         with torch.no_grad():
             for k, mixer in enumerate(mixers):
                 u = seen[("u", k)][0].double()  # (L, D)

@@ -32,7 +32,7 @@ import yaml
 
 from ..layers import MHA, Mamba, Mamba2, Mamba3
 from .checkpoint import CheckpointError, remove_orphan_checkpoints
-from .config import ConfigError, TrainConfig, save_config, to_dict
+from .config import ConfigError, TrainConfig, load_yaml, save_config, to_dict
 from .metrics import MetricsCSV
 
 # Keys a resume may change; a name ending in "." covers its whole section.
@@ -111,7 +111,7 @@ def saved_config(checkpoint: dict, ckpt_path: Path) -> dict | None:
     path = ckpt_path.parent.parent / "config.yaml"
     if ckpt_path.parent.name == "checkpoints" and path.is_file():
         with contextlib.suppress(yaml.YAMLError, OSError):
-            raw = yaml.safe_load(path.read_text())
+            raw = load_yaml(path.read_text())
             return raw if isinstance(raw, dict) else None
     return None
 
