@@ -18,6 +18,13 @@ writes from all of it:
     OUT/steps.csv     run, seed, step, length, accuracy, the curve's points
     OUT/steps.png     accuracy against training steps at --curve-lengths (matplotlib)
 
+--merge FILE adds the records of another evaluations.json (another OUT, or the published
+records under docs/bench/) to OUT's, so that one table and one figure hold several runs; with no
+checkpoint given, the call only merges and redraws:
+
+    python scripts/evaluate_checkpoints.py --out runs/all --merge docs/bench/induction-heads-paper-protocol.json \
+        --merge runs/ih-paper-s2/eval/evaluations.json
+
 The test draw is the test split (ssm.training.data.TEST_SPLIT), a seed stream no run trained,
 validated or chose on; --split val or selection reads another stream (to choose anything).
 Sequences per length, --samples: "512@2^12,128@2^16,32" (the default) is 512 sequences at each
@@ -180,7 +187,7 @@ def write_curve(records: list[dict], lengths: list[int], out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", type=Path, metavar="CHECKPOINT_OR_RUN")
+    parser.add_argument("paths", nargs="*", type=Path, metavar="CHECKPOINT_OR_RUN")
     parser.add_argument("--out", type=Path, required=True, help="folder of evaluations.json and the results")
     parser.add_argument("--lengths", default="2^6..2^20", help="lengths measured (default 2^6..2^20)")
     parser.add_argument("--samples", default=DEFAULT_SAMPLES, help=f"sequences per length (default {DEFAULT_SAMPLES})")
@@ -189,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
     parser.add_argument("--chunk", type=int, default=256, help="piece length, the state carried (default 256)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--merge", type=Path, action="append", default=[], help="evaluations.json whose records join OUT's (repeatable)"
+    )
     args = parser.parse_args(argv)
 
     from ssm.training.evaluate import parse_lengths
@@ -225,6 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     records = json.loads(store.read_text())["records"] if store.is_file() else []
     if records and records[0]["split"] != split:
         parser.error(f"--out {args.out} holds evaluations on the split {records[0]['split']!r}, not {split!r}")
+    for other in args.merge:
+        try:
+            added = json.loads(other.read_text())["records"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            parser.error(f"--merge {other}: not an evaluations.json ({err})")
+        if any(r.get("split") != split for r in added):
+            parser.error(f"--merge {other}: holds evaluations on another split than {split!r}")
+        if added:
+            records = save_record(store, [*records, *added[:-1]], added[-1])
     have = {(r["checkpoint"], r["length"], r["samples"]) for r in records}
     for path in checkpoints:
         try:
@@ -265,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     if not records:
-        parser.error("nothing was evaluated")
+        parser.error("nothing was evaluated: give a checkpoint or run directory, or --merge an evaluations.json")
     (args.out / "results.md").write_text(table(records))
     print(table(records))
     print("curve:", write_curve(records, curve_lengths, args.out))

@@ -90,6 +90,57 @@ def test_checkpoints_on_the_test_split_table_and_curve(run_dir, tmp_path, capsys
     assert (out / "steps.png").is_file()
 
 
+def test_merge_joins_runs_and_redraws_without_evaluating(tmp_path, capsys):
+    """--merge: the records of other OUTs (a run evaluated elsewhere, or docs/bench's published
+    ones) in one table and one curve; with no checkpoint, nothing is evaluated."""
+    main = script()["main"]
+    rec = lambda run, step, length, correct: {  # noqa: E731
+        "run": run, "seed": int(run[-1]), "step": step, "length": length, "samples": 4, "split": TEST_SPLIT,
+        "acc": correct / 4, "correct": correct, "scored": 4, "checkpoint": f"{run}/step-{step}.ckpt",
+    }  # fmt: skip
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"records": [rec("r0", 2, 16, 4), rec("r0", 4, 16, 3)]}))
+    b.write_text(json.dumps({"records": [rec("r1", 2, 16, 1), rec("r1", 2, 64, 2)]}))
+    out = tmp_path / "all"
+    assert main(["--out", str(out), "--merge", str(a), "--merge", str(b), "--curve-lengths", "16"]) == 0
+    assert "acc " not in capsys.readouterr().out  # no evaluation line
+    stored = json.loads((out / "evaluations.json").read_text())["records"]
+    assert sorted((r["run"], r["step"], r["length"], r["correct"]) for r in stored) == [
+        ("r0", 2, 16, 4), ("r0", 4, 16, 3), ("r1", 2, 16, 1), ("r1", 2, 64, 2)
+    ]  # fmt: skip
+    assert (out / "results.md").read_text().splitlines()[2:5] == [
+        "| r0 | 0 | 2 | 100 | - |", "| r0 | 0 | 4 | 75.0 | - |", "| r1 | 1 | 2 | 25.0 | 50.0 |"
+    ]  # fmt: skip
+    with open(out / "steps.csv") as f:
+        assert [(p["run"], p["step"]) for p in csv.DictReader(f)] == [("r0", "2"), ("r0", "4"), ("r1", "2")]
+    # merged again: nothing doubles; another split, a file that is not records, or nothing at all: refused
+    assert main(["--out", str(out), "--merge", str(a)]) == 0
+    assert len(json.loads((out / "evaluations.json").read_text())["records"]) == 4
+    capsys.readouterr()
+    val = tmp_path / "val.json"
+    val.write_text(json.dumps({"records": [{**rec("r2", 2, 16, 1), "split": VALIDATION_SPLIT}]}))
+    for bad, named in ((val, "holds evaluations on another split"), (tmp_path / "none.json", "not an evaluations.json")):
+        with pytest.raises(SystemExit):
+            main(["--out", str(out), "--merge", str(bad)])
+        assert f"--merge {bad}: {named}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "empty")])
+    assert "nothing was evaluated: give a checkpoint" in capsys.readouterr().err
+
+
+def test_published_paper_protocol_records_agree_with_the_docs_table():
+    """docs/bench/induction-heads-paper-protocol.json holds what docs/paper-results.md reports:
+    each record's acc is its correct/scored, and the final rows read as the docs print them."""
+    records = json.loads((ROOT / "docs" / "bench" / "induction-heads-paper-protocol.json").read_text())["records"]
+    assert {r["split"] for r in records} == {TEST_SPLIT}
+    for r in records:
+        assert r["acc"] == r["correct"] / r["scored"] and r["scored"] == r["samples"]
+    table = script()["table"]([r for r in records if r["step"] == 204800 and r["seed"] == 0])
+    assert "| 100 | 100 | 100 | 100 | 99.4 | 64.8 | 30.3 | 21.9 | 11.7 | 5.5 | 9.4 | 6.2 | 3.1 | 0.0 | 9.4 |" in table
+    docs = (ROOT / "docs" / "paper-results.md").read_text()
+    assert table.splitlines()[2].split("| 204,800 |")[1] in docs
+
+
 def test_two_calls_on_one_out_keep_each_others_records(tmp_path):
     """A final evaluation beside a loop over the checkpoints, both writing OUT/evaluations.json:
     each read the file once at its start, so the later writer dropped the other's records."""
