@@ -119,7 +119,8 @@ def test_merge_joins_runs_and_redraws_without_evaluating(tmp_path, capsys):
     capsys.readouterr()
     val = tmp_path / "val.json"
     val.write_text(json.dumps({"records": [{**rec("r2", 2, 16, 1), "split": VALIDATION_SPLIT}]}))
-    for bad, named in ((val, "holds evaluations on another split"), (tmp_path / "none.json", "not an evaluations.json")):
+    missing = tmp_path / "none.json"
+    for bad, named in ((val, "holds evaluations on another split"), (missing, "not an evaluations.json")):
         with pytest.raises(SystemExit):
             main(["--out", str(out), "--merge", str(bad)])
         assert f"--merge {bad}: {named}" in capsys.readouterr().err
