@@ -167,12 +167,13 @@ def write_curve(records: list[dict], lengths: list[int], out: Path) -> str:
         return f"{out / 'steps.csv'} (matplotlib is not installed: no steps.png)"
     fig = matplotlib.figure.Figure(figsize=(7, 4.2))
     ax = fig.subplots()
-    styles = ["-", "--", ":", "-."]
+    styles = ["-", "--", ":", "-."]  # a line style per length, a colour per run
     for k, length in enumerate(lengths):
-        for run in sorted({p[0] for p in points}):
+        for i, run in enumerate(sorted({p[0] for p in points})):
             xs = [(p[2], 100 * p[4]) for p in points if p[0] == run and p[3] == length]
             if xs:
-                ax.plot(*zip(*xs), styles[k % 4], marker="o", markersize=3, label=f"L {lengths_label(length)}  {run}")
+                label = f"L {lengths_label(length)}  {run}"
+                ax.plot(*zip(*xs), styles[k % 4], color=f"C{i % 10}", marker="o", markersize=3, label=label)
     ax.set_ylim(0, 102)
     ax.set_xlabel("training steps (trained at the run's length)")
     ax.set_ylabel("test accuracy (%)")
