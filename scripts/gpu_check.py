@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/gpu_check.py --out DIR            # on a machine with CUDA
     PYTHONPATH=. python3 scripts/gpu_check.py --out DIR --dry-run  # the same plan, tiny, on the CPU
-    PYTHONPATH=. python3 scripts/gpu_check.py --apply DIR          # a GPU run's peer rows into docs/
+    PYTHONPATH=. python3 scripts/gpu_check.py --apply DIR [FILE]  # a GPU run's peer rows into docs/
 
 No install step: run from the repository root with the machine's own python3 (torch, Triton,
 pytest; pytorch-lightning and pyyaml for the training step). mamba-ssm, the peer, comes from its
@@ -11,30 +11,37 @@ each step with a time budget of its own (seconds on a GPU; all of it within --to
 each failure recorded and the next step run anyway:
 
 0. environment: device, SM count, memory, driver, torch / Triton / CUDA versions, commit;
-1. build (background, from the start): mamba-ssm's ``selective_scan_cuda`` and causal-conv1d's
-   extension, ``setup.py build_ext --inplace`` for the device's architecture only, MAX_JOBS =
-   the cores; waited for before step 4, at most until 300 s after the start;
-2. peers, the Triton pairs (150): scripts/benchmark.py --op gpu-peers (scripts/bench/gpu_peers.py)
-   for ssd and mamba3: ssm and mamba-ssm in one process, forward and forward+backward, peak
-   memory, every pair's outputs and gradients checked against each other;
-3. tests (120): the suite's GPU-relevant files (every Triton kernel against the reference on
-   CUDA tensors in float32, bfloat16 and float16, packed sequences, initial states, gradients,
-   torch.compile of the layers), with the failures listed per test;
-4. peers, the pairs that want the build (130): selective (selective_scan_fn), mamba2_layer and
-   train_step (MambaLMHeadModel at mamba-130m's shapes, Mamba-1 and Mamba-2), each said to be
-   skipped, with the reason, where its build is missing;
-5. speed (40): scripts/benchmark.py for ssm's own backends at mamba-ssm's benchmark shapes,
+1. side by side from the start, in the background:
+   - build (300): mamba-ssm's ``selective_scan_cuda`` (with --build-conv causal-conv1d's too),
+     ``setup.py build_ext --inplace`` for the device's architecture only, niced;
+   - warm-up (230): the first calls of each pair of ssd, mamba3, mamba2_layer and train_step,
+     one process per case (benchmark.py --op gpu-peers --compile-only), which compile the two
+     sides' Triton kernels into Triton's cache on disk, and say how long each side took;
+   - tests (230): the suite's GPU-relevant files (every Triton kernel against the reference on
+     CUDA tensors in float32, bfloat16 and float16, packed sequences, initial states, gradients,
+     torch.compile of the layers), with the failures listed per test;
+2. peers, the pairs without the build (100), alone on the GPU: scripts/benchmark.py --op
+   gpu-peers (scripts/bench/gpu_peers.py) for ssd, mamba3 and mamba2_layer: ssm and mamba-ssm in
+   one process, forward and forward+backward, peak memory, every pair's outputs and gradients
+   checked against each other;
+3. peers, the pairs that want the build (100), once it is done: selective (selective_scan_fn)
+   and train_step (MambaLMHeadModel at mamba-130m's shapes, Mamba-1 and Mamba-2), each said to
+   be skipped, with the reason, where its build is missing;
+4. speed (40): scripts/benchmark.py for ssm's own backends at mamba-ssm's benchmark shapes,
    as many cases as fit;
-6. training (0: measured in earlier windows; --train-minutes gives it time): scripts/train.py in
+5. training (0: measured in earlier windows; --train-minutes gives it time): scripts/train.py in
    bf16-mixed, and the CPU's first steps beside it.
 
-Everything lands in DIR: report.json (every figure), summary.md, pytest.log, bench.log,
-train.log, peers.log, build-*.log, gpu-peers.json and gpu-peers.md (the pairs' rows and their
-BENCHMARKS.md section). On a GPU the run also writes docs/bench/gpu-peers.json and that section
-of BENCHMARKS.md in its own tree; ``--apply DIR`` writes them here from a run's DIR (a device's
-tree does not come back). ``--dry-run`` (automatic without CUDA) runs the same plan at tiny sizes
-on the CPU, the Triton kernels in Triton's interpreter, with generous budgets, and writes
-nothing outside DIR; the test suite runs it so that this script cannot rot between GPU windows.
+Everything lands in DIR, in at most eight files (a device call returns no more): report.json
+(every figure), summary.md (the tables), pytest.log, bench.log, peers.log (the warm-up's too),
+build-selective_scan_cuda.log, gpu-peers.json (the measured pairs' rows) and train.log. On a GPU
+the run also merges its rows into docs/bench/gpu-peers.json and that section of BENCHMARKS.md in
+its own tree; ``--apply DIR`` does it here from what came back (a device's tree does not), and
+takes several runs, oldest first, and the --json files of benchmark.py --op gpu-peers too: a row
+measured again replaces the old one, the others keep their date and commit. ``--dry-run``
+(automatic without CUDA) runs the same plan at tiny sizes on the CPU, the Triton kernels in
+Triton's interpreter, with generous budgets, and writes nothing outside DIR; the test suite runs
+it so that this script cannot rot between GPU windows.
 """
 
 from __future__ import annotations
@@ -60,15 +67,27 @@ sys.path.insert(0, str(ROOT / "scripts"))  # scripts/bench, the benchmark's pack
 from bench import gpu_peers, mamba_ssm_peer  # noqa: E402
 from bench import report as bench_report  # noqa: E402
 
-# Seconds per step: on a GPU, to fit one device call of about 8 minutes (TOTAL, with the build in
-# the background); in a dry run, generous (the CPU and Triton's interpreter are slow, the plan
-# is checked, not timed). --*-minutes override them; every step is cut to what TOTAL leaves.
-GPU_SECONDS = {"build": 300, "peers": 150, "tests": 120, "peers_built": 130, "bench": 40, "train": 0, "total": 480}
-DRY_SECONDS = {"build": 0, "peers": 300, "tests": 480, "peers_built": 300, "bench": 300, "train": 240, "total": 3600}
-# A pair's limit on a GPU: the first SSD pair took 15 s alone, 120 s beside an un-niced build; a
-# Mamba-3 pair had not finished after 175 s (2026-11-27).
+# Seconds per step: on a GPU, to fit one device call of about 8 minutes (TOTAL). The build, the
+# warm-up and the tests start together and run side by side; the peers are timed after them,
+# alone. In a dry run, generous (the CPU and Triton's interpreter are slow, the plan is checked,
+# not timed). --*-minutes override them; every step is cut to what TOTAL leaves.
+GPU_SECONDS = {"build": 300, "warm": 230, "tests": 230, "peers": 100, "peers_built": 100, "bench": 40, "train": 0,
+               "total": 480}  # fmt: skip
+DRY_SECONDS = {"build": 0, "warm": 900, "tests": 480, "peers": 300, "peers_built": 300, "bench": 300, "train": 240,
+               "total": 3600}  # fmt: skip
+# A pair's limit on a GPU, its kernels compiled in the warm-up: the SSD pair's first calls took
+# 143 s and more, cold, beside the build, and 15 s with a warm Triton cache (2026-11-28).
 PAIR_SECONDS = 75
-PEER_CASES = {"peers": "ssd,mamba3", "peers_built": "selective,mamba2_layer,train_step"}
+PEER_CASES = {"peers": "ssd,mamba3,mamba2_layer", "peers_built": "selective,train_step"}
+# The warm-up: these cases' first calls, one process each, side by side (--compile-only). The
+# peer's Triton kernels are autotuned (Mamba-3's forward over 27 configs, its backward over 54),
+# and one process compiles them one after another: cold, the SSD pair's first calls did not end
+# in 143 s and the Mamba-3 pair's in 90 s (2026-11-28), in a window of 480 s. Side by side they
+# compile on the machine's 16 cores into Triton's cache on disk, which the timed pairs then read.
+WARM_CASES = ("ssd", "mamba3", "mamba2_layer", "train_step")
+# The peer's extensions to build. causal-conv1d's build ran out of its 300 s in both windows that
+# tried it (2026-11-27 and 28) and slowed the rest: --build-conv asks for it.
+BUILDS = ("selective_scan_cuda",)
 
 # What step 2 runs: on a GPU the whole of each file; in a dry run a few of their cases.
 GPU_TESTS = [
@@ -121,23 +140,38 @@ DRY_TRAIN = ["trainer.max_steps=4", "trainer.val_check_interval=4", "data.val_sa
 CPU_STEPS = 20  # the first steps of the default config on the CPU, to compare losses with the GPU's
 
 
+def start(cmd: list[str], log: Path, env: dict | None = None) -> dict:
+    """Start ``cmd`` from the repository root in the background (its own session), appending its
+    output to ``log``; ``finish`` waits for it."""
+    f = open(log, "a")
+    f.write(f"\n$ {' '.join(cmd)}\n")
+    f.flush()
+    process = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )  # fmt: skip
+    return {"cmd": " ".join(cmd), "process": process, "file": f, "start": time.perf_counter()}
+
+
+def finish(started: dict, deadline: float) -> dict:
+    """Wait for a ``start``ed command until ``deadline`` (perf_counter), then kill it and all it
+    started; its exit status, seconds, and whether it ran out of time."""
+    process, timed_out = started["process"], False
+    try:
+        process.wait(timeout=max(0.0, deadline - time.perf_counter()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        started["file"].write(f"\n[gpu_check] killed after {time.perf_counter() - started['start']:.0f} s\n")
+    started["file"].close()
+    return {"cmd": started["cmd"], "returncode": None if timed_out else process.returncode,
+            "seconds": round(time.perf_counter() - started["start"], 1), "timed_out": timed_out}  # fmt: skip
+
+
 def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> dict:
     """Run ``cmd`` from the repository root, appending its output to ``log``; its exit status,
     seconds, and whether it ran out of time (then killed)."""
-    start = time.perf_counter()
-    with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(cmd)}\n")
-        f.flush()
-        try:
-            code = subprocess.run(
-                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env
-            ).returncode
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            code, timed_out = None, True
-            f.write(f"\n[gpu_check] killed after {timeout:.0f} s\n")
-    return {"cmd": " ".join(cmd), "returncode": code, "seconds": round(time.perf_counter() - start, 1),
-            "timed_out": timed_out}  # fmt: skip
+    return finish(start(cmd, log, env), time.perf_counter() + timeout)
 
 
 def environment(device: str) -> dict:
@@ -189,14 +223,44 @@ def pytest_outcome(log: Path) -> dict:
     return {"summary": summary[-1] if summary else None, "counts": counts, "failed": failed}
 
 
-def step_tests(args, out: Path, env: dict, budget: float) -> dict:
-    log = out / "pytest.log"
+def start_tests(args, out: Path, env: dict) -> dict:
     tests = DRY_TESTS if args.dry_run else GPU_TESTS
     cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-rfE", "-p", "no:cacheprovider"]
     if not args.dry_run and args.test_workers > 1 and importlib.util.find_spec("xdist"):
         cmd += ["-n", str(args.test_workers)]  # Triton's and Inductor's compiles are CPU-bound: spread them
-    result = run(cmd, log, budget, env)
-    return result | pytest_outcome(log)
+    return start(cmd, out / "pytest.log", env)
+
+
+def finish_tests(started: dict, out: Path, deadline: float) -> dict:
+    return finish(started, deadline) | pytest_outcome(out / "pytest.log")
+
+
+def start_warm(args, out: Path, env: dict, device: str) -> list[dict]:
+    """The warm-up: a --compile-only process per case of WARM_CASES, side by side."""
+    started = []
+    for case in WARM_CASES:
+        log, path = out / f"warm-{case}.log", out / f"warm-{case}.json"
+        path.unlink(missing_ok=True)
+        cmd = [sys.executable, "scripts/benchmark.py", "--op", "gpu-peers", "--cases", case, "--compile-only",
+               "--device", device, "--json", str(path)]  # fmt: skip
+        started.append(start(cmd, log, env) | {"case": case, "log": log, "json": path})
+    return started
+
+
+def finish_warm(started: list[dict], out: Path, deadline: float) -> dict:
+    """Wait for the warm-up's processes until ``deadline``; each one's outcome and its rows (each
+    side's first-call seconds, or where it stopped), its log appended to peers.log (the files
+    that come back from a device are few)."""
+    runs, rows = [], []
+    for warm in started:
+        runs.append({"case": warm["case"]} | finish(warm, deadline))
+        if warm["json"].exists():
+            rows += json.loads(warm["json"].read_text())["rows"]
+            warm["json"].unlink()
+        with open(out / "peers.log", "a") as f:
+            f.write(f"\n[warm-up, {warm['case']}]" + warm["log"].read_text(errors="replace"))
+        warm["log"].unlink()
+    return {"runs": runs, "rows": rows}
 
 
 def with_dry_shape(argv: list[str]) -> list[str]:
@@ -283,7 +347,8 @@ def start_build(args, out: Path, env: dict) -> dict:
         return {"skipped": "no CUDA (dry run): nothing to build for"}
     import torch
 
-    started = mamba_ssm_peer.start_builds(out, env, torch.cuda.get_device_capability(0))
+    extensions = BUILDS + (("causal_conv1d_cuda",) if args.build_conv else ())
+    started = mamba_ssm_peer.start_builds(out, env, torch.cuda.get_device_capability(0), extensions)
     return {"extensions": started, "start": time.perf_counter()}
 
 
@@ -335,52 +400,89 @@ def peer_rows(result: dict) -> list[dict]:
     return [row for phase in ("peers", "peers_built") for row in result.get(phase, {}).get("rows", [])]
 
 
-def peers_section(result: dict, argv: list[str] | None) -> str:
-    """The pairs' BENCHMARKS.md section, naming the device."""
-    env = result["environment"]
-    body = bench_report.table(gpu_peers.HEADERS, gpu_peers.table_rows(peer_rows(result)))
-    peer = next((result[p]["peer"] for p in ("peers_built", "peers") if result.get(p, {}).get("peer")), {})
-    body += (
-        f"\n\nmamba-ssm {peer.get('version')} from its source (built: {peer.get('built')}). Forward and "
-        'forward+backward, median of 7 after 2 warm-ups, the two sides taking turns; "ssm ahead by": the peer\'s '
-        "time over ssm's (tokens/s: ssm's over the peer's); peak: MiB allocated above the inputs; agree: the "
-        "peer's outputs and gradients against ssm's within the dtype's tolerance (float32 1e-4, bfloat16 5e-2; "
-        "kernels: max|difference| / max|value|, layers and models: the norms' ratio; the largest named)."
-    )
-    key = "gpu-peers-" + ("cpu" if result["dry_run"] else "cuda")
-    header = {
-        "machine": f"{env['device']}, torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}",
-        "date": result["date"],
-        "commit": (env.get("commit") or "unknown")[:7],
-        "command": "PYTHONPATH=. python3 scripts/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
-    }
-    return bench_report.section(key, f"ssm beside mamba-ssm on {env['device']}", body, header)
+def row_key(row: dict) -> tuple:
+    return row["op"], row.get("shape"), row.get("dtype"), row.get("pass")
 
 
-def write_peers(result: dict, out: Path, argv: list[str] | None) -> None:
-    """The pairs' rows and section into DIR; on a GPU run also into docs/bench/gpu-peers.json
-    and BENCHMARKS.md (only rows that measured both sides)."""
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with each pair and pass that ``new`` measured again replaced by the new row, in
+    old's order, and new's other rows after them: a window that measures a few pairs keeps the
+    rows of the windows before it, each with its own date and commit."""
+    fresh = {row_key(row): row for row in new}
+    merged = [fresh.pop(row_key(row), row) for row in old]
+    return merged + [row for row in new if row_key(row) in fresh]
+
+
+def peers_section(rows: list[dict], key: str = "gpu-peers-cuda") -> str:
+    """The pairs' BENCHMARKS.md section: every row with the date and commit it was measured at,
+    naming the devices."""
+    devices = ", ".join(sorted({row["device"] for row in rows}))
+    cells = [
+        cells + [f"{row['date'][:10]}, `{row['commit']}`" if "date" in row else "-"]
+        for row, cells in zip(rows, gpu_peers.table_rows(rows))
+    ]
+    versions = ", ".join(sorted({row.get("peer_version") or "?" for row in rows if "ssm" in row}))
+    return "\n".join([
+        f"<!-- bench:{key} -->",
+        f"### ssm beside mamba-ssm on {devices}",
+        "",
+        bench_report.table(gpu_peers.HEADERS + ["measured"], cells),
+        "",
+        f"mamba-ssm {versions} from its source (scripts/peers/fetch_mamba_ssm.sh; its builds as each row's note "
+        "says). Forward and forward+backward, median of 7 after 2 warm-ups, the two sides taking turns, each "
+        "side's kernels compiled before (the warm-up); \"ssm ahead by\": the peer's time over ssm's (tokens/s: "
+        "ssm's over the peer's); peak: MiB allocated above the inputs; agree: the peer's outputs and gradients "
+        "against ssm's within the dtype's tolerance (float32 1e-4, bfloat16 5e-2; kernels: max|difference| / "
+        "max|value|, layers and models: the norms' ratio; the largest named). A window that measures a pair again "
+        "replaces its rows; the others keep their date and commit. By",
+        "",
+        "```",
+        "bash scripts/peers/fetch_mamba_ssm.sh                        # here; carry third_party to the GPU",
+        "PYTHONPATH=. python3 scripts/gpu_check.py --out $OUT/gpu-check  # on the GPU machine",
+        "PYTHONPATH=. python3 scripts/gpu_check.py --apply DIR           # here, DIR: what came back",
+        "```",
+        f"<!-- /bench:{key} -->",
+    ])  # fmt: skip
+
+
+def write_peers(result: dict, out: Path) -> None:
+    """The measured pairs' rows into DIR/gpu-peers.json (their table is in summary.md); on a GPU
+    run also merged into docs/bench/gpu-peers.json and BENCHMARKS.md, as --apply does."""
     measured = [row for row in peer_rows(result) if "ssm" in row and "peer" in row]
+    peer = next((result[p]["peer"] for p in ("peers_built", "peers") if result.get(p, {}).get("peer")), {})
+    measured = [row | {"peer_version": peer.get("version")} for row in measured]
     (out / "gpu-peers.json").write_text(json.dumps(measured, indent=2) + "\n")
-    (out / "gpu-peers.md").write_text(peers_section(result, argv) + "\n")
     if not result["dry_run"] and measured:
-        apply_peers(out)
+        apply_peers([out])
 
 
-def apply_peers(run_dir: Path) -> int:
-    """Put a GPU run's gpu-peers.json into docs/bench/ and its section into BENCHMARKS.md;
+def measured_rows(path: Path) -> list[dict]:
+    """The rows that measured both sides, from a gpu_check DIR (its gpu-peers.json) or from
+    the --json file of ``scripts/benchmark.py --op gpu-peers``."""
+    if path.is_dir():
+        rows, report = json.loads((path / "gpu-peers.json").read_text()), path / "report.json"
+        result = json.loads(report.read_text()) if report.exists() else {}
+        peer = next((result[p]["peer"] for p in ("peers_built", "peers") if (result.get(p) or {}).get("peer")), {})
+        return [{"peer_version": peer.get("version")} | row for row in rows]
+    result = json.loads(path.read_text())
+    version = (result.get("peer") or {}).get("version")
+    return [row | {"peer_version": version} for row in result.get("rows", []) if "ssm" in row and "peer" in row]
+
+
+def apply_peers(paths: list[Path]) -> int:
+    """Merge GPU runs' rows (each a gpu_check DIR or a benchmark --json file, in the order
+    measured) into docs/bench/gpu-peers.json and write BENCHMARKS.md's section from all of them;
     a dry run's (the CPU's, interpreted) are refused."""
-    rows = json.loads((run_dir / "gpu-peers.json").read_text())
-    section = (run_dir / "gpu-peers.md").read_text().strip()
-    if (
-        not rows
-        or any(row["device"].startswith("cpu") for row in rows)
-        or "<!-- bench:gpu-peers-cuda -->" not in section
-    ):
-        print(f"{run_dir}: no GPU run's rows (a dry run's stay out of docs/)")
-        return 1
-    (ROOT / "docs" / "bench" / "gpu-peers.json").write_text(json.dumps(rows, indent=2) + "\n")
-    bench_report.write_section(ROOT / "BENCHMARKS.md", "gpu-peers-cuda", section)
+    docs = ROOT / "docs" / "bench" / "gpu-peers.json"
+    rows = json.loads(docs.read_text()) if docs.exists() else []
+    for path in paths:
+        new = measured_rows(path)
+        if not new or any(row["device"].startswith("cpu") for row in new):
+            print(f"{path}: no GPU run's rows (a dry run's stay out of docs/)")
+            return 1
+        rows = merge_rows(rows, new)
+    docs.write_text(json.dumps(rows, indent=2) + "\n")
+    bench_report.write_section(ROOT / "BENCHMARKS.md", "gpu-peers-cuda", peers_section(rows))
     print(f"wrote docs/bench/gpu-peers.json ({len(rows)} rows) and BENCHMARKS.md's gpu-peers-cuda section")
     return 0
 
@@ -442,6 +544,14 @@ def peer_lines(report: dict) -> list[str]:
         lines.append(
             f"- build of {name}: {state}, {outcome.get('seconds', '-')} s, timed out: {outcome.get('timed_out')}"
         )
+    for run in report.get("warm", {}).get("runs", []):
+        status = f"exit {run['returncode']}, {run['seconds']} s, timed out: {run['timed_out']}"
+        lines.append(f"- warm-up, {run['case']}: {status}")
+    for row in report.get("warm", {}).get("rows", []):
+        what = row["op"] + (f" ({row['shape']}, {row['dtype']})" if row.get("shape") else "")
+        first = ", ".join(f"{side} {s} s" for side, s in row.get("first_call_s", {}).items())
+        why = row.get("skipped") or row.get("error")
+        lines.append(f"- warm-up, {what}: first calls {first or '-'}" + (f"; {why}" if why else ""))
     for phase in ("peers", "peers_built"):
         step = report.get(phase)
         if step is not None:
@@ -461,6 +571,7 @@ def peer_lines(report: dict) -> list[str]:
 
 MINUTES = {  # step -> the option that overrides its budget
     "build": "build_minutes",
+    "warm": "warm_minutes",
     "peers": "peer_minutes",
     "tests": "test_minutes",
     "peers_built": "peer_built_minutes",
@@ -485,7 +596,18 @@ def main(argv: list[str] | None = None) -> int:
         help="pytest-xdist workers for the tests on a GPU, where xdist is installed (default 1: in the "
         "window of 2026-11-27, 8 workers beside the peer's build ran out of 120 s; alone, serially, 55 s)",
     )
-    parser.add_argument("--apply", type=Path, metavar="DIR", help="write a GPU run's peer rows (DIR) into docs/")
+    parser.add_argument(
+        "--build-conv",
+        action="store_true",
+        help="also build causal-conv1d's extension (the peer's fused conv path), which needs more than 300 s",
+    )
+    parser.add_argument(
+        "--apply",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="merge GPU runs' peer rows (gpu_check DIRs or benchmark --json files, oldest first) into docs/",
+    )
     args = parser.parse_args(argv)
     if args.apply:
         return apply_peers(args.apply)
@@ -512,13 +634,20 @@ def main(argv: list[str] | None = None) -> int:
     report = {"environment": environment(device), "dry_run": args.dry_run, "budgets_s": seconds}
     report["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out_of_time = {"skipped": "out of the window's time", "rows": []}
-    build = start_build(args, args.out, env) if "build" in steps else None  # in the background
-    if "peers" in steps:
+    # side by side, in the background: the build, the warm-up (the pairs' first calls) and the tests
+    build = start_build(args, args.out, env) if "build" in steps else None
+    warm = start_warm(args, args.out, env, device) if "peers" in steps else None
+    warm_deadline = time.perf_counter() + budget("warm")
+    tests = start_tests(args, args.out, env) if "tests" in steps else None
+    tests_deadline = time.perf_counter() + budget("tests")
+    if warm is not None:
+        report["warm"] = finish_warm(warm, args.out, warm_deadline)
+    if tests is not None:
+        report["tests"] = finish_tests(tests, args.out, tests_deadline)
+    if "peers" in steps:  # alone on the GPU from here
         report["peers"] = (
             step_peers(args, args.out, env, device, "peers", budget("peers")) if budget("peers") > 5 else out_of_time
         )
-    if "tests" in steps:
-        report["tests"] = step_tests(args, args.out, env, budget("tests")) if budget("tests") > 5 else out_of_time
     if build is not None:
         report["build"] = wait_build(build, min(start + seconds["build"], deadline))
     if "peers" in steps:
@@ -532,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         report["train"] = step_train(args, args.out, env, device, budget("train"))
     report["seconds"] = round(time.perf_counter() - start, 1)
     if "peers" in steps:
-        write_peers(report, args.out, argv)
+        write_peers(report, args.out)
     (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (args.out / "summary.md").write_text(summary_markdown(report))
     print((args.out / "summary.md").read_text())

@@ -120,11 +120,19 @@ def test_the_dry_run_says_why_without_the_peer(tmp_path):
     why = f"no {tmp_path / 'empty' / 'mamba-ssm'} ({fetch})"
     assert report["build"] == {"skipped": why}
     rows = report["peers"]["rows"] + report["peers_built"]["rows"]
-    assert [r["op"] for r in rows] == ["ssd", "mamba3", "selective", "mamba2_layer", "train_step"]
+    assert [r["op"] for r in rows] == ["ssd", "mamba3", "mamba2_layer", "selective", "train_step"]
     assert all(r["skipped"] == why for r in rows)
+    # the warm-up ran its processes, one per case, and each said the same
+    assert [run["case"] for run in report["warm"]["runs"]] == list(script()["WARM_CASES"])
+    assert [run["returncode"] for run in report["warm"]["runs"]] == [0] * len(script()["WARM_CASES"])
+    assert [r["op"] for r in report["warm"]["rows"]] == list(script()["WARM_CASES"])
+    assert all(r["skipped"] == why for r in report["warm"]["rows"])
     assert json.loads((tmp_path / "out" / "gpu-peers.json").read_text()) == []
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert f"- build: skipped: {why}" in summary and f"- not measured: ssd: {why}" in summary
+    assert f"- warm-up, mamba3: first calls -; {why}" in summary
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu-peers.json", "peers.log", "report.json",
+                                                                      "summary.md"]  # fmt: skip
     assert code == 0
 
 
@@ -152,7 +160,15 @@ def test_the_dry_run_checks_the_peers_in_the_interpreter(tmp_path):
     assert "interleaved rotary pairs" in mamba3["note"]
     written = json.loads((tmp_path / "out" / "gpu-peers.json").read_text())
     assert [r["op"] for r in written] == ["ssd", "mamba3", "mamba2_layer", "train_step"]
-    assert "<!-- bench:gpu-peers-cpu -->" in (tmp_path / "out" / "gpu-peers.md").read_text()
+    # the warm-up: each pair's two sides called once, their seconds given, nothing checked or timed
+    warm = {(r["op"], r["shape"].split("mixer ")[-1][:6]): r for r in report["warm"]["rows"]}
+    for pair in (("ssd", "batch "), ("mamba3", "batch "), ("mamba2_layer", "batch "), ("train_step", "Mamba2")):
+        row = warm[pair]
+        assert row["compiled"] is True and "ssm" not in row and "agree" not in row, row
+        assert row["first_call_s"].keys() == {"ssm", "peer"} and min(row["first_call_s"].values()) > 0
+    assert warm["train_step", "Mamba1"]["skipped"] == not_built
+    for row in report["peers"]["rows"] + report["peers_built"]["rows"]:
+        assert "ssm" not in row or row["first_call_s"].keys() == {"ssm", "peer"}
     assert [p.read_bytes() if p.exists() else None for p in docs] == before  # a dry run writes nothing into docs/
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert f"- not measured: selective (batch 1, dim 8, N 4, L 64): {not_built}" in summary
@@ -160,6 +176,31 @@ def test_the_dry_run_checks_the_peers_in_the_interpreter(tmp_path):
     assert code == 0
     # its rows stay out of docs/ when applied
     assert script()["main"](["--apply", str(tmp_path / "out")]) == 1
+
+
+def test_a_window_replaces_the_rows_it_measured_again_and_keeps_the_others():
+    merge = script()["merge_rows"]
+    old = [
+        {"op": "ssd", "shape": "L 2048", "dtype": "bfloat16", "pass": "fwd", "ssm": 1.0, "date": "2026-11-27"},
+        {"op": "ssd", "shape": "L 2048", "dtype": "bfloat16", "pass": "fwd+bwd", "ssm": 4.0, "date": "2026-11-27"},
+        {"op": "selective", "shape": "L 2048", "dtype": "float32", "pass": "fwd", "ssm": 2.0, "date": "2026-11-27"},
+    ]
+    new = [
+        {"op": "ssd", "shape": "L 2048", "dtype": "bfloat16", "pass": "fwd+bwd", "ssm": 5.0, "date": "2026-11-28"},
+        {"op": "mamba3", "shape": "L 2048", "dtype": "bfloat16", "pass": "fwd", "ssm": 3.0, "date": "2026-11-28"},
+    ]
+    merged = merge(old, new)
+    assert [(r["op"], r["pass"], r["ssm"], r["date"]) for r in merged] == [
+        ("ssd", "fwd", 1.0, "2026-11-27"),
+        ("ssd", "fwd+bwd", 5.0, "2026-11-28"),
+        ("selective", "fwd", 2.0, "2026-11-27"),
+        ("mamba3", "fwd", 3.0, "2026-11-28"),
+    ]
+    section = script()["peers_section"]([r | {"device": "H200", "unit": "ms", "peer": 1.0, "agree": True,
+                                              "diff": {"out": 1e-3}, "worst": "out", "commit": "abc1234"}
+                                         for r in merged])  # fmt: skip
+    assert "| 2026-11-27, `abc1234` |" in section and "| 2026-11-28, `abc1234` |" in section
+    assert section.startswith("<!-- bench:gpu-peers-cuda -->\n### ssm beside mamba-ssm on H200")
 
 
 PLANTED = """

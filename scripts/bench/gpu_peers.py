@@ -13,10 +13,12 @@ sides taking turns; ms, or tokens/s for a training step), with the peak memory e
 outputs and gradients against ssm's within the dtype's tolerance ("agree"), so that a fast wrong
 answer cannot count. ``--cases`` picks cases, ``--budget`` seconds skips the pairs that would
 start after it, ``--pair-seconds`` stops a pair that runs longer (its row says in which phase:
-building, checking, timing), and each finished pair is written to --json at once (a run killed
+building, each side's first call, checking, timing), and each finished pair is written to --json at once (a run killed
 at its time limit keeps its rows). Each phase is printed as it starts. On the CPU the Triton
 kernels need TRITON_INTERPRET=1 and the shapes are tiny, float32 (``--tiny``, automatic there):
-a check of the argument mappings, not a timing."""
+a check of the argument mappings, not a timing. ``--compile-only`` stops each pair after its
+sides' first calls: gpu_check.py runs the cases so, side by side in several processes, to fill
+Triton's on-disk cache on many cores before the pairs are timed one at a time."""
 
 from __future__ import annotations
 
@@ -86,6 +88,12 @@ def add_arguments(parser) -> None:
     group.add_argument("--tiny", action="store_true", help="the dry run's shapes, float32 (automatic on the CPU)")
     group.add_argument("--budget", type=float, default=None, help="seconds: no pair starts after them")
     group.add_argument("--pair-seconds", type=float, default=None, help="seconds: a pair running longer is stopped")
+    group.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="only each side's first call (which compiles its kernels, and fills Triton's cache on disk for a "
+        "later process): no check, no timing; the rows give each side's seconds",
+    )
 
 
 def check(args, parser) -> None:
@@ -205,7 +213,27 @@ def run_pair(case: str, shape: dict, dtype_name: str, peer, args, device, phase=
     interpreted_mamba3 = case == "mamba3" and device.type == "cpu"
     passes = (True,) if args.tiny else pair.passes  # the dry run: one pass, the check is its point
     if interpreted_mamba3:
-        agreement, passes = {"agree": "unchecked", "why": INTERPRETER_ONLY_FORWARD}, (False,)
+        passes = (False,)
+    # Each side's first call alone, forward+backward where the pair times it: it compiles that
+    # side's kernels (cold, the peer's autotuned Triton kernels took minutes in the window of
+    # 2026-11-28), so that a pair stopped here says whose compile held it, and the check and the
+    # timings after it start warm.
+    first_call = {}
+    for name, fn in (("ssm", pair.ssm), ("peer", pair.peer)):
+        phase(f"first call of {name}'s side ({'fwd+bwd' if max(passes) else 'fwd'}: compiles its kernels)")
+        started = time.perf_counter()
+        try:
+            fn(max(passes))
+            synchronize(device)
+        except Exception as e:  # noqa: BLE001
+            error = f"first call of {name}'s side: {type(e).__name__}: {e}"
+            return [base | {"error": error, "trace": traceback.format_exc(limit=4), "first_call_s": first_call}]
+        first_call[name] = round(time.perf_counter() - started, 1)
+    base["first_call_s"] = first_call
+    if getattr(args, "compile_only", False):
+        return [base | {"compiled": True, "seconds": round(time.perf_counter() - start, 1)}]
+    if interpreted_mamba3:
+        agreement = {"agree": "unchecked", "why": INTERPRETER_ONLY_FORWARD}
     else:
         try:
             phase("checking: both sides' outputs and gradients (the first calls compile)")
@@ -275,7 +303,8 @@ def run(args) -> tuple[int, dict | None]:
                     torch.cuda.empty_cache()
         for row in rows:
             result["rows"].append(stamp | row if "ssm" in row else row)
-            shown = ("pass", "agree", "worst", "why", "ssm", "peer", "unit", "skipped", "error", "seconds")
+            shown = ("pass", "agree", "worst", "why", "ssm", "peer", "unit", "first_call_s", "skipped", "error",
+                     "seconds")  # fmt: skip
             print("  " + ", ".join(f"{k} {row[k]}" for k in shown if k in row), flush=True)
         if args.json:
             write_json(args.json, result)  # after each pair: a run killed at its limit keeps its rows

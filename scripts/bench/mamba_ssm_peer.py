@@ -79,15 +79,19 @@ def build_problem(source: Path) -> str | None:
     return None
 
 
-def start_builds(log_dir: Path, env: dict, capability: tuple[int, int] | None) -> dict[str, dict]:
-    """Start ``python setup.py build_ext --inplace`` of each extension not built yet, in the
-    background, each logging to log_dir/build-NAME.log: {extension: {"process", "log"} or
+def start_builds(
+    log_dir: Path, env: dict, capability: tuple[int, int] | None, extensions=tuple(EXTENSIONS)
+) -> dict[str, dict]:
+    """Start ``python setup.py build_ext --inplace`` of each of ``extensions`` not built yet, in
+    the background, each logging to log_dir/build-NAME.log: {extension: {"process", "log"} or
     {"skipped": why}}."""
     started = {}
     env = build_env(env, capability)
     for extension, source in EXTENSIONS.items():
         problem = build_problem(source)
-        if built(extension):
+        if extension not in extensions:
+            started[extension] = {"skipped": "not asked for"}
+        elif built(extension):
             started[extension] = {"skipped": "already built"}
         elif problem:
             started[extension] = {"skipped": problem}
