@@ -14,17 +14,19 @@ each failure recorded and the next step run anyway:
 1. side by side from the start, in the background:
    - build (300): mamba-ssm's ``selective_scan_cuda`` (with --build-conv causal-conv1d's too),
      ``setup.py build_ext --inplace`` for the device's architecture only, niced;
-   - warm-up (230): the first calls of each pair of ssd, mamba3, mamba2_layer and train_step,
-     one process per case (benchmark.py --op gpu-peers --compile-only), which compile the two
-     sides' Triton kernels into Triton's cache on disk, and say how long each side took;
-   - tests (230): the suite's GPU-relevant files (every Triton kernel against the reference on
+   - warm-up (200): the first calls of each pair of ssd, mamba3, mamba2_layer and train_step
+     (benchmark.py --op gpu-peers --compile-only), which compile the two sides' Triton kernels
+     into Triton's cache on disk and say how long each side took; a process per case, and for
+     the peer's autotuned kernels several (Mamba-3 8, SSD 4), each compiling its share of their
+     configurations (--autotune-shard);
+   - tests (200): the suite's GPU-relevant files (every Triton kernel against the reference on
      CUDA tensors in float32, bfloat16 and float16, packed sequences, initial states, gradients,
      torch.compile of the layers), with the failures listed per test;
-2. peers, the pairs without the build (100), alone on the GPU: scripts/benchmark.py --op
+2. peers, the pairs without the build (130), alone on the GPU: scripts/benchmark.py --op
    gpu-peers (scripts/bench/gpu_peers.py) for ssd, mamba3 and mamba2_layer: ssm and mamba-ssm in
    one process, forward and forward+backward, peak memory, every pair's outputs and gradients
    checked against each other;
-3. peers, the pairs that want the build (100), once it is done: selective (selective_scan_fn)
+3. peers, the pairs that want the build (90), once it is done: selective (selective_scan_fn)
    and train_step (MambaLMHeadModel at mamba-130m's shapes, Mamba-1 and Mamba-2), each said to
    be skipped, with the reason, where its build is missing;
 4. speed (40): scripts/benchmark.py for ssm's own backends at mamba-ssm's benchmark shapes,
@@ -71,20 +73,24 @@ from bench import report as bench_report  # noqa: E402
 # warm-up and the tests start together and run side by side; the peers are timed after them,
 # alone. In a dry run, generous (the CPU and Triton's interpreter are slow, the plan is checked,
 # not timed). --*-minutes override them; every step is cut to what TOTAL leaves.
-GPU_SECONDS = {"build": 300, "warm": 230, "tests": 230, "peers": 100, "peers_built": 100, "bench": 40, "train": 0,
+GPU_SECONDS = {"build": 300, "warm": 200, "tests": 200, "peers": 130, "peers_built": 90, "bench": 40, "train": 0,
                "total": 480}  # fmt: skip
 DRY_SECONDS = {"build": 0, "warm": 900, "tests": 480, "peers": 300, "peers_built": 300, "bench": 300, "train": 240,
                "total": 3600}  # fmt: skip
 # A pair's limit on a GPU, its kernels compiled in the warm-up: the SSD pair's first calls took
-# 143 s and more, cold, beside the build, and 15 s with a warm Triton cache (2026-11-28).
-PAIR_SECONDS = 75
+# 143 s and more, cold, beside the build, and its whole check 14 s with a warm Triton cache
+# (2026-11-28); a warm pair still autotunes the peer's kernels (Mamba-3's: 234 configurations).
+PAIR_SECONDS = 90
 PEER_CASES = {"peers": "ssd,mamba3,mamba2_layer", "peers_built": "selective,train_step"}
-# The warm-up: these cases' first calls, one process each, side by side (--compile-only). The
-# peer's Triton kernels are autotuned (Mamba-3's forward over 27 configs, its backward over 54),
-# and one process compiles them one after another: cold, the SSD pair's first calls did not end
-# in 143 s and the Mamba-3 pair's in 90 s (2026-11-28), in a window of 480 s. Side by side they
-# compile on the machine's 16 cores into Triton's cache on disk, which the timed pairs then read.
-WARM_CASES = ("ssd", "mamba3", "mamba2_layer", "train_step")
+# The warm-up: these cases' first calls (--compile-only), side by side, each in as many processes
+# as it has shards (--autotune-shard: each compiles its share of the peer's autotuned configs).
+# The peer's Triton kernels are autotuned, Mamba-3's forward+backward over 234 configurations and
+# SSD's over about 100, and one process compiles them one after another: cold, the SSD pair's
+# first calls did not end in 143 s and the Mamba-3 pair's in 90 s (2026-11-28), in a window of
+# 480 s. Side by side they compile on the machine's 16 cores into Triton's cache on disk, which
+# the timed pairs then read.
+WARM_SHARDS = {"mamba3": 8, "ssd": 4, "mamba2_layer": 1, "train_step": 1}
+WARM_CASES = tuple(WARM_SHARDS)
 # The peer's extensions to build. causal-conv1d's build ran out of its 300 s in both windows that
 # tried it (2026-11-27 and 28) and slowed the rest: --build-conv asks for it.
 BUILDS = ("selective_scan_cuda",)
@@ -236,14 +242,19 @@ def finish_tests(started: dict, out: Path, deadline: float) -> dict:
 
 
 def start_warm(args, out: Path, env: dict, device: str) -> list[dict]:
-    """The warm-up: a --compile-only process per case of WARM_CASES, side by side."""
+    """The warm-up: --compile-only processes, side by side, WARM_SHARDS of each case on a GPU,
+    one in a dry run (where the interpreter keeps one configuration of each kernel)."""
     started = []
-    for case in WARM_CASES:
-        log, path = out / f"warm-{case}.log", out / f"warm-{case}.json"
-        path.unlink(missing_ok=True)
-        cmd = [sys.executable, "scripts/benchmark.py", "--op", "gpu-peers", "--cases", case, "--compile-only",
-               "--device", device, "--json", str(path)]  # fmt: skip
-        started.append(start(cmd, log, env) | {"case": case, "log": log, "json": path})
+    for case, shards in WARM_SHARDS.items():
+        shards = 1 if args.dry_run else shards
+        for i in range(shards):
+            name = f"{case}-{i}"
+            log, path = out / f"warm-{name}.log", out / f"warm-{name}.json"
+            path.unlink(missing_ok=True)
+            cmd = [sys.executable, "scripts/benchmark.py", "--op", "gpu-peers", "--cases", case, "--compile-only",
+                   "--device", device, "--json", str(path)]  # fmt: skip
+            cmd += ["--autotune-shard", f"{i}/{shards}"] if shards > 1 else []
+            started.append(start(cmd, log, env) | {"case": case, "shard": f"{i}/{shards}", "log": log, "json": path})
     return started
 
 
@@ -253,12 +264,12 @@ def finish_warm(started: list[dict], out: Path, deadline: float) -> dict:
     that come back from a device are few)."""
     runs, rows = [], []
     for warm in started:
-        runs.append({"case": warm["case"]} | finish(warm, deadline))
+        runs.append({"case": warm["case"], "shard": warm["shard"]} | finish(warm, deadline))
         if warm["json"].exists():
-            rows += json.loads(warm["json"].read_text())["rows"]
+            rows += [row | {"shard": warm["shard"]} for row in json.loads(warm["json"].read_text())["rows"]]
             warm["json"].unlink()
         with open(out / "peers.log", "a") as f:
-            f.write(f"\n[warm-up, {warm['case']}]" + warm["log"].read_text(errors="replace"))
+            f.write(f"\n[warm-up, {warm['case']}, shard {warm['shard']}]" + warm["log"].read_text(errors="replace"))
         warm["log"].unlink()
     return {"runs": runs, "rows": rows}
 
@@ -546,12 +557,13 @@ def peer_lines(report: dict) -> list[str]:
         )
     for run in report.get("warm", {}).get("runs", []):
         status = f"exit {run['returncode']}, {run['seconds']} s, timed out: {run['timed_out']}"
-        lines.append(f"- warm-up, {run['case']}: {status}")
+        lines.append(f"- warm-up, {run['case']} (shard {run['shard']}): {status}")
     for row in report.get("warm", {}).get("rows", []):
         what = row["op"] + (f" ({row['shape']}, {row['dtype']})" if row.get("shape") else "")
         first = ", ".join(f"{side} {s} s" for side, s in row.get("first_call_s", {}).items())
         why = row.get("skipped") or row.get("error")
-        lines.append(f"- warm-up, {what}: first calls {first or '-'}" + (f"; {why}" if why else ""))
+        shard = f" (shard {row['shard']})" if row.get("shard", "0/1") != "0/1" else ""
+        lines.append(f"- warm-up, {what}{shard}: first calls {first or '-'}" + (f"; {why}" if why else ""))
     for phase in ("peers", "peers_built"):
         step = report.get(phase)
         if step is not None:

@@ -312,3 +312,59 @@ def test_the_130m_pairs_hold_the_same_tensors():
     (same2, keys2, size2), (same1, keys1, size1) = json.loads(done.stdout.strip().splitlines()[-1])
     assert same2 and same1 and keys2 > 200 and keys1 > 200
     assert 125e6 < size2 < 135e6 and 125e6 < size1 < 135e6  # mamba-130m's and mamba2-130m's sizes
+
+
+SHARDS = """
+import sys, types
+sys.path.insert(0, "scripts")
+import triton
+import triton.language as tl
+from bench import mamba_ssm_peer
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": b}) for b in (1, 2, 4, 8, 16)], key=["n"])
+@triton.jit
+def kernel(x, n, BLOCK: tl.constexpr):
+    pass
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 32})], key=["n"])
+@triton.jit
+def single(x, n, BLOCK: tl.constexpr):
+    pass
+
+
+def blocks(i, k):
+    module = types.ModuleType("mamba_ssm.fake")
+    module.kernel, module.single = kernel, single
+    configs = list(kernel.configs)
+    sys.modules["mamba_ssm.fake"] = module
+    try:
+        cut = mamba_ssm_peer.cut_autotuners((i, k))
+        return cut, [c.kwargs["BLOCK"] for c in kernel.configs], [c.kwargs["BLOCK"] for c in single.configs]
+    finally:
+        kernel.configs = configs
+        del sys.modules["mamba_ssm.fake"]
+
+
+print([blocks(i, 3) for i in range(3)], blocks(6, 8))
+"""
+
+
+def test_autotune_shards_split_the_peers_configurations_between_processes():
+    """--autotune-shard I/K keeps configurations I, I+K, ... of each autotuned kernel: K shards
+    compile every configuration once between them, and a shard past the end keeps the first."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", SHARDS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[(1, [1, 8], [32]), (1, [2, 16], [32]), (1, [4], [32])] (1, [1], [32])"
+
+
+def test_a_shard_is_refused_where_it_would_cut_a_timing():
+    gpu_peers = ROOT / "scripts" / "benchmark.py"
+    cmd = [sys.executable, str(gpu_peers), "--op", "gpu-peers", "--autotune-shard", "1/4", "--device", "cpu"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "only with --compile-only" in out.stderr, out.stderr
+    out = subprocess.run(cmd[:-4] + ["--autotune-shard", "4/4", "--compile-only"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 2 and "0 <= I < K" in out.stderr, out.stderr

@@ -22,6 +22,7 @@ Triton's on-disk cache on many cores before the pairs are timed one at a time.""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import signal
@@ -89,6 +90,14 @@ def add_arguments(parser) -> None:
     group.add_argument("--budget", type=float, default=None, help="seconds: no pair starts after them")
     group.add_argument("--pair-seconds", type=float, default=None, help="seconds: a pair running longer is stopped")
     group.add_argument(
+        "--autotune-shard",
+        type=shard_of,
+        default=None,
+        metavar="I/K",
+        help="with --compile-only: the peer's autotuned kernels keep their configurations I, I+K, I+2K, ... "
+        "(K processes compile all of them between them into Triton's cache)",
+    )
+    group.add_argument(
         "--compile-only",
         action="store_true",
         help="only each side's first call (which compiles its kernels, and fills Triton's cache on disk for a "
@@ -96,10 +105,23 @@ def add_arguments(parser) -> None:
     )
 
 
+def shard_of(text: str) -> tuple[int, int]:
+    """ "I/K" -> (I, K), 0 <= I < K."""
+    try:
+        i, k = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--autotune-shard wants I/K, two integers, got {text!r}") from None
+    if not 0 <= i < k:
+        raise argparse.ArgumentTypeError(f"--autotune-shard I/K wants 0 <= I < K, got {text!r}")
+    return i, k
+
+
 def check(args, parser) -> None:
     unknown = set(args.cases) - set(CASES)
     if unknown or not args.cases:
         parser.error(f"unknown cases {sorted(unknown)}: choose from {', '.join(CASES)}")
+    if args.autotune_shard is not None and not args.compile_only:
+        parser.error("--autotune-shard cuts the peer's autotuning: only with --compile-only, never for a timing")
     if args.device == "cpu":
         from ssm.scan.triton._interpreter import interpreting
 
@@ -280,7 +302,7 @@ def run(args) -> tuple[int, dict | None]:
         result["rows"] = [{"op": case, "skipped": problem} for case in args.cases]
         print(f"gpu-peers: {problem}")
         return 0, result
-    peer = mamba_ssm_peer.load(interpreting=device.type == "cpu")
+    peer = mamba_ssm_peer.load(interpreting=device.type == "cpu", shard=getattr(args, "autotune_shard", None))
     result["peer"] = {"version": peer.version, "built": peer.built, "stubs": peer.stubs, "errors": peer.errors}
     print(f"mamba-ssm {peer.version} from third_party (built: {peer.built}; stubs: {peer.stubs})", flush=True)
     for case, shape, dtype in plan(args.tiny):

@@ -194,8 +194,13 @@ def _approximations() -> dict:
     return {"cos_approx": cos, "sin_approx": sin, "tanh_approx": tanh, "sech2_approx": sech2, "sigmoid_approx": sigmoid}
 
 
-def cut_autotuners() -> int:
-    """Cut each autotuned kernel of the loaded peer modules to its first configuration."""
+def cut_autotuners(shard: tuple[int, int] | None = None) -> int:
+    """Cut each autotuned kernel of the loaded peer modules: to its first configuration (the
+    interpreter), or with ``shard`` = (i, k) to its configurations i, i + k, i + 2k, ... (its
+    first where that leaves none). k processes, one per shard, compile all of a kernel's
+    configurations between them into Triton's cache on disk, each a k-th, where one process
+    would compile them one after another; a later process autotunes over them all, as the peer
+    does, from that cache. The number of kernels cut."""
     from triton.runtime.autotuner import Autotuner
 
     cut = 0
@@ -203,7 +208,8 @@ def cut_autotuners() -> int:
         if name.startswith("mamba_ssm.") and module is not None:
             for value in vars(module).values():
                 if isinstance(value, Autotuner) and len(value.configs) > 1:
-                    value.configs, cut = value.configs[:1], cut + 1
+                    kept = value.configs[:1] if shard is None else value.configs[shard[0] :: shard[1]]
+                    value.configs, cut = kept or value.configs[:1], cut + 1
     return cut
 
 
@@ -217,10 +223,12 @@ MODULES = {  # what the peer cases use, by short name
 }
 
 
-def load(interpreting: bool) -> types.SimpleNamespace:
+def load(interpreting: bool, shard: tuple[int, int] | None = None) -> types.SimpleNamespace:
     """Import the peer's modules from third_party/mamba-ssm in this process: a namespace of
     those modules (``MODULES``' names, None where the import failed) with ``built`` (extension ->
-    bool), ``stubs`` (the module names stubbed) and ``errors`` (short name -> why)."""
+    bool), ``stubs`` (the module names stubbed) and ``errors`` (short name -> why). ``shard``:
+    its autotuned kernels keep only that shard of their configurations (see cut_autotuners), for
+    a process that only compiles."""
     problem = source_problem()
     if problem:
         raise FileNotFoundError(problem)
@@ -261,4 +269,6 @@ def load(interpreting: bool) -> types.SimpleNamespace:
     if interpreting:
         cut_autotuners()
         plain_approximations()
+    elif shard is not None:
+        cut_autotuners(shard)
     return types.SimpleNamespace(**loaded, version=package.__version__, built=extensions, stubs=stubs, errors=errors)
