@@ -217,21 +217,40 @@ def environment(device: str) -> dict:
 
 
 def pytest_outcome(log: Path) -> dict:
-    """The summary line of the last pytest run in ``log`` and the ids of its failed tests."""
+    """The summary line of the last pytest run in ``log``, its counts and the ids of its failed
+    tests. A run killed before its summary (-v) still gives what it got to: its counts so far,
+    its failures so far and the tests it was in when killed ("unfinished")."""
     text = log.read_text(errors="replace")
+    text = text[text.rfind("\n$ ") + 1 :]  # the last run
     # "15 passed in 54.6s" under -q, "==== 1 failed, 3 passed in 2.00s ====" otherwise
     outcomes = r"\d+ (?:passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)"
     summary = re.findall(
         rf"^(?:=+ )?((?:{outcomes}(?:, )?)+ in [\d.]+s(?: \([\d:]+\))?|no tests ran.*?)(?: =+)?$", text, re.M
     )
-    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)))
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) ([a-z]+)", summary[-1])} if summary else {}
-    return {"summary": summary[-1] if summary else None, "counts": counts, "failed": failed}
+    # -v: "tests/a.py::t[x] PASSED  [ 1%]", and with xdist "[gw0] [  1%] FAILED tests/a.py::t[x]"
+    serial = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", text, re.M)
+    spread = [(i, o) for o, i in re.findall(r"^\[gw\d+\] \[\s*\d+%\] ([A-Z]+) (\S+::\S+)", text, re.M)]
+    verbose = serial + spread
+    failed = set(re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M))
+    failed |= {test for test, outcome in verbose if outcome in ("FAILED", "ERROR")}
+    if summary:
+        counts = {k: int(n) for n, k in re.findall(r"(\d+) ([a-z]+)", summary[-1])}
+    else:
+        counts = {}
+        for _, outcome in verbose:
+            key = outcome.lower().replace("error", "errors")
+            counts[key] = counts.get(key, 0) + 1
+    result = {"summary": summary[-1] if summary else None, "counts": counts, "failed": sorted(failed)}
+    if not summary:  # killed: the test it was in (serial -v prints the id before the outcome)
+        result["unfinished"] = re.findall(r"^(\S+::\S+) *$", text, re.M)[-1:]
+    return result
 
 
 def start_tests(args, out: Path, env: dict) -> dict:
     tests = DRY_TESTS if args.dry_run else GPU_TESTS
-    cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-rfE", "-p", "no:cacheprovider"]
+    # -v: a run killed at its budget still says what passed, what failed and where it was;
+    # --durations: a run that ends says where its time went
+    cmd = [sys.executable, "-m", "pytest", *tests, "-v", "-rfE", "--durations=25", "-p", "no:cacheprovider"]
     if not args.dry_run and args.test_workers > 1 and importlib.util.find_spec("xdist"):
         cmd += ["-n", str(args.test_workers)]  # Triton's and Inductor's compiles are CPU-bound: spread them
     return start(cmd, out / "pytest.log", env)
@@ -508,6 +527,8 @@ def summary_markdown(report: dict) -> str:
         lines += ["", "## Tests", ""]
         lines.append(f"{tests.get('summary')} ({tests.get('seconds')} s, timed out: {tests.get('timed_out')})")
         lines += [f"- FAILED {t}" for t in tests.get("failed", [])]
+        lines += [f"- counts so far (killed): {tests['counts']}"] if tests.get("timed_out") else []
+        lines += [f"- running when killed: {t}" for t in tests.get("unfinished", [])]
         lines += [f"- skipped: {tests['skipped']}"] if "skipped" in tests else []
     if "bench" in report:
         lines += ["", "## Speed (ms; forward / forward+backward; extra peak MiB fwd+bwd)", ""]

@@ -77,6 +77,25 @@ def test_pytest_outcome_reads_counts_and_failed_ids(tmp_path):
     ]
     log.write_text("$ python -m pytest -q ...\n...............\n15 passed, 2 deselected in 54.60s\n")  # under -q
     assert script()["pytest_outcome"](log)["counts"] == {"passed": 15, "deselected": 2}
+    # -v, killed at its budget: what it got to, its failures so far and the test it was in
+    log.write_text(
+        "$ python -m pytest -q ...\n3 failed in 1.00s\n"  # an earlier run in the same log
+        "\n$ python -m pytest -v ...\n"
+        "tests/scan/test_triton.py::test_a[1] PASSED                       [  1%]\n"
+        "tests/scan/test_triton.py::test_a[2] FAILED                       [  2%]\n"
+        "tests/scan/test_triton.py::test_b SKIPPED (no bf16)               [  3%]\n"
+        "tests/scan/test_triton.py::test_c \n"
+        "[gpu_check] killed after 200 s\n"
+    )
+    outcome = script()["pytest_outcome"](log)
+    assert outcome["summary"] is None and outcome["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert outcome["failed"] == ["tests/scan/test_triton.py::test_a[2]"]
+    assert outcome["unfinished"] == ["tests/scan/test_triton.py::test_c"]
+    log.write_text(  # xdist under -v
+        "$ python -m pytest -v -n 4 ...\n[gw1] [ 50%] PASSED tests/a.py::t[x] \n[gw0] [100%] ERROR tests/a.py::u \n"
+    )
+    outcome = script()["pytest_outcome"](log)
+    assert outcome["counts"] == {"passed": 1, "errors": 1} and outcome["failed"] == ["tests/a.py::u"]
 
 
 def test_the_summary_shows_each_form_of_result():
