@@ -22,11 +22,12 @@ each failure recorded and the next step run anyway:
    - tests (200): the suite's GPU-relevant files (every Triton kernel against the reference on
      CUDA tensors in float32, bfloat16 and float16, packed sequences, initial states, gradients,
      torch.compile of the layers), with the failures listed per test;
-2. peers, the pairs without the build (130), alone on the GPU: scripts/benchmark.py --op
+2. peers, the pairs without the build (160), alone on the GPU: scripts/benchmark.py --op
    gpu-peers (scripts/bench/gpu_peers.py) for ssd, mamba3 and mamba2_layer: ssm and mamba-ssm in
    one process, forward and forward+backward, peak memory, every pair's outputs and gradients
-   checked against each other;
-3. peers, the pairs that want the build (90), once it is done: selective (selective_scan_fn)
+   checked against each other (Mamba-3 at batch 8, L 2048 and at batch 1, L 65536 before the
+   other SSD shapes);
+3. peers, the pairs that want the build (70), once it is done: selective (selective_scan_fn)
    and train_step (MambaLMHeadModel at mamba-130m's shapes, Mamba-1 and Mamba-2), each said to
    be skipped, with the reason, where its build is missing;
 4. speed (40): scripts/benchmark.py for ssm's own backends at mamba-ssm's benchmark shapes,
@@ -73,7 +74,7 @@ from bench import report as bench_report  # noqa: E402
 # warm-up and the tests start together and run side by side; the peers are timed after them,
 # alone. In a dry run, generous (the CPU and Triton's interpreter are slow, the plan is checked,
 # not timed). --*-minutes override them; every step is cut to what TOTAL leaves.
-GPU_SECONDS = {"build": 300, "warm": 200, "tests": 200, "peers": 130, "peers_built": 90, "bench": 40, "train": 0,
+GPU_SECONDS = {"build": 300, "warm": 200, "tests": 200, "peers": 160, "peers_built": 70, "bench": 40, "train": 0,
                "total": 480}  # fmt: skip
 DRY_SECONDS = {"build": 0, "warm": 900, "tests": 480, "peers": 300, "peers_built": 300, "bench": 300, "train": 240,
                "total": 3600}  # fmt: skip
