@@ -80,7 +80,7 @@ def test_a_pair_past_its_time_is_stopped_in_its_phase_and_the_next_runs(monkeypa
     monkeypatch.setattr(gpu_peers, "plan", lambda tiny: plan)
     monkeypatch.setattr(gpu_peers.mamba_ssm_peer, "source_problem", lambda: None)
     peer = SimpleNamespace(version="x", built={}, stubs=[], errors={})
-    monkeypatch.setattr(gpu_peers.mamba_ssm_peer, "load", lambda interpreting: peer)
+    monkeypatch.setattr(gpu_peers.mamba_ssm_peer, "load", lambda interpreting, shard=None: peer)
     args = SimpleNamespace(
         device="cpu", cases=["ssd", "mamba2_layer"], tiny=True, budget=None, pair_seconds=0.5,
         warmup=0, repeats=1, json=None,
@@ -92,3 +92,18 @@ def test_a_pair_past_its_time_is_stopped_in_its_phase_and_the_next_runs(monkeypa
     first, second = result["rows"]
     assert first["skipped"].startswith("stopped after 0.5 s, while checking"), first
     assert second["op"] == "mamba2_layer" and second["agree"] is True and "ssm" in second
+    assert second["first_call_s"].keys() == {"ssm", "peer"}
+
+    # a side whose first call (its compile) does not end is named; --compile-only stops there
+    def slow_peer_pair(peer, shape, dtype, device, tolerance):
+        return cases.Pair(lambda train: None, lambda train: time.sleep(30), lambda: {"agree": True})
+
+    monkeypatch.setattr(gpu_peers, "BUILDERS", {"ssd": slow_peer_pair, "mamba2_layer": quick_pair})
+    code, result = gpu_peers.run(args)
+    first, second = result["rows"]
+    assert first["skipped"].startswith("stopped after 0.5 s, while first call of peer's side"), first
+    args.compile_only = True
+    code, result = gpu_peers.run(args)
+    second = result["rows"][1]
+    assert second["compiled"] is True and "ssm" not in second and "agree" not in second, second
+    assert second["first_call_s"].keys() == {"ssm", "peer"}
