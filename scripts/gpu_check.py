@@ -477,11 +477,16 @@ def peers_section(rows: list[dict], key: str = "gpu-peers-cuda") -> str:
     ])  # fmt: skip
 
 
+def run_peer(result: dict) -> dict:
+    """What a gpu_check report says of the peer it loaded (version, builds), or {}."""
+    return next((result[p]["peer"] for p in ("peers_built", "peers") if (result.get(p) or {}).get("peer")), {})
+
+
 def write_peers(result: dict, out: Path) -> None:
     """The measured pairs' rows into DIR/gpu-peers.json (their table is in summary.md); on a GPU
     run also merged into docs/bench/gpu-peers.json and BENCHMARKS.md, as --apply does."""
     measured = [row for row in peer_rows(result) if "ssm" in row and "peer" in row]
-    peer = next((result[p]["peer"] for p in ("peers_built", "peers") if result.get(p, {}).get("peer")), {})
+    peer = run_peer(result)
     measured = [row | {"peer_version": peer.get("version")} for row in measured]
     (out / "gpu-peers.json").write_text(json.dumps(measured, indent=2) + "\n")
     if not result["dry_run"] and measured:
@@ -494,7 +499,7 @@ def measured_rows(path: Path) -> list[dict]:
     if path.is_dir():
         rows, report = json.loads((path / "gpu-peers.json").read_text()), path / "report.json"
         result = json.loads(report.read_text()) if report.exists() else {}
-        peer = next((result[p]["peer"] for p in ("peers_built", "peers") if (result.get(p) or {}).get("peer")), {})
+        peer = run_peer(result)
         return [{"peer_version": peer.get("version")} | row for row in rows]
     result = json.loads(path.read_text())
     version = (result.get("peer") or {}).get("version")
