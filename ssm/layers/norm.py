@@ -20,7 +20,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # on the CPU one C pass forward and one backward; elsewhere torch's own rms_norm
+        # on the CPU one C pass forward and one backward; elsewhere torch's own rms_norm, or for
+        # 16-bit inputs the formulas with a backward that keeps x as it came (ssm.ops.norm)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -48,5 +49,6 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        # on the CPU one C pass forward and one backward; elsewhere the formulas written out
+        # on the CPU one C pass forward and one backward; elsewhere the formulas written out, with
+        # a backward that keeps x and z as they came and one 1/rms per group (ssm.ops.norm)
         return rms_norm(x, self.weight, self.eps, z, self.group_size, self.norm_before_gate)

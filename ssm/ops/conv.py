@@ -89,8 +89,11 @@ def _silu_cpu(x, weight, bias, state, cu_seqlens, transposed) -> ConvOut | None:
 
 
 def _silu_torch(x, weight, bias, state, cu_seqlens, transposed) -> ConvOut:
-    y, new_state = causal_conv1d(x.transpose(1, 2), weight, bias, state, cu_seqlens)
-    y = F.silu(y)
+    if state is None and cu_seqlens is None and x.shape[1] > 0:  # training: keep only x for the backward
+        y, new_state = _CausalConvSiLU.apply(x.transpose(1, 2), weight, bias), None
+    else:
+        y, new_state = causal_conv1d(x.transpose(1, 2), weight, bias, state, cu_seqlens)
+        y = F.silu(y)
     return ((y.transpose(1, 2), y) if transposed else y.transpose(1, 2)), new_state
 
 
@@ -189,6 +192,47 @@ class _DepthwiseConv(torch.autograd.Function):
         if ctx.with_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum((0, 2))
         return grad_h, grad_w, grad_b
+
+
+class _CausalConvSiLU(torch.autograd.Function):
+    """SiLU(causal depthwise conv of x (batch, D, L)), no history, keeping for the backward only
+    x (in the layers a view of in_proj's output, which is kept anyway) and the taps: the
+    backward convolves again. Through ``causal_conv1d`` and ``F.silu`` autograd kept x padded
+    and the conv's output besides, two more copies of x's size (in a bfloat16 Mamba-2 layer at
+    mamba-130m's shapes, 7 KiB per token). The backward's passes are ``_DepthwiseConv``'s."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        y = F.silu(_CausalConvSiLU._conv(x, weight, bias))
+        ctx.save_for_backward(x, weight, bias)
+        ctx.dtype = y.dtype  # under autocast the conv ran in its dtype; the backward runs outside it
+        return y
+
+    @staticmethod
+    def _conv(x, weight, bias, dtype=None):
+        h = F.pad(x if dtype is None else x.to(dtype), (weight.shape[-1] - 1, 0))
+        if dtype is not None:
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return F.conv1d(h, weight, bias, groups=x.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        dtype = ctx.dtype
+        y = _CausalConvSiLU._conv(x, weight, bias, dtype)
+        s = torch.sigmoid(y)
+        g = grad.to(dtype) * s * (1 + y * (1 - s))  # through the SiLU
+        K, L = weight.shape[-1], x.shape[-1]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            w = weight.flip(-1).to(dtype)
+            grad_x = F.conv1d(F.pad(g, (0, K - 1)), w, groups=x.shape[1]).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            h = F.pad(x.to(dtype), (K - 1, 0))
+            grad_w = torch.stack([(h[..., k : k + L] * g).sum((0, 2)) for k in range(K)], -1)[:, None].to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_b = g.sum((0, 2)).to(bias.dtype)
+        return grad_x, grad_w, grad_b
 
 
 def _packed_causal_conv1d(x, weight, bias, state, cu_seqlens):

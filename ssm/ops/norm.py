@@ -23,22 +23,82 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 def _rms_norm_torch(x, weight, eps, z, group_size, norm_before_gate) -> torch.Tensor:
     M = x.shape[-1]
-    if z is None and group_size == M:
-        return F.rms_norm(x, (M,), weight, eps)
-    if z is not None and not norm_before_gate:
-        x = x * F.silu(z)
-    groups = x.unflatten(-1, (-1, group_size))  # (..., M / group_size, group_size)
-    y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2) * weight
-    if z is not None and norm_before_gate:
-        y = y * F.silu(z)
-    return y
+    if z is None and group_size == M and x.dtype == weight.dtype == upcast(x).dtype:
+        return F.rms_norm(x, (M,), weight, eps)  # keeps x, which is kept anyway, and 1/rms
+    return _RMSNorm.apply(x, weight, eps, z, group_size, norm_before_gate)
 
 
-# Backends take (x, weight, eps, z, group_size, norm_before_gate), all validated and upcast;
-# "cpu" returns None where it does not apply, and "auto" then runs "torch".
+def _rms_norm_cpu(x, weight, eps, z, group_size, norm_before_gate) -> torch.Tensor | None:
+    """The C kernels (float32 or float64 only) on the inputs upcast, or None where they do not apply."""
+    z = None if z is None else upcast(z)
+    out = rms_norm_cpu(upcast(x), upcast(weight), eps, z, group_size, norm_before_gate)
+    return None if out is None else out.to(x.dtype)
+
+
+def _dsilu(z: torch.Tensor) -> torch.Tensor:
+    """d silu(z) / dz = σ(z)·(1 + z·(1 − σ(z)))."""
+    s = torch.sigmoid(z)
+    return s * (1 + z * (1 - s))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """The tensor formulas of ``rms_norm`` with a backward written out, keeping for it only the
+    inputs as they came and each group's 1/rms. Autograd through the formulas kept five float32
+    tensors of x's size (x and z upcast, silu(z), the gated product, the normalised one): 20
+    bytes a channel, where this keeps bfloat16 x (2 bytes) and z, most often a view of
+    in_proj's output that is kept anyway. Computed in float32 (float64 for float64 inputs),
+    forward and backward; returned in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, z, group, norm_before_gate):
+        v, gate = _RMSNorm._gated_input(x, z, norm_before_gate)
+        groups = v.unflatten(-1, (-1, group))
+        rstd = torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)  # (..., M / group, 1)
+        y = (groups * rstd).flatten(-2) * upcast(weight).to(v.dtype)
+        if gate is not None and norm_before_gate:
+            y = y * gate
+        ctx.save_for_backward(x, weight, z, rstd)
+        ctx.group, ctx.norm_before_gate = group, norm_before_gate
+        return y.to(x.dtype)
+
+    @staticmethod
+    def _gated_input(x, z, norm_before_gate):
+        """(what is normalised, silu(z) or None), in the compute dtype."""
+        x = upcast(x)
+        gate = None if z is None else F.silu(z.to(x.dtype))
+        return (x if gate is None or norm_before_gate else x * gate), gate
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, z, rstd = ctx.saved_tensors
+        group, before = ctx.group, ctx.norm_before_gate
+        v, gate = _RMSNorm._gated_input(x, z, before)
+        w = upcast(weight).to(v.dtype)
+        n = (v.unflatten(-1, (-1, group)) * rstd).flatten(-2)  # the normalised input
+        g = grad.to(v.dtype)
+        dz = None
+        if gate is not None and before:  # y = n·w·silu(z)
+            if ctx.needs_input_grad[3]:
+                dz = g * n * w * _dsilu(z.to(v.dtype))
+            g = g * gate
+        dw = (g * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dn = (g * w).unflatten(-1, (-1, group))
+        n = n.unflatten(-1, (-1, group))
+        dv = (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).flatten(-2)
+        if gate is not None and not before:  # v = x·silu(z)
+            if ctx.needs_input_grad[3]:
+                dz = dv * upcast(x) * _dsilu(z.to(v.dtype))
+            dv = dv * gate
+        dx = dv.to(x.dtype) if ctx.needs_input_grad[0] else None
+        return dx, dw, None, None if dz is None else dz.to(z.dtype), None, None
+
+
+# Backends take (x, weight, eps, z, group_size, norm_before_gate), validated, in the caller's
+# dtypes, and return x's dtype; "cpu" returns None where it does not apply, and "auto" then
+# runs "torch".
 BACKENDS = BackendTable("rms_norm", auto={"cpu": ("cpu", "torch"), "*": ("torch",)})
 BACKENDS.add("torch", _rms_norm_torch)
-BACKENDS.add("cpu", rms_norm_cpu, devices=("cpu",))
+BACKENDS.add("cpu", _rms_norm_cpu, devices=("cpu",))
 
 
 def rms_norm(
@@ -67,7 +127,6 @@ def rms_norm(
         raise ValueError(f"weight must have shape ({M},) for x of shape {tuple(x.shape)}, got {tuple(weight.shape)}")
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
-    x32, w32, z32 = upcast(x), upcast(weight), None if z is None else upcast(z)
     needs = lambda: f"CPU tensors and x contiguous (got x {x.dtype} on {x.device}, contiguous {x.is_contiguous()})"
-    args = (x32, w32, eps, z32, group, norm_before_gate)
-    return BACKENDS.run(backend, x.device, args, fallback="torch", needs=needs).to(x.dtype)
+    args = (x, weight, eps, z, group, norm_before_gate)
+    return BACKENDS.run(backend, x.device, args, fallback="torch", needs=needs)

@@ -59,6 +59,48 @@ def test_causal_conv1d_silu(backend, case, dtype, transposed):
         torch.testing.assert_close(a.double(), e.double(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("case", ["plain", "no bias, K 3"])
+def test_causal_conv1d_silu_under_autocast_keeps_only_its_input(case):
+    """The tensor path (a GPU's) in bfloat16 under autocast, float32 taps, x a view of a wider
+    tensor as in_proj leaves it: values and gradients against the float64 reference on the
+    same bfloat16 values and taps, and autograd keeping for the backward no more than x's
+    storage and the taps (through the conv and F.silu it kept x padded and the conv's output
+    besides)."""
+    c = CONV_CASES[case]
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(c["batch"], c["L"], c["D"] + 6, generator=g).bfloat16().requires_grad_()
+    w = (0.5 * torch.randn(c["D"], 1, c["K"], generator=g)).requires_grad_()
+    b = torch.randn(c["D"], generator=g).requires_grad_() if c["bias"] else None
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return ops.causal_conv1d_silu(wide[..., 1 : 1 + c["D"]], w, b, backend="torch")[0]
+
+    kept = []  # (storage, bytes) of every tensor autograd keeps
+
+    def pack(t):
+        kept.append((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = run()
+    taps = w.nbytes + (b.nbytes if c["bias"] else 0)
+    others = [n for ptr, n in kept if ptr != wide.untyped_storage().data_ptr() and n > taps]
+    assert y.dtype == torch.bfloat16 and not others, others  # x's own storage, the taps (and their casts)
+    w16, b16 = w.detach().bfloat16().double(), None if b is None else b.detach().bfloat16().double()
+    x64, w64 = wide.detach().double()[..., 1 : 1 + c["D"]].requires_grad_(), w16.requires_grad_()
+    b64 = None if b16 is None else b16.requires_grad_()
+    ref = F.silu(ops.causal_conv1d_ref(x64.transpose(1, 2), w64, b64, None, None)[0]).transpose(1, 2)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=2e-2)
+    up = torch.randn(ref.shape, generator=g).bfloat16()
+    got = grads(y, (wide, w, b), up)
+    want = grads(ref, (x64, w64, b64), up.double())
+    torch.testing.assert_close(got[0][..., 1 : 1 + c["D"]].double(), want[0], rtol=2e-2, atol=2e-2)
+    assert got[0][..., :1].abs().max() == 0 and got[0][..., 1 + c["D"] :].abs().max() == 0
+    for a, e in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a.double(), e, rtol=3e-2, atol=3e-2 * e.abs().max().item())
+
+
 def test_causal_conv1d_with_a_state_and_packed_states():
     """The tensor path continuing from a history: values, the new state, every gradient."""
     g = torch.Generator().manual_seed(2)
@@ -82,6 +124,8 @@ NORM_CASES = {
     "one row": dict(shape=(1, 33), group=None, gate=None),
     "groups of 4, gate after": dict(shape=(5, 12), group=4, gate="after"),
     "gate before, one group": dict(shape=(2, 3, 10), group=None, gate="before"),
+    "groups of 5, gate before": dict(shape=(4, 10), group=5, gate="before"),  # Mamba-3's per-head norm
+    "groups of 3, no gate": dict(shape=(2, 4, 9), group=3, gate=None),
 }
 
 
@@ -103,6 +147,45 @@ def test_rms_norm(backend, case, dtype):
     up = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     for a, e in zip(grads(y, (x, w, z), up.to(dtype)), grads(ref, (x, w, z), up)):
         torch.testing.assert_close(a.double(), e.double(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("case", [c for c in NORM_CASES if NORM_CASES[c]["gate"] or NORM_CASES[c]["group"]])
+def test_rms_norm_in_bfloat16_keeps_only_its_inputs(case):
+    """The tensor path with bfloat16 x and z (z a view of a wider tensor, as in_proj leaves it)
+    and a float32 weight, as under autocast on a GPU: values and gradients against the float64
+    reference on the same bfloat16 values, and what autograd keeps for the backward no more than
+    the inputs themselves and one float32 1/rms per group (the formulas through autograd kept
+    five float32 copies of x's size)."""
+    c = NORM_CASES[case]
+    g = torch.Generator().manual_seed(4)
+    shape, M = c["shape"], c["shape"][-1]
+    group = c["group"] or M
+    x = torch.randn(*shape, generator=g).bfloat16().requires_grad_()
+    wide = torch.randn(*shape[:-1], M + 7, generator=g).bfloat16().requires_grad_()
+    w = (1 + 0.5 * torch.randn(M, generator=g)).requires_grad_()
+    before = c["gate"] == "before"
+
+    def run():
+        z = wide[..., 2 : 2 + M] if c["gate"] else None
+        return ops.rms_norm(x, w, 1e-3, z, c["group"], before, backend="torch")
+
+    from ssm.memory import saved_bytes
+
+    kept, y = saved_bytes(run)
+    rows = x.numel() // M
+    allowed = x.untyped_storage().nbytes() + w.untyped_storage().nbytes() + rows * (M // group) * 4
+    allowed += wide.untyped_storage().nbytes() if c["gate"] else 0
+    assert y.dtype == torch.bfloat16 and kept <= allowed, (kept, allowed)
+
+    x64, wide64, w64 = (t.detach().double().requires_grad_() for t in (x, wide, w))
+    z64 = wide64[..., 2 : 2 + M] if c["gate"] else None
+    ref = ops.rms_norm_ref(x64, w64, 1e-3, z64, c["group"], before)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2)
+    up = torch.randn(ref.shape, generator=g).bfloat16()
+    inputs, inputs64 = (x, w, wide) if c["gate"] else (x, w), (x64, w64, wide64) if c["gate"] else (x64, w64)
+    for t, a, e in zip(inputs, grads(y, inputs, up), grads(ref, inputs64, up.double())):
+        assert a.dtype == t.dtype
+        torch.testing.assert_close(a.double(), e, rtol=2e-2, atol=2e-2)
 
 
 def test_a_named_backend_that_cannot_take_the_inputs_is_an_error():
