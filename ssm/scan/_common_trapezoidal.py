@@ -148,6 +148,8 @@ def values(x: torch.Tensor, mimo_x: torch.Tensor | None, ranks: int, dtype) -> t
 
 def gate_and_contract(y, v, D, z, mimo_z, mimo_o, dtype):
     """y (B, L, R, H, P) → (y + D·v)·silu(z ⊙ mimo_z), then Σ_r mimo_o ⊙ · when mimo_o is given."""
+    if z is not None and mimo_z is None and mimo_o is None:
+        return _Gated.apply(y, v, D, z, dtype)
     if D is not None:
         y = y + D.to(dtype)[:, None] * v
     if z is not None:
@@ -158,6 +160,44 @@ def gate_and_contract(y, v, D, z, mimo_z, mimo_o, dtype):
     if mimo_o is not None:
         y = (y * mimo_o.to(dtype).transpose(0, 1)).sum(2)
     return y
+
+
+def _dsilu(z: Tensor) -> Tensor:
+    """d silu(z) / dz = σ(z)·(1 + z·(1 − σ(z)))."""
+    sig = torch.sigmoid(z)
+    return sig * (1 + z * (1 - sig))
+
+
+class _Gated(torch.autograd.Function):
+    """(y + D·v)·silu(z) (``gate_and_contract`` without MIMO's weights), keeping y, v, D and z
+    as they came for the backward, z most often a view of in_proj's output. Autograd through
+    the formula kept z in the compute dtype, silu(z) and y + D·v besides: three more tensors of
+    y's size."""
+
+    @staticmethod
+    def forward(ctx, y, v, D, z, dtype):
+        ctx.save_for_backward(y, v, D, z)
+        ctx.dtype = dtype
+        return _Gated._pre(y, v, D, dtype) * F.silu(z.to(dtype).unsqueeze(2))
+
+    @staticmethod
+    def _pre(y, v, D, dtype):
+        return y if D is None else y + D.to(dtype)[:, None] * v
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, v, D, z = ctx.saved_tensors
+        zc = z.to(ctx.dtype).unsqueeze(2)
+        g = grad * F.silu(zc)  # the gradient of y + D·v
+        dy = g if ctx.needs_input_grad[0] else None
+        dv = dD = dz = None
+        if D is not None:
+            Dc = D.to(ctx.dtype)[:, None]
+            dv = g * Dc if ctx.needs_input_grad[1] else None
+            dD = (g * v).sum_to_size(Dc.shape).view(D.shape).to(D.dtype) if ctx.needs_input_grad[2] else None
+        if ctx.needs_input_grad[3]:
+            dz = (grad * _Gated._pre(y, v, D, ctx.dtype) * _dsilu(zc)).sum_to_size(zc.shape).squeeze(2).to(z.dtype)
+        return dy, dv, dD, dz, None
 
 
 def _pair_slices(N: int, M: int, rotary: str) -> tuple[slice, slice]:
@@ -180,15 +220,19 @@ class _RotatedPerHead(torch.autograd.Function):
         w0, w1 = w[..., first].clone(), w[..., second].clone()
         w[..., first] = w0 * cos - w1 * sin
         w[..., second] = w0 * sin + w1 * cos
-        ctx.save_for_backward(w0, w1, cos, sin)
-        ctx.rotary, ctx.heads, ctx.shapes = rotary, heads, (M.shape, M.dtype, None if bias is None else bias.dtype)
+        # M (per group, most often a view of in_proj's output) rather than w0 and w1 per head:
+        # the backward forms those again
+        ctx.save_for_backward(M, bias, cos, sin)
+        ctx.rotary, ctx.heads, ctx.dtype = rotary, heads, dtype
         return w
 
     @staticmethod
     def backward(ctx, grad):
-        w0, w1, cos, sin = ctx.saved_tensors
-        shape, M_dtype, bias_dtype = ctx.shapes
+        M, bias, cos, sin = ctx.saved_tensors
+        shape, M_dtype, bias_dtype = M.shape, M.dtype, None if bias is None else bias.dtype
         first, second = _pair_slices(grad.shape[-1], cos.shape[-1], ctx.rotary)
+        w = per_head(M, ctx.heads, bias, ctx.dtype)
+        w0, w1 = w[..., first], w[..., second]
         d0, d1 = grad[..., first], grad[..., second]
         dcos = d0 * w0 + d1 * w1 if ctx.needs_input_grad[2] else None
         dsin = d1 * w0 - d0 * w1 if ctx.needs_input_grad[3] else None
@@ -295,31 +339,63 @@ def tensor_rotary_phase(delta: Tensor, angles: Tensor, phase0: Tensor | None, cu
     """φ_t = φ_{-1} + Σ_{s ≤ t} Δ_s·θ_s per sequence (not reduced) and its cos and sin, (B, L, H,
     M) in ``dtype``, by tensors: delta (B, L, H), angles (B, L, H, M), phase0 (B or S, H, M) or
     None."""
+    if cu_seqlens is None:  # (a non-finite increment reaches the steps after it only)
+        return _RotaryPhase.apply(delta, angles, phase0, dtype)
     length = delta.shape[1]
     increments = delta.double()[..., None] * angles.double()  # (B, L, H, M)
     phase0 = None if phase0 is None else phase0.double()
-    if cu_seqlens is None:  # (a non-finite increment reaches the steps after it only)
-        summed = increments.cumsum(1)
-        phase64 = summed if phase0 is None else summed + phase0[:, None]
-    else:
-        starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
-        # one sum across the packed sequences, each sequence's start taken off: a non-finite
-        # increment is summed as 0 here (it would reach the next sequences through that
-        # subtraction), and the phase is NaN from it to its sequence's end
-        bad = None if all_finite(increments) else ~torch.isfinite(increments)
-        summed = (increments if bad is None else finite_or_zero(increments)).cumsum(1)
-        before = F.pad(summed, (0, 0, 0, 0, 1, 0))[:, starts]  # (1, S, H, M): sum before each start
-        base = -before if phase0 is None else phase0[None] - before
-        seq_of = torch.repeat_interleave(
-            torch.arange(len(starts), device=delta.device), ends - starts, output_size=length
-        )
-        phase64 = summed + base[:, seq_of]
-        if bad is not None:
-            phase64 = phase64.masked_fill(poisoned_since(bad, cu_seqlens), float("nan"))
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    # one sum across the packed sequences, each sequence's start taken off: a non-finite
+    # increment is summed as 0 here (it would reach the next sequences through that
+    # subtraction), and the phase is NaN from it to its sequence's end
+    bad = None if all_finite(increments) else ~torch.isfinite(increments)
+    summed = (increments if bad is None else finite_or_zero(increments)).cumsum(1)
+    before = F.pad(summed, (0, 0, 0, 0, 1, 0))[:, starts]  # (1, S, H, M): sum before each start
+    base = -before if phase0 is None else phase0[None] - before
+    seq_of = torch.repeat_interleave(torch.arange(len(starts), device=delta.device), ends - starts, output_size=length)
+    phase64 = summed + base[:, seq_of]
+    if bad is not None:
+        phase64 = phase64.masked_fill(poisoned_since(bad, cu_seqlens), float("nan"))
+    return (phase64.to(dtype), *_cos_sin(phase64, dtype))
+
+
+def _cos_sin(phase64: Tensor, dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of a float64 phase reduced modulo 2π, in ``dtype``."""
     reduced = torch.remainder(phase64, TWO_PI)
-    phase = phase64.to(dtype)
-    cos, sin = torch.cos(reduced).to(dtype), torch.sin(reduced).to(dtype)
-    return phase, cos, sin
+    return torch.cos(reduced).to(dtype), torch.sin(reduced).to(dtype)
+
+
+class _RotaryPhase(torch.autograd.Function):
+    """``tensor_rotary_phase`` of one unpacked sequence per row: φ_t = φ_{-1} + Σ_{s ≤ t} Δ_s·θ_s
+    summed in float64, keeping for the backward Δ, θ and the cos and sin it returns (which the
+    rotation keeps anyway). Autograd kept θ and φ in float64 besides, two tensors of (B, L, H, M)
+    at 8 bytes. The backward sums in float64 too: dφ_t = dphase_t − dcos_t·sin φ_t + dsin_t·cos
+    φ_t, then the increments' gradient is dφ summed from t to the end."""
+
+    @staticmethod
+    def forward(ctx, delta, angles, phase0, dtype):
+        phase64 = (delta.double()[..., None] * angles.double()).cumsum(1)  # (B, L, H, M)
+        if phase0 is not None:
+            phase64 = phase64 + phase0.double()[:, None]
+        cos, sin = _cos_sin(phase64, dtype)
+        ctx.save_for_backward(delta, angles, phase0, cos, sin)
+        return phase64.to(dtype), cos, sin
+
+    @staticmethod
+    def backward(ctx, d_phase, d_cos, d_sin):
+        delta, angles, phase0, cos, sin = ctx.saved_tensors
+        d = torch.zeros(cos.shape, dtype=torch.float64, device=cos.device)
+        if d_phase is not None:
+            d = d + d_phase.double()
+        if d_cos is not None:
+            d = d - d_cos.double() * sin.double()
+        if d_sin is not None:
+            d = d + d_sin.double() * cos.double()
+        d_inc = d.flip(1).cumsum(1).flip(1)  # each increment reaches every phase from its step on
+        d_delta = (d_inc * angles.double()).sum(-1).to(delta.dtype) if ctx.needs_input_grad[0] else None
+        d_angles = (d_inc * delta.double()[..., None]).to(angles.dtype) if ctx.needs_input_grad[1] else None
+        d_phase0 = d.sum(1).to(phase0.dtype) if phase0 is not None and ctx.needs_input_grad[2] else None
+        return d_delta, d_angles, d_phase0, None
 
 
 def epilogue(args: TrapezoidalArgs, prepared: Prepared, H_last: Tensor) -> TrapezoidalState:

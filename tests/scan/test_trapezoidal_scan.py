@@ -549,3 +549,52 @@ def test_last_state_is_contiguous(backend, ranks):
     x = {k: v.detach() for k, v in trapezoidal_inputs(21, ranks=ranks).items()}
     _, *last = trapezoidal_call(chunk_size=4)(x, backend)
     assert all(t.is_contiguous() for t in last), [tuple(t.stride()) for t in last]
+
+
+def kept_storages(run) -> set[int]:
+    """The storages (data pointers) of every tensor autograd keeps for the backward of run()."""
+    kept = set()
+
+    def pack(t):
+        kept.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return kept, out
+
+
+def test_the_shared_pieces_keep_their_inputs_not_copies():
+    """The fast forms' rotary phase, rotation per head and output gate keep for the backward
+    only tensors that exist anyway: their inputs as they came (z a bfloat16 view of a wider
+    tensor, as in_proj leaves it; B per group, not per head) and the cos and sin they return.
+    Through autograd they kept θ and φ in float64, w per head, z upcast, silu(z) and y + D·v.
+    Their gradients are checked through every backend's against the reference above."""
+    from ssm.scan._common_trapezoidal import gate_and_contract, rotated_per_head, tensor_rotary_phase
+
+    g = torch.Generator().manual_seed(0)
+    batch, L, heads, M, P, N = 2, 5, 4, 3, 6, 8
+
+    def leaf(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+
+    def ptr(t):
+        return t.untyped_storage().data_ptr()
+
+    delta, angles = leaf(batch, L, heads), leaf(batch, L, heads, M)
+    kept, (_, cos, sin) = kept_storages(lambda: tensor_rotary_phase(delta, angles, None, None, torch.float32))
+    assert kept and kept <= {ptr(t) for t in (delta, angles, cos, sin)}
+
+    B, bias = leaf(batch, L, 1, 1, N), leaf(heads, 1, N)  # one group, rank 1
+    c, s = cos.detach()[:, :, None], sin.detach()[:, :, None]
+    kept, _ = kept_storages(lambda: rotated_per_head(B, heads, bias, c, s, "interleaved", torch.float32))
+    assert kept and kept <= {ptr(t) for t in (B, bias, c, s)}
+
+    y, v, D = leaf(batch, L, 1, heads, P), leaf(batch, L, 1, heads, P), leaf(heads)
+    wide = leaf(batch, L, heads * P + 5, dtype=torch.bfloat16)
+    kept, _ = kept_storages(
+        lambda: gate_and_contract(
+            y, v, D, wide[..., 2 : 2 + heads * P].unflatten(-1, (heads, P)), None, None, torch.float32
+        )
+    )
+    assert kept and kept <= {ptr(t) for t in (y, v, D, wide)}
