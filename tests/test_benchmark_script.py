@@ -464,3 +464,43 @@ def test_context_parallel_mode_runs_each_world_size_and_counts_what_is_sent(tmp_
         assert sent == ({"summary": 0, "halo": 0} if r["world"] == 1 else {"summary": 4356, "halo": 768})
     with pytest.raises(SystemExit):
         main([*args, "--worlds", "3"])
+
+
+def test_saved_mode_counts_what_grows_with_the_tokens(tmp_path):
+    """--op saved on the CPU's own paths: each layer's bytes a token are what
+    ssm.memory.saved_bytes counts at 2L less at L, over batch·L tokens (the weights, kept
+    whatever L, are not in them)."""
+    import torch
+
+    import ssm
+    from ssm.memory import saved_bytes
+
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "s.json"
+    args = ["--op", "saved", "--batch", "2", "--length", "8", "--d-model", "16", "--state", "8", "--headdim", "8"]
+    assert main([*args, "--device", "cpu", "--json", str(path)]) == 0
+    got = json.loads(path.read_text())["bytes_per_token"]
+    assert set(got) == {"Mamba", "Mamba2", "Mamba3"}
+    for name, layer in (("Mamba", ssm.Mamba(16, d_state=16)), ("Mamba2", ssm.Mamba2(16, d_state=8, headdim=8))):
+        kept = [saved_bytes(lambda L=L: layer(torch.randn(2, L, 16, requires_grad=True)))[0] for L in (8, 16)]
+        assert got[name] == (kept[1] - kept[0]) / 16 > 0, name
+
+
+def test_saved_mode_on_a_gpus_path_keeps_no_upcast_copies(tmp_path):
+    """--op saved --gpu-path in bfloat16 (Triton interpreted, the tensor conv and norm): a Mamba-2
+    layer keeps, a token, in_proj's input and output, the conv's output, the scan's output and
+    out_proj's input, each once in bfloat16, and nothing else that grows with L (the gated norm
+    through autograd kept five float32 copies of the scan's output, the conv its padded input
+    and its output before the SiLU)."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    path = tmp_path / "g.json"
+    d, N, P = 16, 16, 8
+    args = ["--op", "saved", "--gpu-path", "--dtype", "bfloat16", "--skip", "Mamba", "--batch", "1", "--length", "16"]
+    args += ["--d-model", str(d), "--state", str(N), "--headdim", str(P), "--device", "cpu", "--json", str(path)]
+    assert main(args) == 0
+    got = json.loads(path.read_text())["bytes_per_token"]
+    d_inner = 2 * d
+    in_proj_out = 2 * d_inner + 2 * N + d_inner // P  # z, x, B, C, dt (one group)
+    conv_out, y = d_inner + 2 * N, d_inner
+    assert got["Mamba2"] == 2 * (d + in_proj_out + conv_out + y + y) + 4, got  # + the norm's float32 1/rms
+    assert 0 < got["Mamba3"]

@@ -20,6 +20,7 @@ OPS = {
     "text": "text",
     "cold-start": "cold_start",
     "memory": "memory",
+    "saved": "saved",
     "precision": "precision",
     "gpu-peers": "gpu_peers",
     "context-parallel": "context_parallel",
