@@ -72,6 +72,7 @@ bench-run:
 	$(BENCH) --op trapezoidal --length 256 --repeats 3 --warmup 1
 	$(BENCH) --op ssd
 	$(BENCH) --op layer
+	$(BENCH) --op saved --dtype bfloat16 --d-model 768 --state 128 --headdim 64 --length 512
 	$(BENCH) --op train-step --mixers Mamba1,Mamba2,Mamba3 --repeats 3 --warmup 1 \
 	    --plot $(PICTURES)/train-step-per-mixer-$(BENCH_DEVICE).png
 	$(BENCH) --op generate --d-model 768 --layers 24 --positions 1,16,128,1024,4096 --new-tokens 32 \

@@ -134,6 +134,11 @@ SCAN_CASES = [
                                                       "--skip", "ref"]),
     ("trapezoidal float32 batch 1 L 65536", ["--op", "trapezoidal", "--batch", "1", "--length", "65536",
                                              "--skip", "ref"]),
+    # what each mixer layer keeps for its backward on the GPU's own path (the CPU's --gpu-path
+    # reading, checked): no timing, the forward kernels' compiles only
+    ("saved bytes a token, bfloat16, mamba-130m's widths", ["--op", "saved", "--dtype", "bfloat16", "--d-model",
+                                                            "768", "--state", "128", "--headdim", "64",
+                                                            "--length", "2048"]),
 ]  # fmt: skip
 SCAN_CASES[2][1].append("--compiled-step")  # fp32 L 2048: beside a loop of torch.compile'd reference steps
 DRY_SHAPE = {"--batch": "1", "--dim": "8", "--length": "64", "--state": "4"}
@@ -561,7 +566,9 @@ def bench_lines(bench: list[dict]) -> list[str]:
         measured = row.get("report", {})
         results = measured.get("results", [])
         results += [{"name": name, "fwd_bwd_ms": ms} for name, ms in measured.get("ms", {}).items()]  # ssd's form
-        if not results:
+        for name, kept in measured.get("bytes_per_token", {}).items():  # --op saved: no times
+            lines.append(f"| {row['case']} | {name}: {kept:,.0f} bytes a token kept for the backward | - | - | - |")
+        if not results and "bytes_per_token" not in measured:
             status = row.get("skipped") or f"exit {row.get('returncode')}, timed out {row.get('timed_out')}"
             lines.append(f"| {row['case']} | ({status}) | | | |")
         for r in results:

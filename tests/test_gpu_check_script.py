@@ -38,7 +38,7 @@ def test_the_dry_run_reports_every_step(tmp_path):
     assert len(cases) == len(script()["SCAN_CASES"])
     for label, row in cases.items():
         assert row["returncode"] == 0, (label, row)
-        results = row["report"].get("results") or row["report"].get("ms")
+        results = row["report"].get("results") or row["report"].get("ms") or row["report"].get("bytes_per_token")
         assert results, label
     runs = report["train"]
     assert [r["returncode"] for r in runs] == [0, 0]
@@ -56,6 +56,7 @@ def test_the_dry_run_reports_every_step(tmp_path):
     assert "| selective float32 L 2048 | triton |" in summary and "passed" in summary
     assert "| selective float32 L 2048 | step loop (torch.compile) |" in summary
     assert "| ssd float32 L 2048 | triton |" in summary  # the ssd benchmark times every backend of the table
+    assert "| Mamba3: " in summary and "bytes a token kept for the backward" in summary  # --op saved's rows
     assert "| trapezoidal float32 batch 1 L 65536 | triton-ssd |" in summary
     assert code == 0
 

@@ -250,7 +250,7 @@ def run_pair(case: str, shape: dict, dtype_name: str, peer, args, device, phase=
         except Exception as e:  # noqa: BLE001
             error = f"first call of {name}'s side: {type(e).__name__}: {e}"
             return [base | {"error": error, "trace": traceback.format_exc(limit=4), "first_call_s": first_call}]
-        first_call[name] = round(time.perf_counter() - started, 1)
+        first_call[name] = round(time.perf_counter() - started, 3)  # a warm tiny call can take under 0.05 s
     base["first_call_s"] = first_call
     if getattr(args, "compile_only", False):
         return [base | {"compiled": True, "seconds": round(time.perf_counter() - start, 1)}]
