@@ -51,10 +51,11 @@ def check(args, parser) -> None:
 
 def kept_bytes(layer, x, dtype) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of layer(x) under autocast."""
-    storages = {}
+    storages, alive = {}, []  # alive: no storage is freed and its address reused within the call
 
     def pack(t):
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        alive.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -95,13 +96,9 @@ def run(args) -> tuple[int, dict | None]:
 def markdown(result: dict, args) -> tuple[str, str, str]:
     c = result["config"]
     rows = [[name, f"{v:,.0f}"] for name, v in result["bytes_per_token"].items()]
-    body = report.table(["layer", "bytes kept for the backward, per token"], rows)
-    body += (
-        f"\n\nCounted by autograd's saved-tensor hooks at L and 2L (the difference over the tokens); "
-        f"float32 weights under autocast to {c['dtype']}; the code path: {result['path']}."
-    )
+    body = report.table(["layer", "bytes a token kept for the backward (at 2L less at L, over the tokens)"], rows)
     title = (
         f"saved for the backward: batch {c['batch']}, L {c['length']}, d_model {c['d_model']}, N {c['state']}, "
-        f"P {c['headdim']}, {c['dtype']}, {result['path']}"
+        f"P {c['headdim']}, float32 weights under autocast to {c['dtype']}, {result['path']} path"
     )
     return "saved", title, body
