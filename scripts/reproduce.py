@@ -220,8 +220,8 @@ def scaled(task: str, accuracy: float) -> float:
 
 
 # --split: what the final evaluation reads (ssm.training.data.SPLITS)
-# test48 and test49: parity's (data.PARITY_TEST_SPLIT, PARITY_B128_TEST_SPLIT)
-EVAL_SPLITS = {"test": "test46", "selection": "test", "test48": "test48", "test49": "test49"}
+# test48, test49 and test50: parity's (data.PARITY_TEST_SPLIT, PARITY_B128_TEST_SPLIT, PARITY_DENSE_TEST_SPLIT)
+EVAL_SPLITS = {"test": "test46", "selection": "test", "test48": "test48", "test49": "test49", "test50": "test50"}
 
 
 def comma_list(text: str) -> list[str]:
@@ -528,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         "--split",
         choices=sorted(EVAL_SPLITS),
         default="test",
-        help="the split evaluated: test (fresh, chose nothing), test48 and test49 (parity's second and third fresh "
-        "draws, for its recipes of 2026-11-28) or selection (the old 'test' split, which chose stages)",
+        help="the split evaluated: test (fresh, chose nothing), test48, test49 and test50 (parity's second, third "
+        "and fourth fresh draws, for its recipes of 2026-11-28 and 29) or selection (the old 'test' split, which "
+        "chose stages)",
     )
     parser.add_argument(
         "--with",

@@ -281,12 +281,19 @@ def test_the_data_module_reads_modular_arithmetic_from_the_config():
 @pytest.mark.parametrize("seq_len", [64, 4096])
 def test_the_splits_are_streams_of_their_own(task, seq_len):
     """No example of one split is an example of another (issue 46: the test split is a stream
-    that nothing chose on; issue 48: parity's second and third ones), at a short and a long length,
+    that nothing chose on; issue 48: parity's second, third and fourth ones), at a short and a long length,
     for two seeds."""
-    from ssm.training.data import PARITY_B128_TEST_SPLIT, PARITY_TEST_SPLIT, SPLITS, TEST_SPLIT, VALIDATION_SPLIT
+    from ssm.training.data import (
+        PARITY_B128_TEST_SPLIT,
+        PARITY_DENSE_TEST_SPLIT,
+        PARITY_TEST_SPLIT,
+        SPLITS,
+        TEST_SPLIT,
+        VALIDATION_SPLIT,
+    )
 
-    tests = {TEST_SPLIT, PARITY_TEST_SPLIT, PARITY_B128_TEST_SPLIT, VALIDATION_SPLIT}
-    assert len(set(SPLITS)) == 6 and len(tests) == 4 and tests <= set(SPLITS)
+    tests = {TEST_SPLIT, PARITY_TEST_SPLIT, PARITY_B128_TEST_SPLIT, PARITY_DENSE_TEST_SPLIT, VALIDATION_SPLIT}
+    assert len(set(SPLITS)) == 7 and len(tests) == 5 and tests <= set(SPLITS)
     for seed in (0, 1):
         data = TaskDataModule(DataSection(task=task, seq_len=seq_len, num_memorize=4), seed=seed)
         drawn = {split: {tuple(data.dataset(split, 64)[i][0].tolist()) for i in range(64)} for split in SPLITS}

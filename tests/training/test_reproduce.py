@@ -200,6 +200,7 @@ def test_stages_read_only_train_and_validation_and_the_evaluation_only_its_split
         "selection": data_module.SELECTION_SPLIT,
         "test48": data_module.PARITY_TEST_SPLIT,
         "test49": data_module.PARITY_B128_TEST_SPLIT,
+        "test50": data_module.PARITY_DENSE_TEST_SPLIT,
     }
     read = []  # the split of every example drawn
     real_generator = data_module._generator
