@@ -46,6 +46,7 @@ def test_every_op_has_a_module_that_runs():
         "text",
         "cold-start",
         "memory",
+        "saved",
         "gpu-peers",
         "context-parallel",
     }
