@@ -13,17 +13,27 @@ import torch
 from .native import pool
 
 
-def saved_bytes(run: Callable[[], object]) -> tuple[int, object]:
-    """(Bytes of the distinct storages autograd keeps for the backward of ``run()``, its result)."""
-    storages = {}
+def saved_storages(run: Callable[[], object]) -> tuple[dict[int, int], object]:
+    """({data pointer: bytes} of the distinct storages autograd keeps for the backward of
+    ``run()``, its result). Every tensor packed is held until ``run()`` returns, so that no
+    storage is freed within the call and its address given to a later one, which would count
+    the two as one."""
+    storages, held = {}, []
 
     def pack(t):
         s = t.untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
+        held.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
+    return storages, out
+
+
+def saved_bytes(run: Callable[[], object]) -> tuple[int, object]:
+    """(Bytes of the distinct storages autograd keeps for the backward of ``run()``, its result)."""
+    storages, out = saved_storages(run)
     return sum(storages.values()), out
 
 

@@ -469,7 +469,8 @@ def test_context_parallel_mode_runs_each_world_size_and_counts_what_is_sent(tmp_
 def test_saved_mode_counts_what_grows_with_the_tokens(tmp_path):
     """--op saved on the CPU's own paths: each layer's bytes a token are what
     ssm.memory.saved_bytes counts at 2L less at L, over batch·L tokens (the weights, kept
-    whatever L, are not in them)."""
+    whatever L, are not in them). The op counts with saved_bytes too: this checks the
+    difference and the division; the GPU-path test below checks a count against one by hand."""
     import torch
 
     import ssm

@@ -51,17 +51,13 @@ def check(args, parser) -> None:
 
 def kept_bytes(layer, x, dtype) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of layer(x) under autocast."""
-    storages, alive = {}, []  # alive: no storage is freed and its address reused within the call
+    from ssm.memory import saved_bytes
 
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        alive.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def forward():
         with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            layer(x)
-    return sum(storages.values())
+            return layer(x)
+
+    return saved_bytes(forward)[0]
 
 
 def run(args) -> tuple[int, dict | None]:

@@ -76,16 +76,11 @@ def test_causal_conv1d_silu_under_autocast_keeps_only_its_input(case):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return ops.causal_conv1d_silu(wide[..., 1 : 1 + c["D"]], w, b, backend="torch")[0]
 
-    kept = []  # (storage, bytes) of every tensor autograd keeps
+    from ssm.memory import saved_storages
 
-    def pack(t):
-        kept.append((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = run()
+    kept, y = saved_storages(run)  # {storage: bytes} of every tensor autograd keeps
     taps = w.nbytes + (b.nbytes if c["bias"] else 0)
-    others = [n for ptr, n in kept if ptr != wide.untyped_storage().data_ptr() and n > taps]
+    others = [n for ptr, n in kept.items() if ptr != wide.untyped_storage().data_ptr() and n > taps]
     assert y.dtype == torch.bfloat16 and not others, others  # x's own storage, the taps (and their casts)
     w16, b16 = w.detach().bfloat16().double(), None if b is None else b.detach().bfloat16().double()
     x64, w64 = wide.detach().double()[..., 1 : 1 + c["D"]].requires_grad_(), w16.requires_grad_()

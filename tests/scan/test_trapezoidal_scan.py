@@ -551,17 +551,12 @@ def test_last_state_is_contiguous(backend, ranks):
     assert all(t.is_contiguous() for t in last), [tuple(t.stride()) for t in last]
 
 
-def kept_storages(run) -> set[int]:
-    """The storages (data pointers) of every tensor autograd keeps for the backward of run()."""
-    kept = set()
+def kept_storages(run) -> tuple[set[int], object]:
+    """The storages (data pointers) of every tensor autograd keeps for the backward of run(), and its result."""
+    from ssm.memory import saved_storages
 
-    def pack(t):
-        kept.add(t.untyped_storage().data_ptr())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return kept, out
+    storages, out = saved_storages(run)
+    return set(storages), out
 
 
 def test_the_shared_pieces_keep_their_inputs_not_copies():
