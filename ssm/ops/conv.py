@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .._backends import BackendTable
 from ..native.packing import known_bounds
+from .activation import dsilu
 from .cpu import causal_conv1d_cpu
 
 ConvOut = tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]
@@ -180,18 +181,24 @@ class _DepthwiseConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h, weight = ctx.saved_tensors
-        K, L = weight.shape[-1], grad.shape[-1]
+        K = weight.shape[-1]
         grad_h = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # in grad's dtype: under autocast the forward ran in bfloat16 on a float32 weight, and
             # the backward runs outside autocast (autograd casts each gradient to its input's dtype)
             grad_h = F.conv1d(F.pad(grad, (K - 1, K - 1)), weight.flip(-1).to(grad.dtype), groups=h.shape[1])
         if ctx.needs_input_grad[1]:
-            taps = [(h[..., k : k + L] * grad).sum((0, 2)) for k in range(K)]
-            grad_w = torch.stack(taps, -1)[:, None].to(weight.dtype)
+            grad_w = _taps_grad(h, grad, K).to(weight.dtype)
         if ctx.with_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum((0, 2))
         return grad_h, grad_w, grad_b
+
+
+def _taps_grad(h: torch.Tensor, grad: torch.Tensor, K: int) -> torch.Tensor:
+    """The weight's gradient (D, 1, K) of the depthwise conv of h (batch, D, K - 1 + L), whose
+    output's gradient is ``grad`` (batch, D, L): K sums of a shifted product."""
+    L = grad.shape[-1]
+    return torch.stack([(h[..., k : k + L] * grad).sum((0, 2)) for k in range(K)], -1)[:, None]
 
 
 class _CausalConvSiLU(torch.autograd.Function):
@@ -199,7 +206,7 @@ class _CausalConvSiLU(torch.autograd.Function):
     x (in the layers a view of in_proj's output, which is kept anyway) and the taps: the
     backward convolves again. Through ``causal_conv1d`` and ``F.silu`` autograd kept x padded
     and the conv's output besides, two more copies of x's size (in a bfloat16 Mamba-2 layer at
-    mamba-130m's shapes, 7 KiB per token). The backward's passes are ``_DepthwiseConv``'s."""
+    mamba-130m's shapes, 7 KiB per token). The taps' gradient is ``_DepthwiseConv``'s (``_taps_grad``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -219,17 +226,14 @@ class _CausalConvSiLU(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, bias = ctx.saved_tensors
         dtype = ctx.dtype
-        y = _CausalConvSiLU._conv(x, weight, bias, dtype)
-        s = torch.sigmoid(y)
-        g = grad.to(dtype) * s * (1 + y * (1 - s))  # through the SiLU
-        K, L = weight.shape[-1], x.shape[-1]
+        g = grad.to(dtype) * dsilu(_CausalConvSiLU._conv(x, weight, bias, dtype))  # through the SiLU
+        K = weight.shape[-1]
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             w = weight.flip(-1).to(dtype)
             grad_x = F.conv1d(F.pad(g, (0, K - 1)), w, groups=x.shape[1]).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            h = F.pad(x.to(dtype), (K - 1, 0))
-            grad_w = torch.stack([(h[..., k : k + L] * g).sum((0, 2)) for k in range(K)], -1)[:, None].to(weight.dtype)
+            grad_w = _taps_grad(F.pad(x.to(dtype), (K - 1, 0)), g, K).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = g.sum((0, 2)).to(bias.dtype)
         return grad_x, grad_w, grad_b

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .._backends import BackendTable
+from .activation import dsilu
 from .cpu import rms_norm_cpu
 
 
@@ -35,12 +36,6 @@ def _rms_norm_cpu(x, weight, eps, z, group_size, norm_before_gate) -> torch.Tens
     return None if out is None else out.to(x.dtype)
 
 
-def _dsilu(z: torch.Tensor) -> torch.Tensor:
-    """d silu(z) / dz = σ(z)·(1 + z·(1 − σ(z)))."""
-    s = torch.sigmoid(z)
-    return s * (1 + z * (1 - s))
-
-
 class _RMSNorm(torch.autograd.Function):
     """The tensor formulas of ``rms_norm`` with a backward written out, keeping for it only the
     inputs as they came and each group's 1/rms. Autograd through the formulas kept five float32
@@ -51,7 +46,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, z, group, norm_before_gate):
-        v, gate = _RMSNorm._gated_input(x, z, norm_before_gate)
+        _, v, gate = _RMSNorm._gated_input(x, z, norm_before_gate)
         groups = v.unflatten(-1, (-1, group))
         rstd = torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)  # (..., M / group, 1)
         y = (groups * rstd).flatten(-2) * upcast(weight).to(v.dtype)
@@ -63,23 +58,23 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def _gated_input(x, z, norm_before_gate):
-        """(what is normalised, silu(z) or None), in the compute dtype."""
+        """(x, what is normalised, silu(z) or None), in the compute dtype."""
         x = upcast(x)
         gate = None if z is None else F.silu(z.to(x.dtype))
-        return (x if gate is None or norm_before_gate else x * gate), gate
+        return x, (x if gate is None or norm_before_gate else x * gate), gate
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, z, rstd = ctx.saved_tensors
         group, before = ctx.group, ctx.norm_before_gate
-        v, gate = _RMSNorm._gated_input(x, z, before)
+        x_c, v, gate = _RMSNorm._gated_input(x, z, before)
         w = upcast(weight).to(v.dtype)
         n = (v.unflatten(-1, (-1, group)) * rstd).flatten(-2)  # the normalised input
         g = grad.to(v.dtype)
         dz = None
         if gate is not None and before:  # y = n·w·silu(z)
             if ctx.needs_input_grad[3]:
-                dz = g * n * w * _dsilu(z.to(v.dtype))
+                dz = g * n * w * dsilu(z.to(v.dtype))
             g = g * gate
         dw = (g * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         dn = (g * w).unflatten(-1, (-1, group))
@@ -87,7 +82,7 @@ class _RMSNorm(torch.autograd.Function):
         dv = (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).flatten(-2)
         if gate is not None and not before:  # v = x·silu(z)
             if ctx.needs_input_grad[3]:
-                dz = dv * upcast(x) * _dsilu(z.to(v.dtype))
+                dz = dv * x_c * dsilu(z.to(v.dtype))
             dv = dv * gate
         dx = dv.to(x.dtype) if ctx.needs_input_grad[0] else None
         return dx, dw, None, None if dz is None else dz.to(z.dtype), None, None

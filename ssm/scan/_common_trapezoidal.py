@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops.activation import dsilu
 from ._checks import compute_dtype
 from ._common import all_finite, finite_or_zero, poisoned_since
 
@@ -162,12 +163,6 @@ def gate_and_contract(y, v, D, z, mimo_z, mimo_o, dtype):
     return y
 
 
-def _dsilu(z: Tensor) -> Tensor:
-    """d silu(z) / dz = σ(z)·(1 + z·(1 − σ(z)))."""
-    sig = torch.sigmoid(z)
-    return sig * (1 + z * (1 - sig))
-
-
 class _Gated(torch.autograd.Function):
     """(y + D·v)·silu(z) (``gate_and_contract`` without MIMO's weights), keeping y, v, D and z
     as they came for the backward, z most often a view of in_proj's output. Autograd through
@@ -196,7 +191,7 @@ class _Gated(torch.autograd.Function):
             dv = g * Dc if ctx.needs_input_grad[1] else None
             dD = (g * v).sum_to_size(Dc.shape).view(D.shape).to(D.dtype) if ctx.needs_input_grad[2] else None
         if ctx.needs_input_grad[3]:
-            dz = (grad * _Gated._pre(y, v, D, ctx.dtype) * _dsilu(zc)).sum_to_size(zc.shape).squeeze(2).to(z.dtype)
+            dz = (grad * _Gated._pre(y, v, D, ctx.dtype) * dsilu(zc)).sum_to_size(zc.shape).squeeze(2).to(z.dtype)
         return dy, dv, dD, dz, None
 
 
