@@ -504,4 +504,7 @@ def test_saved_mode_on_a_gpus_path_keeps_no_upcast_copies(tmp_path):
     in_proj_out = 2 * d_inner + 2 * N + d_inner // P  # z, x, B, C, dt (one group)
     conv_out, y = d_inner + 2 * N, d_inner
     assert got["Mamba2"] == 2 * (d + in_proj_out + conv_out + y + y) + 4, got  # + the norm's float32 1/rms
+    from ssm.ops import conv, norm
+
+    assert norm.BACKENDS.auto["cpu"] == conv.BACKENDS.auto["cpu"] == ("cpu", "torch")  # restored after the call
     assert 0 < got["Mamba3"]

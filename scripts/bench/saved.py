@@ -64,11 +64,21 @@ def run(args) -> tuple[int, dict | None]:
     from ssm import Mamba, Mamba2, Mamba3
     from ssm.ops import conv, norm
 
+    tables = (conv.BACKENDS, norm.BACKENDS)
+    orders = [table.auto for table in tables]
+    if args.gpu_path:  # the tensor paths a GPU takes, in place of the C kernels (for this call only)
+        for table in tables:
+            table.auto = {"*": ("torch",)}
+    try:
+        return measure(args, Mamba, Mamba2, Mamba3)
+    finally:
+        for table, order in zip(tables, orders):
+            table.auto = order
+
+
+def measure(args, Mamba, Mamba2, Mamba3) -> tuple[int, dict]:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     d, N, P = args.d_model, args.state, args.headdim
-    if args.gpu_path:  # the tensor paths a GPU takes, in place of the C kernels
-        for table in (conv.BACKENDS, norm.BACKENDS):
-            table.auto = {"*": ("torch",)}
     backend = (lambda name: GPU_BACKENDS[name]) if args.gpu_path else (lambda name: "auto")
     torch.manual_seed(args.seed)
     build = {
