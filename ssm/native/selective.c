@@ -37,7 +37,9 @@ typedef struct {
     void *d_u, *d_delta, *d_z;             /* (B, D, L) contiguous */
     void *d_A;                             /* (D, N) */
     void *d_B, *d_C;                       /* fixed: (D, N); time-varying: (B, G, L, N) */
-    void *part_B, *part_C;                 /* time-varying: per-block (nparts, B, G, L, N) scratch */
+    void *part_B, *part_C;                 /* time-varying: per-block (nparts, B, G, L, N) scratch, or NULL
+                                              when every block's channels are whole groups: then each
+                                              block writes its groups' rows of d_B (d_C) itself */
     void *d_D, *d_delta_bias;              /* (D,) each, or NULL */
     void *d_h0;                            /* NULL or (S, D, N) */
     i64 sdB[3], sdC[3];                    /* time-varying d_B, d_C: strides of (batch, group, step), N contiguous */
@@ -364,6 +366,13 @@ static void SUF(sum_group_parts)(const SelectiveArgs *a, const REAL *parts, REAL
     }
 }
 
+/* Zero rows [g0, g1] of every batch row of a (batch, G, L, N) gradient at strides ``so`` (N contiguous). */
+static void SUF(zero_rows)(REAL *out, const i64 *so, i64 batch, i64 g0, i64 g1, i64 L, i64 N) {
+    for (i64 b = 0; b < batch; b++)
+        for (i64 g = g0; g <= g1; g++)
+            for (i64 t = 0; t < L; t++) memset(out + b * so[0] + g * so[1] + t * so[2], 0, sizeof(REAL) * N);
+}
+
 void SUF(selective_bwd)(const SelectiveArgs *a) {
     const i64 T = a->chunk;
     const i64 Bn = a->batch, Dn = a->dim, L = a->length, N = a->N;
@@ -373,7 +382,11 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
     const REAL *h0 = (const REAL *)a->h0, *glast = (const REAL *)a->grad_last;
     REAL *dh0 = (REAL *)a->d_h0;
     const i64 GB = a->groups_B, GC = a->groups_C;
-    const i64 part_size_B = a->B_fixed ? 0 : Bn * GB * L * N, part_size_C = a->C_fixed ? 0 : Bn * GC * L * N;
+    /* own_B: the blocks split no group of B, and each adds its channels straight into its groups'
+       rows of d_B (no scratch, no summing pass, and the same order of terms on every run) */
+    const int own_B = !a->B_fixed && !a->part_B, own_C = !a->C_fixed && !a->part_C;
+    const i64 part_size_B = a->B_fixed || own_B ? 0 : Bn * GB * L * N;
+    const i64 part_size_C = a->C_fixed || own_C ? 0 : Bn * GC * L * N;
 
     const i64 block_max = (Dn + a->nparts - 1) / a->nparts; /* the most channels in a block */
 #pragma omp parallel num_threads((int)a->nthreads)
@@ -406,8 +419,8 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
            (64, 64, 160), N 64). Each sum still adds its terms in the same order. */
 #pragma omp for schedule(dynamic, 1)
         for (i64 part = 0; part < a->nparts; part++) {
-            REAL *pB = a->B_fixed ? NULL : (REAL *)a->part_B + part * part_size_B;
-            REAL *pC = a->C_fixed ? NULL : (REAL *)a->part_C + part * part_size_C;
+            REAL *pB = part_size_B ? (REAL *)a->part_B + part * part_size_B : NULL;
+            REAL *pC = part_size_C ? (REAL *)a->part_C + part * part_size_C : NULL;
             const i64 d0 = part * Dn / a->nparts, d1 = (part + 1) * Dn / a->nparts;
             i64 g0, g1;
             if (pB) {
@@ -419,6 +432,14 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                 groups_of_part(part, a->nparts, Dn, GC, &g0, &g1);
                 for (i64 b = 0; b < Bn && g1 >= g0; b++)
                     memset(pC + (b * GC + g0) * L * N, 0, sizeof(REAL) * (g1 - g0 + 1) * L * N);
+            }
+            if (own_B) {
+                groups_of_part(part, a->nparts, Dn, GB, &g0, &g1);
+                SUF(zero_rows)((REAL *)a->d_B, a->sdB, Bn, g0, g1, L, N);
+            }
+            if (own_C) {
+                groups_of_part(part, a->nparts, Dn, GC, &g0, &g1);
+                SUF(zero_rows)((REAL *)a->d_C, a->sdC, Bn, g0, g1, L, N);
             }
             for (i64 d = d0; d < d1; d++) {
                 REAL *Ad = Ads + (d - d0) * N;
@@ -452,10 +473,13 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                         const REAL *go = (const REAL *)a->grad_out + b * a->sgo[0] + d * a->sgo[1];
                         REAL *du = (REAL *)a->d_u + (b * Dn + d) * L, *ddl = (REAL *)a->d_delta + (b * Dn + d) * L;
                         REAL *dz = a->d_z ? (REAL *)a->d_z + (b * Dn + d) * L : NULL;
-                        /* where dB_t, dC_t go: this block's rows of this (batch, group), or the channel's sums */
-                        REAL *pBb = pB ? pB + (b * GB + gB) * L * N : accBs + (d - d0) * N;
-                        REAL *pCb = pC ? pC + (b * GC + gC) * L * N : accCs + (d - d0) * N;
-                        const i64 spB = pB ? N : 0, spC = pC ? N : 0;
+                        /* where dB_t, dC_t go: this block's rows of this (batch, group), the group's
+                           rows of d_B (d_C) when the block owns it, or the channel's sums */
+                        REAL *pBb = pB ? pB + (b * GB + gB) * L * N
+                                  : own_B ? (REAL *)a->d_B + b * a->sdB[0] + gB * a->sdB[1] : accBs + (d - d0) * N;
+                        REAL *pCb = pC ? pC + (b * GC + gC) * L * N
+                                  : own_C ? (REAL *)a->d_C + b * a->sdC[0] + gC * a->sdC[1] : accCs + (d - d0) * N;
+                        const i64 spB = pB ? N : own_B ? a->sdB[2] : 0, spC = pC ? N : own_C ? a->sdC[2] : 0;
                         s_end = s_last;
                         const REAL *Bc = Bm + t0 * a->sB[2], *Cc = Cm + t0 * a->sC[2];
                         SUF(chunk_inputs)(a, b, d, t0, nt, dt, raw, u, zv);

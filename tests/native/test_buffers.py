@@ -10,6 +10,7 @@ from ssm.native import _buffers
 from ssm.native._buffers import BufferPool
 
 SHAPE = (64, 1024)  # 256 KiB in float32: above the pool's lower bound
+MIN_BYTES = _buffers.MIN_BYTES
 
 
 def test_storage_comes_back_once_nothing_refers_to_it():
@@ -130,3 +131,31 @@ def test_no_pool_without_torchs_use_count(monkeypatch):
     a = pool.empty(SHAPE, torch.float32)
     assert a.shape == SHAPE and a.is_contiguous()
     assert not pool._by_size  # a plain allocation: nothing tracked
+
+
+def test_size_classes_are_eight_to_an_octave_and_at_most_an_eighth_above():
+    assert _buffers.size_class(1 << 20) == 1 << 20  # a power of two is its own class
+    assert _buffers.size_class((1 << 20) + 1) == (1 << 20) + (1 << 17)  # the next eighth of the octave
+    assert _buffers.size_class(9 * (1 << 17) - 1) == 9 * (1 << 17)
+    for n in range(MIN_BYTES, 4 * MIN_BYTES, 997):
+        c = _buffers.size_class(n)
+        assert n <= c <= n * 1.125
+
+
+def test_lengths_that_change_every_step_find_their_storage_again():
+    """A run whose length is drawn per step (parity's 3..160) asks for a new byte size at nearly
+    every step: within a size class it gets storage back, and the pool keeps a few classes, not
+    one per length."""
+    pool = BufferPool()
+    a = pool.empty((160, 1024), torch.float32)
+    ptr = a.data_ptr()
+    del a
+    b = pool.empty((150, 1024), torch.float32)  # 6% smaller: the same class
+    assert b.data_ptr() == ptr and b.shape == (150, 1024) and b.is_contiguous()
+    b.fill_(1.0)
+    del b
+    for length in range(64, 161):
+        t = pool.empty((length, 1024), torch.float32)
+        del t
+    assert len(pool._by_size) <= 11  # 256..640 KiB, 1.3 octaves: 11 classes (one storage per size was 97)
+    assert sum(len(ss) for ss in pool._by_size.values()) == len(pool._by_size)  # one storage each, reused

@@ -497,3 +497,32 @@ def test_selective_channel_blocks_that_span_two_groups():
             check_selective(selective_inputs(2 * T + 3, dim=12, groups=3, B_form=form, C_form="grouped"), "cpu")
     finally:
         torch.set_num_threads(threads)
+
+
+def test_channel_blocks_own_whole_groups_when_there_are_enough():
+    """Blocks of whole groups (written straight into dB, dC) when the groups give two blocks per
+    thread; else min(D, 4·threads) blocks with scratch rows of their own."""
+    assert cpu._channel_blocks(64, 2, []) == (8, False)  # B and C fixed: nothing to own
+    assert cpu._channel_blocks(64, 2, [1, 1]) == (8, False)  # one group (Mamba-2's usual)
+    assert cpu._channel_blocks(64, 2, [4, 4]) == (4, True)  # Mamba-3's parity model: a head a block
+    assert cpu._channel_blocks(768, 2, [24, 24]) == (8, True)  # 24 heads: 3 per block
+    assert cpu._channel_blocks(768, 16, [24, 24]) == (64, False)  # 24 blocks are too few for 16 threads
+    assert cpu._channel_blocks(768, 16, [48]) == (48, True)
+    assert cpu._channel_blocks(64, 2, [4, 2]) == (8, False)  # gcd 2: a block would split B's groups
+    assert cpu._channel_blocks(64, 2, [26]) == (8, False)  # 26's divisors up to 8 are 1 and 2
+
+
+@pytest.mark.parametrize("groups", [4, 8])
+@pytest.mark.parametrize("N", [4, 16])  # 16: the sums over N in lanes
+def test_selective_channel_blocks_that_own_their_groups(groups, N):
+    """With 2 threads and 4 or 8 groups each block is whole groups and adds its channels' dB and
+    dC into the gradients' rows itself, which it zeroes first (the pool hands out used storage)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cpu._channel_blocks(16, 2, [groups])[1]
+        for form in ("grouped", "varying"):
+            inputs = selective_inputs(2 * T + 3, dim=16, N=N, groups=groups, B_form=form, C_form="grouped")
+            check_selective(inputs, "cpu")
+    finally:
+        torch.set_num_threads(threads)
