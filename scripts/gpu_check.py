@@ -165,16 +165,25 @@ def start(cmd: list[str], log: Path, env: dict | None = None) -> dict:
     return {"cmd": " ".join(cmd), "process": process, "file": f, "start": time.perf_counter()}
 
 
+def wait_or_kill(process: subprocess.Popen, deadline: float) -> bool:
+    """Wait for ``process`` (started in a session of its own) until ``deadline`` (perf_counter),
+    then kill it and everything it started (setup.py, ninja and its nvcc jobs; pytest's workers);
+    whether it ran out of time."""
+    try:
+        process.wait(timeout=max(0.0, deadline - time.perf_counter()))
+        return False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return True
+
+
 def finish(started: dict, deadline: float) -> dict:
     """Wait for a ``start``ed command until ``deadline`` (perf_counter), then kill it and all it
     started; its exit status, seconds, and whether it ran out of time."""
-    process, timed_out = started["process"], False
-    try:
-        process.wait(timeout=max(0.0, deadline - time.perf_counter()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    process = started["process"]
+    timed_out = wait_or_kill(process, deadline)
+    if timed_out:
         started["file"].write(f"\n[gpu_check] killed after {time.perf_counter() - started['start']:.0f} s\n")
     started["file"].close()
     return {"cmd": started["cmd"], "returncode": None if timed_out else process.returncode,
@@ -399,13 +408,8 @@ def wait_build(build: dict, deadline: float) -> dict:
         if "process" not in started:
             outcome[extension] = started | {"built": mamba_ssm_peer.built(extension)}
             continue
-        process, timed_out = started["process"], False
-        try:
-            process.wait(timeout=max(0.0, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(process.pid, signal.SIGKILL)  # its own session: setup.py, ninja and the nvcc jobs
-            process.wait()
+        process = started["process"]
+        timed_out = wait_or_kill(process, deadline)
         result = {"returncode": None if timed_out else process.returncode, "timed_out": timed_out,
                   "seconds": round(time.perf_counter() - build["start"], 1), "log": started["log"].name,
                   "built": mamba_ssm_peer.built(extension)}  # fmt: skip
