@@ -284,8 +284,9 @@ def _channel_blocks(dim: int, nthreads: int, groups: list[int]) -> tuple[int, bo
     the time-varying B and C (``groups``: their group counts). Four blocks per thread share the
     work out under load; their sums over channels go to per-block scratch, added up at the end.
     With groups enough for two blocks per thread (Mamba-3's key per head), the blocks are whole
-    groups instead and write their gradients' rows directly: at the parity model's (128, 64, 80),
-    N 64, four groups, that scratch's zeroing and summing was a fifth of the backward."""
+    groups instead and write their gradients' rows directly, with no scratch to zero and add up:
+    ssd_cpu's backward at the parity model's (128, 81, 4 heads of 16), N 64, 2 threads, went from
+    26.9-28.1 to 24.2-24.5 ms (medians of two runs each)."""
     blocks = min(dim, 4 * nthreads)
     if not groups:
         return blocks, False
