@@ -366,11 +366,15 @@ static void SUF(sum_group_parts)(const SelectiveArgs *a, const REAL *parts, REAL
     }
 }
 
-/* Zero rows [g0, g1] of every batch row of a (batch, G, L, N) gradient at strides ``so`` (N contiguous). */
+/* Zero rows [g0, g1] of every batch row of a (batch, G, L, N) array at strides ``so`` (N contiguous):
+   a block's scratch (one memset per group) or its groups' rows of d_B / d_C (one per step). */
 static void SUF(zero_rows)(REAL *out, const i64 *so, i64 batch, i64 g0, i64 g1, i64 L, i64 N) {
     for (i64 b = 0; b < batch; b++)
-        for (i64 g = g0; g <= g1; g++)
-            for (i64 t = 0; t < L; t++) memset(out + b * so[0] + g * so[1] + t * so[2], 0, sizeof(REAL) * N);
+        for (i64 g = g0; g <= g1; g++) {
+            REAL *row = out + b * so[0] + g * so[1];
+            if (so[2] == N) memset(row, 0, sizeof(REAL) * L * N);
+            else for (i64 t = 0; t < L; t++) memset(row + t * so[2], 0, sizeof(REAL) * N);
+        }
 }
 
 void SUF(selective_bwd)(const SelectiveArgs *a) {
@@ -419,27 +423,21 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
            (64, 64, 160), N 64). Each sum still adds its terms in the same order. */
 #pragma omp for schedule(dynamic, 1)
         for (i64 part = 0; part < a->nparts; part++) {
-            REAL *pB = part_size_B ? (REAL *)a->part_B + part * part_size_B : NULL;
-            REAL *pC = part_size_C ? (REAL *)a->part_C + part * part_size_C : NULL;
+            /* where the block's dB_t rows go, at strides sRB: its scratch, or d_B itself when it
+               owns its groups; NULL when B is fixed (each channel's sums, accBs). dC likewise. */
+            REAL *rB = part_size_B ? (REAL *)a->part_B + part * part_size_B : own_B ? (REAL *)a->d_B : NULL;
+            REAL *rC = part_size_C ? (REAL *)a->part_C + part * part_size_C : own_C ? (REAL *)a->d_C : NULL;
+            const i64 scratch_B[3] = {GB * L * N, L * N, N}, scratch_C[3] = {GC * L * N, L * N, N};
+            const i64 *sRB = own_B ? a->sdB : scratch_B, *sRC = own_C ? a->sdC : scratch_C;
             const i64 d0 = part * Dn / a->nparts, d1 = (part + 1) * Dn / a->nparts;
             i64 g0, g1;
-            if (pB) {
+            if (rB) {
                 groups_of_part(part, a->nparts, Dn, GB, &g0, &g1);
-                for (i64 b = 0; b < Bn && g1 >= g0; b++)
-                    memset(pB + (b * GB + g0) * L * N, 0, sizeof(REAL) * (g1 - g0 + 1) * L * N);
+                SUF(zero_rows)(rB, sRB, Bn, g0, g1, L, N);
             }
-            if (pC) {
+            if (rC) {
                 groups_of_part(part, a->nparts, Dn, GC, &g0, &g1);
-                for (i64 b = 0; b < Bn && g1 >= g0; b++)
-                    memset(pC + (b * GC + g0) * L * N, 0, sizeof(REAL) * (g1 - g0 + 1) * L * N);
-            }
-            if (own_B) {
-                groups_of_part(part, a->nparts, Dn, GB, &g0, &g1);
-                SUF(zero_rows)((REAL *)a->d_B, a->sdB, Bn, g0, g1, L, N);
-            }
-            if (own_C) {
-                groups_of_part(part, a->nparts, Dn, GC, &g0, &g1);
-                SUF(zero_rows)((REAL *)a->d_C, a->sdC, Bn, g0, g1, L, N);
+                SUF(zero_rows)(rC, sRC, Bn, g0, g1, L, N);
             }
             for (i64 d = d0; d < d1; d++) {
                 REAL *Ad = Ads + (d - d0) * N;
@@ -473,13 +471,10 @@ void SUF(selective_bwd)(const SelectiveArgs *a) {
                         const REAL *go = (const REAL *)a->grad_out + b * a->sgo[0] + d * a->sgo[1];
                         REAL *du = (REAL *)a->d_u + (b * Dn + d) * L, *ddl = (REAL *)a->d_delta + (b * Dn + d) * L;
                         REAL *dz = a->d_z ? (REAL *)a->d_z + (b * Dn + d) * L : NULL;
-                        /* where dB_t, dC_t go: this block's rows of this (batch, group), the group's
-                           rows of d_B (d_C) when the block owns it, or the channel's sums */
-                        REAL *pBb = pB ? pB + (b * GB + gB) * L * N
-                                  : own_B ? (REAL *)a->d_B + b * a->sdB[0] + gB * a->sdB[1] : accBs + (d - d0) * N;
-                        REAL *pCb = pC ? pC + (b * GC + gC) * L * N
-                                  : own_C ? (REAL *)a->d_C + b * a->sdC[0] + gC * a->sdC[1] : accCs + (d - d0) * N;
-                        const i64 spB = pB ? N : own_B ? a->sdB[2] : 0, spC = pC ? N : own_C ? a->sdC[2] : 0;
+                        /* where dB_t, dC_t go: the block's rows of this (batch, group), or the channel's sums */
+                        REAL *pBb = rB ? rB + b * sRB[0] + gB * sRB[1] : accBs + (d - d0) * N;
+                        REAL *pCb = rC ? rC + b * sRC[0] + gC * sRC[1] : accCs + (d - d0) * N;
+                        const i64 spB = rB ? sRB[2] : 0, spC = rC ? sRC[2] : 0;
                         s_end = s_last;
                         const REAL *Bc = Bm + t0 * a->sB[2], *Cc = Cm + t0 * a->sC[2];
                         SUF(chunk_inputs)(a, b, d, t0, nt, dt, raw, u, zv);
