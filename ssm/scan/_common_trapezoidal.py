@@ -202,48 +202,62 @@ def _pair_slices(N: int, M: int, rotary: str) -> tuple[slice, slice]:
     return slice(0, M), slice(N // 2, N // 2 + M)
 
 
+def rotate_per_head(M: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, heads: int, rotary: str, dtype):
+    """``rotate(per_head(M, heads, bias, dtype), cos, sin, rotary)`` in one new tensor, rotated in
+    place: B or C (B, L, R, G, N) → (B, L, R, H, N), cos and sin (B, L, 1 or R, H, M)."""
+    w = per_head(M, heads, bias, dtype)  # (B, L, R, H, N): repeat_interleave's, never M's memory
+    first, second = _pair_slices(w.shape[-1], cos.shape[-1], rotary)
+    w0, w1 = w[..., first].clone(), w[..., second].clone()
+    w[..., first] = w0 * cos - w1 * sin
+    w[..., second] = w0 * sin + w1 * cos
+    return w
+
+
+def rotate_per_head_backward(grad, M, bias, cos, sin, heads: int, rotary: str, dtype, needs=(True,) * 4):
+    """The gradients of :func:`rotate_per_head`'s M, bias, cos and sin from its output's ``grad``
+    (B, L, R, H, N), each formed once (the inverse rotation, the groups' sum as one reduction);
+    None where ``needs`` says no. M and bias are read again, not the rotated output."""
+    first, second = _pair_slices(grad.shape[-1], cos.shape[-1], rotary)
+    w = per_head(M, heads, bias, dtype)
+    w0, w1 = w[..., first], w[..., second]
+    d0, d1 = grad[..., first], grad[..., second]
+
+    def per_angle(d):  # summed over the ranks when the angles are the same for each
+        return d.sum(2, keepdim=True) if cos.shape[2] == 1 < grad.shape[2] else d
+
+    dcos = per_angle(d0 * w0 + d1 * w1) if needs[2] else None
+    dsin = per_angle(d1 * w0 - d0 * w1) if needs[3] else None
+    dw = grad.clone()  # the inverse rotation, (w0, w1) = Rot(−φ)·(d0, d1)
+    dw[..., first] = d0 * cos + d1 * sin
+    dw[..., second] = d1 * cos - d0 * sin
+    d_bias = dw.flatten(0, 1).sum(0).transpose(0, 1).to(bias.dtype) if needs[1] else None  # (H, R, N)
+    d_M = None
+    if needs[0]:
+        groups = M.shape[-2]
+        d_M = dw.unflatten(-2, (groups, heads // groups)).sum(-2).to(M.dtype)
+    return d_M, d_bias, dcos, dsin
+
+
 class _RotatedPerHead(torch.autograd.Function):
-    """:func:`rotated_per_head` with a backward of its own: autograd through the slices, stack
+    """:func:`rotate_per_head` with a backward of its own: autograd through the slices, stack
     and cat of ``rotate`` and through ``repeat_interleave`` writes a zero-filled tensor of the
-    whole (B, L, R, H, N) for every slice and copies into it; this one forms each gradient once
-    (the inverse rotation in place, the groups' sum as one reduction)."""
+    whole (B, L, R, H, N) for every slice and copies into it."""
 
     @staticmethod
     def forward(ctx, M, bias, cos, sin, heads: int, rotary: str, dtype):
-        w = per_head(M, heads, bias, dtype)  # (B, L, R, H, N): repeat_interleave's, never M's memory
-        first, second = _pair_slices(w.shape[-1], cos.shape[-1], rotary)
-        w0, w1 = w[..., first].clone(), w[..., second].clone()
-        w[..., first] = w0 * cos - w1 * sin
-        w[..., second] = w0 * sin + w1 * cos
         # M (per group, most often a view of in_proj's output) rather than w0 and w1 per head:
         # the backward forms those again
         ctx.save_for_backward(M, bias, cos, sin)
         ctx.rotary, ctx.heads, ctx.dtype = rotary, heads, dtype
-        return w
+        return rotate_per_head(M, bias, cos, sin, heads, rotary, dtype)
 
     @staticmethod
     def backward(ctx, grad):
         M, bias, cos, sin = ctx.saved_tensors
-        shape, M_dtype, bias_dtype = M.shape, M.dtype, None if bias is None else bias.dtype
-        first, second = _pair_slices(grad.shape[-1], cos.shape[-1], ctx.rotary)
-        w = per_head(M, ctx.heads, bias, ctx.dtype)
-        w0, w1 = w[..., first], w[..., second]
-        d0, d1 = grad[..., first], grad[..., second]
-        dcos = d0 * w0 + d1 * w1 if ctx.needs_input_grad[2] else None
-        dsin = d1 * w0 - d0 * w1 if ctx.needs_input_grad[3] else None
-        dcos = None if dcos is None else dcos.sum(2, keepdim=True) if cos.shape[2] == 1 < grad.shape[2] else dcos
-        dsin = None if dsin is None else dsin.sum(2, keepdim=True) if sin.shape[2] == 1 < grad.shape[2] else dsin
-        dw = grad.clone()  # the inverse rotation, (w0, w1) = Rot(−φ)·(d0, d1)
-        dw[..., first] = d0 * cos + d1 * sin
-        dw[..., second] = d1 * cos - d0 * sin
-        d_bias = None
-        if ctx.needs_input_grad[1]:
-            d_bias = dw.flatten(0, 1).sum(0).transpose(0, 1).to(bias_dtype)  # (H, R, N)
-        d_M = None
-        if ctx.needs_input_grad[0]:
-            groups = shape[-2]
-            d_M = dw.unflatten(-2, (groups, ctx.heads // groups)).sum(-2).to(M_dtype)
-        return d_M, d_bias, dcos, dsin, None, None, None
+        grads = rotate_per_head_backward(
+            grad, M, bias, cos, sin, ctx.heads, ctx.rotary, ctx.dtype, ctx.needs_input_grad[:4]
+        )
+        return *grads, None, None, None
 
 
 def rotated_per_head(M: Tensor, heads: int, bias: Tensor | None, cos: Tensor, sin: Tensor, rotary: str, dtype):

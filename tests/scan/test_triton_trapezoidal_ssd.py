@@ -157,3 +157,22 @@ def test_split_sequence_continues_from_last_state():
     torch.testing.assert_close(torch.cat([y1, y2], 1), full, rtol=1e-10, atol=1e-10)
     for a, b in zip(last, full_last):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_keeps_no_rotated_keys_for_the_backward(ssd_calls):
+    """What the backward keeps, beyond the scan's own inputs, grows by less per token than one
+    tensor of rotated keys (H·N in the compute dtype): the keys and queries are rotated again in
+    the backward, and the values formed again from x. Keeping k̃, q̃ and v, as autograd through
+    the parts did, is over twice that bound at this N."""
+    from ssm.memory import saved_storages
+
+    def kept_per_step(length):
+        inputs = small(length, N=64, M=2)
+        given = {t.untyped_storage().data_ptr() for t in inputs.values()}
+        storages, _ = saved_storages(lambda: trapezoidal_call(chunk_size=CHUNK)(inputs, "triton-ssd"))
+        return sum(n for ptr, n in storages.items() if ptr not in given)
+
+    heads, N, batch = 4, 64, 2
+    grown = (kept_per_step(4 * CHUNK) - kept_per_step(2 * CHUNK)) / (batch * 2 * CHUNK)
+    assert ssd_calls
+    assert 0 < grown < heads * N * 4, f"{grown:.0f} bytes a step kept for the backward"

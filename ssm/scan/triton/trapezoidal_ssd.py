@@ -11,8 +11,9 @@ decay a_t = Δ_t·A_t and an input scale s_t of its own,
 and SSD ties decay and scale together (exp(Δ·A) beside Δ·x ⊗ B). So it runs with A = −1,
 Δ = −a_t and the keys k̃_t·s_t / (−a_t) (one group per head: the rotation makes each head's keys
 its own): SSD's Δ·x ⊗ B is s_t·v_t ⊗ k̃_t again, and its state and output are the core's. What
-SSD does not compute, the diagonal's −c_t·(q̃_t·k̃_t)·v_t, D and the gate, is added after in
-PyTorch; the keys and queries are rotated before it (``keys_queries_values``). The "cpu" backend
+SSD does not compute, the diagonal's −c_t·(q̃_t·k̃_t)·v_t and D, is added in PyTorch in the
+same autograd function, which also rotates the keys and queries before it and again in its
+backward, rather than keeping them (``_RotatedSSDCore``); the gate follows. The "cpu" backend
 runs the same form on the C sweeps (trapezoidal_cpu.py).
 
 bfloat16 inputs give the SSD kernels bfloat16 keys, queries and values (their matrix products
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -36,8 +38,10 @@ from .._common_trapezoidal import (
     TrapezoidalArgs,
     decays_in_range,
     gate_and_contract,
-    keys_queries_values,
+    rotate_per_head,
+    rotate_per_head_backward,
     run_core,
+    values,
 )
 from .ssd import _ssd_bwd, _ssd_fwd, chunk_length, declines
 
@@ -50,41 +54,94 @@ def ssd_takes(args: TrapezoidalArgs, p: Prepared) -> bool:
     return decays_in_range(p.a)
 
 
-class _SSDCore(torch.autograd.Function):
-    """The core's H and y (before the diagonal term) by the SSD kernels: v (B, L, H, P), the
-    decay rate −a (B, L, H), the rotated keys k̃ and queries q̃ (B, L, H, N), s (B, L, H), H_{-1}
-    (B or S, H, P, N) or None. SSD runs with Δ = −a, A = −1 and the keys k̃·s / (−a).
+class _Options(NamedTuple):
+    heads: int
+    rotary: str
+    dtype: torch.dtype  # the compute dtype
+    operand: torch.dtype  # of the SSD kernels' x, B and C
+    chunk: int
 
-    Its own backward, because autograd's would not do: through SSD's input Δ·x ⊗ B, the rate's
-    gradient is Σ x·dx / Δ, and through the keys' division by it minus the same again, which
-    cancels to nothing, but after both were rounded (bfloat16 operands, and a key scale of 1/|A|
-    that magnifies the rounding as |A| shrinks). Here the rate's gradient is the decay's share
-    alone (``dt_scales_input=False``), and the keys' scale is differentiated by hand: dk̃ = dB·s /
-    (−a), ds = Σ_n dB·k̃ / (−a)."""
+
+class _RotatedSSDCore(torch.autograd.Function):
+    """The core, from the scan's own inputs to the output before the gate: the keys and queries
+    rotated per head, the SSD kernels, the diagonal term and D. x (B, L, H, P); B, C (B, L, 1,
+    G, N); their biases (H, 1, N), mimo_x (H, 1, P) and D (H,) or None; cos, sin (B, L, 1, H,
+    M); the decay rate −a, s and c (B, L, H); H_{-1} (B or S, H, P, N) or None. Returns
+    SSD's y − c·(q̃·k̃)·v + D·v (B, L, H, P) in the compute dtype, and H_{L-1}. SSD runs with
+    Δ = −a, A = −1 and the keys k̃·s / (−a).
+
+    One function, with its own backward, for two reasons.
+    - Memory. It keeps the inputs it came with (x, B and C most often views of in_proj's
+      output, which is kept anyway; cos and sin, which the phase keeps), and forms the rotated
+      keys and queries (B, L, H, N) and the values again in the backward. Autograd through the
+      parts kept k̃ and q̃ per head in the compute dtype, and v: at d_model 768, N 128, P 64,
+      30 KB a token, more than a Mamba2 layer keeps in all.
+    - The rate's gradient: through SSD's input Δ·x ⊗ B it is Σ x·dx / Δ, and through the keys'
+      division by Δ minus the same again, which cancels to nothing, but after both were rounded
+      (bfloat16 operands, and a key scale of 1/|A| that magnifies the rounding as |A| shrinks).
+      Here the rate's gradient is the decay's share alone (``dt_scales_input=False``), and the
+      keys' scale is differentiated by hand: dk̃ = dB·s / (−a), ds = Σ_n dB·k̃ / (−a)."""
 
     @staticmethod
-    def forward(ctx, v, rate, k, q, s, H_init, operand, chunk: int, cu_seqlens):
+    def forward(ctx, x, B, C, B_bias, C_bias, mimo_x, D, cos, sin, rate, s, c, H_init, o: _Options, cu_seqlens):
+        k, q, v = _keys_queries_values(x, B, C, B_bias, C_bias, mimo_x, cos, sin, o)
         scale = s / rate
-        y, H_last, _ = _ssd_fwd(*_operands(v, rate, k, q, scale, operand), H_init, chunk, cu_seqlens, False)
-        # what the kernels read is formed again in the backward from tensors kept anyway (v, k̃
-        # and q̃ by the diagonal term's autograd), not kept in the operands' dtype beside them
-        ctx.save_for_backward(v, rate, k, q, scale, H_init, cu_seqlens)
-        ctx.chunk, ctx.operand = chunk, operand
+        y, H_last, _ = _ssd_fwd(*_operands(v, rate, k, q, scale, o.operand), H_init, o.chunk, cu_seqlens, False)
+        y = y.to(o.dtype) - (c * (q * k).sum(-1))[..., None] * v  # the diagonal's shifted part
+        if D is not None:
+            y = y + D.to(o.dtype)[:, None] * v
+        ctx.save_for_backward(x, B, C, B_bias, C_bias, mimo_x, D, cos, sin, rate, s, c, H_init, cu_seqlens)
+        ctx.options = o
         return y, H_last
 
     @staticmethod
     def backward(ctx, dy, dlast):
-        v, rate, k, q, scale, H_init, cu_seqlens = ctx.saved_tensors
+        x, B, C, B_bias, C_bias, mimo_x, D, cos, sin, rate, s, c, H_init, cu_seqlens = ctx.saved_tensors
+        o, needs = ctx.options, ctx.needs_input_grad
+        k, q, v = _keys_queries_values(x, B, C, B_bias, C_bias, mimo_x, cos, sin, o)
         if dy is None:
-            dy = torch.zeros_like(v, dtype=ctx.operand)
-        v_, rate, A, keys, q_, *options = _operands(v, rate, k, q, scale, ctx.operand)
-        dx, drate, _, dB, dC, _, _, _, dH = _ssd_bwd(
-            dy.contiguous(), dlast, v_, rate, A, keys, q_, *options, H_init, ctx.chunk, cu_seqlens, None,
-            dt_scales_input=False,
+            dy = torch.zeros_like(v)
+        scale = s / rate
+        dv, drate, _, dk, dq, _, _, _, dH = _ssd_bwd(
+            dy.to(o.operand).contiguous(), dlast, *_operands(v, rate, k, q, scale, o.operand), H_init, o.chunk,
+            cu_seqlens, None, dt_scales_input=False,
         )  # fmt: skip
-        dB = dB.to(k.dtype)
-        ds = (dB * k).sum(-1) / rate
-        return dx.to(v.dtype), drate, dB * scale[..., None], dC.to(q.dtype), ds, dH, None, None, None
+        dk, dq, dv = dk.to(o.dtype), dq.to(o.dtype), dv.to(o.dtype)
+        ds = (dk * k).sum(-1) / rate
+        dk = dk * scale[..., None]
+        # the diagonal term −c·(q̃·k̃)·v and D·v
+        g = (dy * v).sum(-1)  # (B, L, H)
+        qk = (q * k).sum(-1)
+        dq = dq - (c * g)[..., None] * k
+        dk = dk - (c * g)[..., None] * q
+        dc = -qk * g
+        dv = dv - (c * qk)[..., None] * dy
+        dD = None
+        if D is not None:
+            dv = dv + D.to(o.dtype)[:, None] * dy
+            dD = g.sum((0, 1)).to(D.dtype) if needs[6] else None
+        dx, dmimo_x = dv, None
+        if mimo_x is not None:
+            dx = dv * mimo_x.to(o.dtype)[:, 0]
+            dmimo_x = (dv * x.to(o.dtype)).sum((0, 1))[:, None].to(mimo_x.dtype) if needs[5] else None
+        angles = (False, False, needs[7], needs[8])
+        dB, dB_bias, dcos, dsin = rotate_per_head_backward(
+            dk[:, :, None], B, B_bias, cos, sin, o.heads, o.rotary, o.dtype, (needs[1], needs[3], *angles[2:])
+        )
+        dC, dC_bias, dcos_q, dsin_q = rotate_per_head_backward(
+            dq[:, :, None], C, C_bias, cos, sin, o.heads, o.rotary, o.dtype, (needs[2], needs[4], *angles[2:])
+        )
+        dcos = None if dcos is None else dcos + dcos_q
+        dsin = None if dsin is None else dsin + dsin_q
+        return (dx.to(x.dtype), dB, dC, dB_bias, dC_bias, dmimo_x, dD, dcos, dsin, drate, ds, dc, dH, None, None)
+
+
+def _keys_queries_values(x, B, C, B_bias, C_bias, mimo_x, cos, sin, o: _Options):
+    """The rotated keys k̃ and queries q̃ (B, L, H, N) and the values v (B, L, H, P) of rank 1,
+    in the compute dtype."""
+    k = rotate_per_head(B, B_bias, cos, sin, o.heads, o.rotary, o.dtype)[:, :, 0]
+    q = rotate_per_head(C, C_bias, cos, sin, o.heads, o.rotary, o.dtype)[:, :, 0]
+    return k, q, values(x, mimo_x, 1, o.dtype)[:, :, 0]
 
 
 def _operands(v, rate, k, q, scale, operand):
@@ -96,17 +153,19 @@ def _operands(v, rate, k, q, scale, operand):
 
 
 def _core(args: TrapezoidalArgs, p: Prepared, fallback: Callable):
-    """The core as SSD on the rotated keys (or ``fallback``'s where SSD cannot take it); out in
-    x's dtype and H_{L-1}."""
+    """The core as SSD on the rotated keys (or ``fallback``'s where SSD cannot take it), through
+    the gate and the rank contraction: out in x's dtype, and H_{L-1}."""
     if not ssd_takes(args, p):
         return fallback(args, p)
     x, dtype = args.x, args.dtype
-    k, q, v = keys_queries_values(args, p.cos, p.sin)  # (B, L, 1, H, N), (B, L, 1, H, P)
-    k, q, v1 = k.squeeze(2), q.squeeze(2), v.squeeze(2)
     operand = torch.bfloat16 if x.dtype == torch.bfloat16 else dtype
-    y, H_last = _SSDCore.apply(v1, -p.a, k, q, p.s, p.H_init, operand, chunk_length(args.chunk_size), args.cu_seqlens)
-    y = y.to(dtype) - (p.c * (q * k).sum(-1))[..., None] * v1  # the diagonal's shifted part
-    out = gate_and_contract(y[:, :, None], v, args.D, args.z, args.mimo_z, args.mimo_o, dtype)
+    options = _Options(x.shape[2], args.rotary, dtype, operand, chunk_length(args.chunk_size))
+    cos, sin = p.cos[:, :, None], p.sin[:, :, None]  # (B, L, 1, H, M): the rank axis of 1
+    y, H_last = _RotatedSSDCore.apply(
+        x, args.B, args.C, args.B_bias, args.C_bias, args.mimo_x, args.D, cos, sin, -p.a, p.s, p.c, p.H_init,
+        options, args.cu_seqlens,
+    )  # fmt: skip
+    out = gate_and_contract(y[:, :, None], None, None, args.z, args.mimo_z, args.mimo_o, dtype)
     return out.to(x.dtype), H_last
 
 
