@@ -167,11 +167,17 @@ class _Gated(torch.autograd.Function):
     """(y + D·v)·silu(z) (``gate_and_contract`` without MIMO's weights), keeping y, v, D and z
     as they came for the backward, z most often a view of in_proj's output. Autograd through
     the formula kept z in the compute dtype, silu(z) and y + D·v besides: three more tensors of
-    y's size."""
+    y's size. y, which only z's gradient reads, is kept in bfloat16 when z is bfloat16 (as
+    mamba-ssm keeps its output before the gate): half the bytes, and dz carries bfloat16's
+    rounding of y, as every gradient through a bfloat16 activation does."""
 
     @staticmethod
     def forward(ctx, y, v, D, z, dtype):
-        ctx.save_for_backward(y, v, D, z)
+        needs = ctx.needs_input_grad
+        kept = None
+        if needs[3]:
+            kept = y.to(torch.bfloat16) if z.dtype == torch.bfloat16 else y
+        ctx.save_for_backward(kept, v if D is not None and (needs[2] or needs[3]) else None, D, z)
         ctx.dtype = dtype
         return _Gated._pre(y, v, D, dtype) * F.silu(z.to(dtype).unsqueeze(2))
 
@@ -191,7 +197,8 @@ class _Gated(torch.autograd.Function):
             dv = g * Dc if ctx.needs_input_grad[1] else None
             dD = (g * v).sum_to_size(Dc.shape).view(D.shape).to(D.dtype) if ctx.needs_input_grad[2] else None
         if ctx.needs_input_grad[3]:
-            dz = (grad * _Gated._pre(y, v, D, ctx.dtype) * dsilu(zc)).sum_to_size(zc.shape).squeeze(2).to(z.dtype)
+            pre = _Gated._pre(y.to(ctx.dtype), v, D, ctx.dtype)
+            dz = (grad * pre * dsilu(zc)).sum_to_size(zc.shape).squeeze(2).to(z.dtype)
         return dy, dv, dD, dz, None
 
 

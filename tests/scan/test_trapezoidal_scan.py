@@ -561,8 +561,9 @@ def kept_storages(run) -> tuple[set[int], object]:
 
 def test_the_shared_pieces_keep_their_inputs_not_copies():
     """The fast forms' rotary phase, rotation per head and output gate keep for the backward
-    only tensors that exist anyway: their inputs as they came (z a bfloat16 view of a wider
-    tensor, as in_proj leaves it; B per group, not per head) and the cos and sin they return.
+    only tensors that exist anyway: their inputs as they came (z a view of a wider tensor, as
+    in_proj leaves it; B per group, not per head) and the cos and sin they return; the gate, with
+    a bfloat16 z, y in bfloat16.
     Through autograd they kept θ and φ in float64, w per head, z upcast, silu(z) and y + D·v.
     Their gradients are checked through every backend's against the reference above."""
     from ssm.scan._common_trapezoidal import gate_and_contract, rotated_per_head, tensor_rotary_phase
@@ -585,11 +586,17 @@ def test_the_shared_pieces_keep_their_inputs_not_copies():
     kept, _ = kept_storages(lambda: rotated_per_head(B, heads, bias, c, s, "interleaved", torch.float32))
     assert kept and kept <= {ptr(t) for t in (B, bias, c, s)}
 
+    # the gate with a float32 z keeps y itself; with a bfloat16 z (under autocast), y in
+    # bfloat16: one new storage of half y's bytes, in place of y
+    from ssm.memory import saved_storages
+
     y, v, D = leaf(batch, L, 1, heads, P), leaf(batch, L, 1, heads, P), leaf(heads)
-    wide = leaf(batch, L, heads * P + 5, dtype=torch.bfloat16)
-    kept, _ = kept_storages(
-        lambda: gate_and_contract(
-            y, v, D, wide[..., 2 : 2 + heads * P].unflatten(-1, (heads, P)), None, None, torch.float32
-        )
-    )
-    assert kept and kept <= {ptr(t) for t in (y, v, D, wide)}
+    for z_dtype in (torch.float32, torch.bfloat16):
+        wide = leaf(batch, L, heads * P + 5, dtype=z_dtype)
+        z = wide[..., 2 : 2 + heads * P].unflatten(-1, (heads, P))
+        kept, _ = saved_storages(lambda: gate_and_contract(y, v, D, z, None, None, torch.float32))
+        new = {p: n for p, n in kept.items() if p not in {ptr(t) for t in (y, v, D, wide)}}
+        if z_dtype == torch.float32:
+            assert not new and ptr(y) in kept
+        else:
+            assert list(new.values()) == [y.numel() * 2] and ptr(y) not in kept
