@@ -149,57 +149,73 @@ def values(x: torch.Tensor, mimo_x: torch.Tensor | None, ranks: int, dtype) -> t
 
 def gate_and_contract(y, v, D, z, mimo_z, mimo_o, dtype):
     """y (B, L, R, H, P) → (y + D·v)·silu(z ⊙ mimo_z), then Σ_r mimo_o ⊙ · when mimo_o is given."""
-    if z is not None and mimo_z is None and mimo_o is None:
-        return _Gated.apply(y, v, D, z, dtype)
+    if z is not None:
+        return _Gated.apply(y, v, D, z, mimo_z, mimo_o, dtype)
     if D is not None:
         y = y + D.to(dtype)[:, None] * v
-    if z is not None:
-        g = z.to(dtype).unsqueeze(2)
-        if mimo_z is not None:
-            g = g * mimo_z.to(dtype).transpose(0, 1)
-        y = y * F.silu(g)
     if mimo_o is not None:
         y = (y * mimo_o.to(dtype).transpose(0, 1)).sum(2)
     return y
 
 
 class _Gated(torch.autograd.Function):
-    """(y + D·v)·silu(z) (``gate_and_contract`` without MIMO's weights), keeping y, v, D and z
-    as they came for the backward, z most often a view of in_proj's output. Autograd through
-    the formula kept z in the compute dtype, silu(z) and y + D·v besides: three more tensors of
-    y's size. y, which only z's gradient reads, is kept in bfloat16 when z is bfloat16 (as
-    mamba-ssm keeps its output before the gate): half the bytes, and dz carries bfloat16's
-    rounding of y, as every gradient through a bfloat16 activation does."""
+    """``gate_and_contract`` with a gate: y (B, L, R, H, P), v (B, L, R, H, P) (read only with
+    D), D (H,), z (B, L, H, P), mimo_z and mimo_o (H, R, P) or None. It keeps its inputs as they
+    came for the backward, z most often a view of in_proj's output, and forms the rest again
+    there. Autograd through the formula kept z in the compute dtype, silu(z) and y + D·v besides,
+    and with MIMO's weights four tensors of y's size (R of them a step).
+
+    y, which only the gate's gradients read, is kept in bfloat16 when z is bfloat16 and the
+    rank is 1 (as mamba-ssm keeps its output before the gate): half the bytes, and dz carries
+    bfloat16's rounding of y, as every gradient through a bfloat16 activation does. With MIMO,
+    dz sums R ranks' terms, which can cancel, and y stays in the compute dtype."""
 
     @staticmethod
-    def forward(ctx, y, v, D, z, dtype):
+    def forward(ctx, y, v, D, z, mimo_z, mimo_o, dtype):
         needs = ctx.needs_input_grad
+        gate_grads = needs[3] or needs[4] or needs[5]
         kept = None
-        if needs[3]:
-            kept = y.to(torch.bfloat16) if z.dtype == torch.bfloat16 else y
-        ctx.save_for_backward(kept, v if D is not None and (needs[2] or needs[3]) else None, D, z)
+        if gate_grads:
+            kept = y.to(torch.bfloat16) if z.dtype == torch.bfloat16 and y.shape[2] == 1 else y
+        keep_v = D is not None and (needs[2] or gate_grads)
+        ctx.save_for_backward(kept, v if keep_v else None, D, z, mimo_z, mimo_o)
         ctx.dtype = dtype
-        return _Gated._pre(y, v, D, dtype) * F.silu(z.to(dtype).unsqueeze(2))
+        out = _Gated._pre(y, v, D, dtype) * F.silu(_Gated._gate(z, mimo_z, dtype))
+        return out if mimo_o is None else (out * mimo_o.to(dtype).transpose(0, 1)).sum(2)
 
     @staticmethod
     def _pre(y, v, D, dtype):
         return y if D is None else y + D.to(dtype)[:, None] * v
 
     @staticmethod
+    def _gate(z, mimo_z, dtype):  # (B, L, 1 or R, H, P)
+        g = z.to(dtype).unsqueeze(2)
+        return g if mimo_z is None else g * mimo_z.to(dtype).transpose(0, 1)
+
+    @staticmethod
     def backward(ctx, grad):
-        y, v, D, z = ctx.saved_tensors
-        zc = z.to(ctx.dtype).unsqueeze(2)
-        g = grad * F.silu(zc)  # the gradient of y + D·v
-        dy = g if ctx.needs_input_grad[0] else None
-        dv = dD = dz = None
+        y, v, D, z, mimo_z, mimo_o = ctx.saved_tensors
+        needs, dtype = ctx.needs_input_grad, ctx.dtype
+        g = _Gated._gate(z, mimo_z, dtype)
+        silu = F.silu(g)
+        per_rank = grad if mimo_o is None else grad.unsqueeze(2) * mimo_o.to(dtype).transpose(0, 1)
+        d_pre = per_rank * silu  # the gradient of y + D·v, (B, L, R, H, P)
+        dy = d_pre if needs[0] else None
+        dv = dD = dz = d_mimo_z = d_mimo_o = None
         if D is not None:
-            Dc = D.to(ctx.dtype)[:, None]
-            dv = g * Dc if ctx.needs_input_grad[1] else None
-            dD = (g * v).sum_to_size(Dc.shape).view(D.shape).to(D.dtype) if ctx.needs_input_grad[2] else None
-        if ctx.needs_input_grad[3]:
-            pre = _Gated._pre(y.to(ctx.dtype), v, D, ctx.dtype)
-            dz = (grad * pre * dsilu(zc)).sum_to_size(zc.shape).squeeze(2).to(z.dtype)
-        return dy, dv, dD, dz, None
+            Dc = D.to(dtype)[:, None]
+            dv = d_pre * Dc if needs[1] else None
+            dD = (d_pre * v).sum_to_size(Dc.shape).view(D.shape).to(D.dtype) if needs[2] else None
+        if needs[3] or needs[4] or needs[5]:
+            pre = _Gated._pre(y.to(dtype), v, D, dtype)
+            if needs[5]:  # Σ over the tokens of grad·(y + D·v)·silu(g), per rank
+                d_mimo_o = (grad.unsqueeze(2) * pre * silu).sum((0, 1)).transpose(0, 1).to(mimo_o.dtype)
+            d_gate = per_rank * pre * dsilu(g)  # (B, L, 1 or R, H, P)
+            if needs[3]:
+                dz = (d_gate if mimo_z is None else d_gate * mimo_z.to(dtype).transpose(0, 1)).sum(2).to(z.dtype)
+            if needs[4]:
+                d_mimo_z = (d_gate * z.to(dtype).unsqueeze(2)).sum((0, 1)).transpose(0, 1).to(mimo_z.dtype)
+        return dy, dv, dD, dz, d_mimo_z, d_mimo_o, None
 
 
 def _pair_slices(N: int, M: int, rotary: str) -> tuple[slice, slice]:

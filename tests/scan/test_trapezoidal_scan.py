@@ -563,7 +563,7 @@ def test_the_shared_pieces_keep_their_inputs_not_copies():
     """The fast forms' rotary phase, rotation per head and output gate keep for the backward
     only tensors that exist anyway: their inputs as they came (z a view of a wider tensor, as
     in_proj leaves it; B per group, not per head) and the cos and sin they return; the gate, with
-    a bfloat16 z, y in bfloat16.
+    a bfloat16 z and rank 1, y in bfloat16.
     Through autograd they kept θ and φ in float64, w per head, z upcast, silu(z) and y + D·v.
     Their gradients are checked through every backend's against the reference above."""
     from ssm.scan._common_trapezoidal import gate_and_contract, rotated_per_head, tensor_rotary_phase
@@ -600,3 +600,13 @@ def test_the_shared_pieces_keep_their_inputs_not_copies():
             assert not new and ptr(y) in kept
         else:
             assert list(new.values()) == [y.numel() * 2] and ptr(y) not in kept
+
+    # MIMO's gate and rank contraction (rank 3) keep their inputs alone, y as it came; through
+    # autograd they kept four more tensors of y's size
+    R = 3
+    y, v = leaf(batch, L, R, heads, P), leaf(batch, L, R, heads, P)
+    mimo_z, mimo_o = leaf(heads, R, P), leaf(heads, R, P)
+    wide = leaf(batch, L, heads * P + 5, dtype=torch.bfloat16)
+    z = wide[..., 2 : 2 + heads * P].unflatten(-1, (heads, P))
+    kept, _ = kept_storages(lambda: gate_and_contract(y, v, D, z, mimo_z, mimo_o, torch.float32))
+    assert kept and kept <= {ptr(t) for t in (y, v, D, wide, mimo_z, mimo_o)}
