@@ -54,3 +54,34 @@ def test_probe_reads_each_bit_as_computed_from_the_projection(tmp_path, capsys):
     assert out.count("A x 1: L") == 2 and out.count("A x 0: L") == 2 and "head 0: Δ" in out
     with pytest.raises(SystemExit):
         probe["main"]([str(checkpoint), "--scales", "one"])
+
+
+def test_trajectory_reads_each_kept_checkpoint_and_finds_the_parity_pair(tmp_path, capsys):
+    """scripts/dev/parity_trajectory.py: the pair closest to parity's turns (0 for bit 0, π for
+    bit 1, modulo 2π) on hand-made turns; the exponential average by hand; one line per kept
+    checkpoint in the step range."""
+    trajectory = runpy.run_path(str(ROOT / "scripts" / "dev" / "parity_trajectory.py"))
+    rows = [  # turns / π per head and pair, for bit 0 and bit 1
+        {"turn_over_pi": [[0.5, 0.02], [1.98, 0.1]]},
+        {"turn_over_pi": [[1.0, 1.01], [-1.004, 0.3]]},
+    ]
+    head, pair, error = trajectory["parity_pair"](rows)
+    # head 0 pair 0: bit 0 off by 0.5π; head 0 pair 1: max(0.02, 0.01)π; head 1 pair 0: max(0.02, 0.004)π
+    assert (head, pair) == (0, 1) and error == pytest.approx(0.02 * math.pi)
+    a, b = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 6.0])}
+    first = trajectory["averaged"](None, a, 0.25)
+    torch.testing.assert_close(first["w"], a["w"])
+    torch.testing.assert_close(trajectory["averaged"](first, b, 0.25)["w"], torch.tensor([2.5, 5.0]))
+
+    run = tmp_path / "parity"
+    overrides = ["model.d_model=16", "model.n_layer=1", "model.ssm_cfg={layer: Mamba3, d_state: 8, headdim: 8}",
+                 "data.task=parity", "data.seq_len=16", "data.min_seq_len=3", "data.batch_size=4",
+                 "data.val_samples=4", "trainer.max_steps=3", "trainer.val_check_interval=3",
+                 "keep_checkpoint_every=1", "progress_bar=false", f"run_dir={run}"]  # fmt: skip
+    train(load_config(None, overrides))
+    assert trajectory["main"]([str(run), "--from", "2", "--to", "3", "--lengths", "8", "--samples", "2",
+                               "--half-lives", "1"]) == 0  # fmt: skip
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step") and "rate" in line]
+    assert [line.split()[1] for line in lines] == ["2", "3"] and all("average (half-life 1)" in x for x in lines)
+    with pytest.raises(SystemExit):
+        trajectory["main"]([str(run), "--from", "50"])
