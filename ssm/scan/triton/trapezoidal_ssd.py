@@ -124,12 +124,11 @@ class _RotatedSSDCore(torch.autograd.Function):
         if mimo_x is not None:
             dx = dv * mimo_x.to(o.dtype)[:, 0]
             dmimo_x = (dv * x.to(o.dtype)).sum((0, 1))[:, None].to(mimo_x.dtype) if needs[5] else None
-        angles = (False, False, needs[7], needs[8])
         dB, dB_bias, dcos, dsin = rotate_per_head_backward(
-            dk[:, :, None], B, B_bias, cos, sin, o.heads, o.rotary, o.dtype, (needs[1], needs[3], *angles[2:])
+            dk[:, :, None], B, B_bias, cos, sin, o.heads, o.rotary, o.dtype, (needs[1], needs[3], needs[7], needs[8])
         )
         dC, dC_bias, dcos_q, dsin_q = rotate_per_head_backward(
-            dq[:, :, None], C, C_bias, cos, sin, o.heads, o.rotary, o.dtype, (needs[2], needs[4], *angles[2:])
+            dq[:, :, None], C, C_bias, cos, sin, o.heads, o.rotary, o.dtype, (needs[2], needs[4], needs[7], needs[8])
         )
         dcos = None if dcos is None else dcos + dcos_q
         dsin = None if dsin is None else dsin + dsin_q
