@@ -19,13 +19,17 @@ from ssm.training.evaluate import load_checkpoint_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_probe_reads_each_bit_as_computed_from_the_projection(tmp_path, capsys):
-    run = tmp_path / "parity"
+def tiny_parity_run(run: Path, *extra: str) -> None:
+    """A Mamba-3 parity run of a few steps at toy sizes in ``run``; ``extra``: more overrides."""
     overrides = ["model.d_model=16", "model.n_layer=1", "model.ssm_cfg={layer: Mamba3, d_state: 8, headdim: 8}",
                  "data.task=parity", "data.seq_len=16", "data.min_seq_len=3", "data.batch_size=4",
-                 "data.val_samples=4", "trainer.max_steps=2", "trainer.val_check_interval=2",
-                 "checkpoint_every=2", "progress_bar=false", f"run_dir={run}"]  # fmt: skip
+                 "data.val_samples=4", "progress_bar=false", f"run_dir={run}", *extra]  # fmt: skip
     train(load_config(None, overrides))
+
+
+def test_probe_reads_each_bit_as_computed_from_the_projection(tmp_path, capsys):
+    run = tmp_path / "parity"
+    tiny_parity_run(run, "trainer.max_steps=2", "trainer.val_check_interval=2", "checkpoint_every=2")
     checkpoint = run / "checkpoints" / "last.ckpt"
     probe = runpy.run_path(str(ROOT / "scripts" / "dev" / "parity_probe.py"))
     _, model, _ = load_checkpoint_model(checkpoint)
@@ -74,11 +78,7 @@ def test_trajectory_reads_each_kept_checkpoint_and_finds_the_parity_pair(tmp_pat
     torch.testing.assert_close(trajectory["averaged"](first, b, 0.25)["w"], torch.tensor([2.5, 5.0]))
 
     run = tmp_path / "parity"
-    overrides = ["model.d_model=16", "model.n_layer=1", "model.ssm_cfg={layer: Mamba3, d_state: 8, headdim: 8}",
-                 "data.task=parity", "data.seq_len=16", "data.min_seq_len=3", "data.batch_size=4",
-                 "data.val_samples=4", "trainer.max_steps=3", "trainer.val_check_interval=3",
-                 "keep_checkpoint_every=1", "progress_bar=false", f"run_dir={run}"]  # fmt: skip
-    train(load_config(None, overrides))
+    tiny_parity_run(run, "trainer.max_steps=3", "trainer.val_check_interval=3", "keep_checkpoint_every=1")
     assert trajectory["main"]([str(run), "--from", "2", "--to", "3", "--lengths", "8", "--samples", "2",
                                "--half-lives", "1"]) == 0  # fmt: skip
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step") and "rate" in line]
