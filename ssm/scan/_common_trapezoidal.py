@@ -264,41 +264,47 @@ def rotate_per_head_backward(grad, M, bias, cos, sin, heads: int, rotary: str, d
 class _RotatedPerHead(torch.autograd.Function):
     """:func:`rotate_per_head` with a backward of its own: autograd through the slices, stack
     and cat of ``rotate`` and through ``repeat_interleave`` writes a zero-filled tensor of the
-    whole (B, L, R, H, N) for every slice and copies into it."""
+    whole (B, L, R, H, N) for every slice and copies into it. With a ``source`` of the phase,
+    cos and sin are formed again in the backward rather than kept (``PhaseSource``)."""
 
     @staticmethod
-    def forward(ctx, M, bias, cos, sin, heads: int, rotary: str, dtype):
+    def forward(ctx, M, bias, cos, sin, heads: int, rotary: str, dtype, source):
         # M (per group, most often a view of in_proj's output) rather than w0 and w1 per head:
         # the backward forms those again
-        ctx.save_for_backward(M, bias, cos, sin)
-        ctx.rotary, ctx.heads, ctx.dtype = rotary, heads, dtype
+        ctx.save_for_backward(M, bias, *keep_cos_sin(cos, sin, source))
+        ctx.rotary, ctx.heads, ctx.dtype, ctx.source = rotary, heads, dtype, source is not None
         return rotate_per_head(M, bias, cos, sin, heads, rotary, dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        M, bias, cos, sin = ctx.saved_tensors
+        M, bias, *kept = ctx.saved_tensors
+        cos, sin = kept_cos_sin(kept, ctx.source, ctx.dtype)
         grads = rotate_per_head_backward(
             grad, M, bias, cos, sin, ctx.heads, ctx.rotary, ctx.dtype, ctx.needs_input_grad[:4]
         )
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
-def rotated_per_head(M: Tensor, heads: int, bias: Tensor | None, cos: Tensor, sin: Tensor, rotary: str, dtype):
+def rotated_per_head(
+    M: Tensor, heads: int, bias: Tensor | None, cos: Tensor, sin: Tensor, rotary: str, dtype, source=None
+):
     """``rotate(per_head(M, heads, bias, dtype), cos, sin, rotary)``: B or C (B, L, R, G, N) as
     the rotated keys or queries (B, L, R, H, N), cos and sin (B, L, 1 or R, H, M), with one
-    backward pass."""
+    backward pass; ``source``: the phase's ``PhaseSource``, which cos and sin (then with a rank
+    axis of 1) are formed from again in the backward, or None to keep them."""
     if cos.shape[-1] == 0:
         return per_head(M, heads, bias, dtype)
-    return _RotatedPerHead.apply(M, bias, cos, sin, heads, rotary, dtype)
+    return _RotatedPerHead.apply(M, bias, cos, sin, heads, rotary, dtype, source)
 
 
-def keys_queries_values(args: TrapezoidalArgs, cos: Tensor, sin: Tensor):
+def keys_queries_values(args: TrapezoidalArgs, cos: Tensor, sin: Tensor, source=None):
     """The rotated keys k̃ and queries q̃ (B, L, R, H, N) and the values v (B, L, R, H, P) of
-    the core, in the compute dtype; cos, sin (B, L, H, M) of the phase."""
+    the core, in the compute dtype; cos, sin (B, L, H, M) of the phase, formed again in the
+    backward from ``source`` (a ``PhaseSource``) where one is given."""
     heads, ranks, dtype = args.x.shape[2], args.B.shape[2], args.dtype
     cos, sin = cos[:, :, None], sin[:, :, None]  # (B, L, 1, H, M): the same for every rank
-    k = rotated_per_head(args.B, heads, args.B_bias, cos, sin, args.rotary, dtype)
-    q = rotated_per_head(args.C, heads, args.C_bias, cos, sin, args.rotary, dtype)
+    k = rotated_per_head(args.B, heads, args.B_bias, cos, sin, args.rotary, dtype, source)
+    q = rotated_per_head(args.C, heads, args.C_bias, cos, sin, args.rotary, dtype, source)
     return k, q, values(args.x, args.mimo_x, ranks, dtype)
 
 
@@ -326,6 +332,9 @@ class Prepared(NamedTuple):
     cos: torch.Tensor  # (B, L, H, M) cos φ_t, from φ reduced modulo 2π in float64
     sin: torch.Tensor
     H_init: torch.Tensor | None  # (B or S, H, P, N)
+    # what cos and sin can be formed from again in a backward, rather than kept for it (None:
+    # keep them; packed sequences, and a backend's own phase)
+    source: PhaseSource | None = None
 
 
 def prologue(args: TrapezoidalArgs, rotary_phase: Callable | None = None) -> Prepared:
@@ -353,6 +362,7 @@ def prologue(args: TrapezoidalArgs, rotary_phase: Callable | None = None) -> Pre
     phase0 = None if initial_state is None else initial_state.phase
     found = None if rotary_phase is None else rotary_phase(delta, args.angles, phase0, cu_seqlens, dtype)
     phase, cos, sin = tensor_rotary_phase(delta, args.angles, phase0, cu_seqlens, dtype) if found is None else found
+    source = PhaseSource(delta, args.angles, phase0, dtype) if found is None and cu_seqlens is None else None
 
     H_init = None
     if initial_state is not None:
@@ -364,7 +374,7 @@ def prologue(args: TrapezoidalArgs, rotary_phase: Callable | None = None) -> Pre
         v0 = values(initial_state.value, args.mimo_x, ranks, dtype)  # (S, R, H, P)
         U0 = torch.einsum("srhp,srhn->shpn", v0, initial_state.key.to(dtype))
         H_init = initial_state.ssm.to(dtype) + first[..., None, None] * U0
-    return Prepared(a, s, c, phase, cos, sin, H_init)
+    return Prepared(a, s, c, phase, cos, sin, H_init, source)
 
 
 def tensor_rotary_phase(delta: Tensor, angles: Tensor, phase0: Tensor | None, cu_seqlens: Tensor | None, dtype):
@@ -397,32 +407,74 @@ def _cos_sin(phase64: Tensor, dtype) -> tuple[Tensor, Tensor]:
     return torch.cos(reduced).to(dtype), torch.sin(reduced).to(dtype)
 
 
+def _phase64(delta: Tensor, angles: Tensor, phase0: Tensor | None) -> Tensor:
+    """φ_t = φ_{-1} + Σ_{s ≤ t} Δ_s·θ_s (B, L, H, M) in float64, one unpacked sequence a row."""
+    phase64 = (delta.double()[..., None] * angles.double()).cumsum(1)
+    return phase64 if phase0 is None else phase64 + phase0.double()[:, None]
+
+
+class PhaseSource(NamedTuple):
+    """What the rotary phase of unpacked rows is summed from: Δ (B, L, H) in the compute dtype,
+    θ (B, L, H, M), φ_{-1} (B, H, M) or None, and that dtype. The autograd functions that rotate
+    keep these (which the phase's own backward keeps too) and form cos and sin again in their
+    backward: kept, cos and sin are 2·H·M numbers a token in the compute dtype (6 KB at d_model
+    768, N 128, half the pairs rotated), and forming them again is one sum along L and an
+    elementwise pass over (B, L, H, M), little beside the scan's."""
+
+    delta: Tensor
+    angles: Tensor
+    phase0: Tensor | None
+    dtype: torch.dtype
+
+    def cos_sin(self) -> tuple[Tensor, Tensor]:
+        """cos and sin (B, L, H, M), the same numbers as the forward's (same operations, same order)."""
+        return _cos_sin(_phase64(self.delta, self.angles, self.phase0), self.dtype)
+
+
+def keep_cos_sin(cos: Tensor, sin: Tensor, source: PhaseSource | None) -> tuple:
+    """What an autograd function keeps for cos and sin: the source's tensors, or cos and sin
+    themselves (and None) without one. Pass them to ``save_for_backward`` and the saved ones to
+    :func:`kept_cos_sin`."""
+    return (cos, sin, None) if source is None else (source.delta, source.angles, source.phase0)
+
+
+def kept_cos_sin(kept, from_source: bool, dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin from what :func:`keep_cos_sin` kept: (B, L, 1, H, M) formed again from a
+    source (the rank axis of 1 that the rotations take), else as they were kept."""
+    if not from_source:
+        return kept[0], kept[1]
+    cos, sin = PhaseSource(*kept, dtype).cos_sin()
+    return cos[:, :, None], sin[:, :, None]
+
+
 class _RotaryPhase(torch.autograd.Function):
     """``tensor_rotary_phase`` of one unpacked sequence per row: φ_t = φ_{-1} + Σ_{s ≤ t} Δ_s·θ_s
-    summed in float64, keeping for the backward Δ, θ and the cos and sin it returns (which the
-    rotation keeps anyway). Autograd kept θ and φ in float64 besides, two tensors of (B, L, H, M)
-    at 8 bytes. The backward sums in float64 too: dφ_t = dphase_t − dcos_t·sin φ_t + dsin_t·cos
-    φ_t, then the increments' gradient is dφ summed from t to the end."""
+    summed in float64, keeping for the backward only Δ, θ and φ_{-1}. Autograd kept θ and φ in
+    float64 besides, two tensors of (B, L, H, M) at 8 bytes; the cos and sin returned are formed
+    again in the backward (``PhaseSource``) rather than kept. The backward sums in float64 too:
+    dφ_t = dphase_t − dcos_t·sin φ_t + dsin_t·cos φ_t, then the increments' gradient is dφ
+    summed from t to the end."""
 
     @staticmethod
     def forward(ctx, delta, angles, phase0, dtype):
-        phase64 = (delta.double()[..., None] * angles.double()).cumsum(1)  # (B, L, H, M)
-        if phase0 is not None:
-            phase64 = phase64 + phase0.double()[:, None]
+        phase64 = _phase64(delta, angles, phase0)  # (B, L, H, M)
         cos, sin = _cos_sin(phase64, dtype)
-        ctx.save_for_backward(delta, angles, phase0, cos, sin)
+        ctx.save_for_backward(delta, angles, phase0)
+        ctx.dtype = dtype
         return phase64.to(dtype), cos, sin
 
     @staticmethod
     def backward(ctx, d_phase, d_cos, d_sin):
-        delta, angles, phase0, cos, sin = ctx.saved_tensors
-        d = torch.zeros(cos.shape, dtype=torch.float64, device=cos.device)
+        delta, angles, phase0 = ctx.saved_tensors
+        d = torch.zeros(angles.shape, dtype=torch.float64, device=angles.device)
         if d_phase is not None:
             d = d + d_phase.double()
-        if d_cos is not None:
-            d = d - d_cos.double() * sin.double()
-        if d_sin is not None:
-            d = d + d_sin.double() * cos.double()
+        if d_cos is not None or d_sin is not None:
+            cos, sin = PhaseSource(delta, angles, phase0, ctx.dtype).cos_sin()
+            if d_cos is not None:
+                d = d - d_cos.double() * sin.double()
+            if d_sin is not None:
+                d = d + d_sin.double() * cos.double()
         d_inc = d.flip(1).cumsum(1).flip(1)  # each increment reaches every phase from its step on
         d_delta = (d_inc * angles.double()).sum(-1).to(delta.dtype) if ctx.needs_input_grad[0] else None
         d_angles = (d_inc * delta.double()[..., None]).to(angles.dtype) if ctx.needs_input_grad[1] else None

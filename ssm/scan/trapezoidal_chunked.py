@@ -104,7 +104,7 @@ def _poison(k, v, a, sigma, c) -> tuple[torch.Tensor, torch.Tensor]:
 def chunked_core(args: TrapezoidalArgs, p: Prepared):
     """The core (see _common_trapezoidal.py) by chunks: out in x's dtype and H_{L-1}; packed
     sequences one after another. (Also what the "cpu" backend runs where its sweeps cannot.)"""
-    k, q, v = keys_queries_values(args, p.cos, p.sin)  # (B, L, R, H, N), (B, L, R, H, P)
+    k, q, v = keys_queries_values(args, p.cos, p.sin, p.source)  # (B, L, R, H, N), (B, L, R, H, P)
     y, H_last = chunked_products(k, q, v, p.a, p.s, p.c, p.H_init, args.cu_seqlens, args.chunk_size)
     out = gate_and_contract(y, v, args.D, args.z, args.mimo_z, args.mimo_o, args.dtype)
     return out.to(args.x.dtype), H_last

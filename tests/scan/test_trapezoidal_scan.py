@@ -562,11 +562,12 @@ def kept_storages(run) -> tuple[set[int], object]:
 def test_the_shared_pieces_keep_their_inputs_not_copies():
     """The fast forms' rotary phase, rotation per head and output gate keep for the backward
     only tensors that exist anyway: their inputs as they came (z a view of a wider tensor, as
-    in_proj leaves it; B per group, not per head) and the cos and sin they return; the gate, with
+    in_proj leaves it; B per group, not per head), and not the cos and sin of the phase (formed
+    again from Δ and θ, and for the rotation where it is given their source); the gate, with
     a bfloat16 z and rank 1, y in bfloat16.
     Through autograd they kept θ and φ in float64, w per head, z upcast, silu(z) and y + D·v.
     Their gradients are checked through every backend's against the reference above."""
-    from ssm.scan._common_trapezoidal import gate_and_contract, rotated_per_head, tensor_rotary_phase
+    from ssm.scan._common_trapezoidal import PhaseSource, gate_and_contract, rotated_per_head, tensor_rotary_phase
 
     g = torch.Generator().manual_seed(0)
     batch, L, heads, M, P, N = 2, 5, 4, 3, 6, 8
@@ -579,12 +580,22 @@ def test_the_shared_pieces_keep_their_inputs_not_copies():
 
     delta, angles = leaf(batch, L, heads), leaf(batch, L, heads, M)
     kept, (_, cos, sin) = kept_storages(lambda: tensor_rotary_phase(delta, angles, None, None, torch.float32))
-    assert kept and kept <= {ptr(t) for t in (delta, angles, cos, sin)}
+    assert kept and kept <= {ptr(t) for t in (delta, angles)}  # cos and sin formed again
 
     B, bias = leaf(batch, L, 1, 1, N), leaf(heads, 1, N)  # one group, rank 1
     c, s = cos.detach()[:, :, None], sin.detach()[:, :, None]
     kept, _ = kept_storages(lambda: rotated_per_head(B, heads, bias, c, s, "interleaved", torch.float32))
     assert kept and kept <= {ptr(t) for t in (B, bias, c, s)}
+    # with the phase's source, cos and sin are formed again from it, and the gradients are the
+    # ones from kept cos and sin
+    source = PhaseSource(delta, angles, None, torch.float32)
+    kept, w = kept_storages(lambda: rotated_per_head(B, heads, bias, c, s, "interleaved", torch.float32, source))
+    assert kept and kept <= {ptr(t) for t in (B, bias, delta, angles)}
+    grad = torch.randn(w.shape, generator=g)
+    got = torch.autograd.grad(w, (B, bias), grad)
+    want = torch.autograd.grad(rotated_per_head(B, heads, bias, c, s, "interleaved", torch.float32), (B, bias), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
     # the gate with a float32 z keeps y itself; with a bfloat16 z (under autocast), y in
     # bfloat16: one new storage of half y's bytes, in place of y

@@ -159,20 +159,23 @@ def test_split_sequence_continues_from_last_state():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_keeps_no_rotated_keys_for_the_backward(ssd_calls):
-    """What the backward keeps, beyond the scan's own inputs, grows by less per token than one
-    tensor of rotated keys (H·N in the compute dtype): the keys and queries are rotated again in
-    the backward, and the values formed again from x. Keeping k̃, q̃ and v, as autograd through
-    the parts did, is over twice that bound at this N."""
+def test_keeps_no_rotated_keys_nor_cos_sin_for_the_backward(ssd_calls):
+    """What the backward keeps, beyond the scan's own inputs, grows by less per token than the
+    phase's cos and sin would (2·H·M in the compute dtype, here a quarter of one tensor of
+    rotated keys, H·N): the keys and queries are rotated again in the backward, the values
+    formed again from x, and cos and sin formed again from Δ and θ (inputs). Keeping k̃, q̃ and
+    v, as autograd through the parts did, is over eight times that bound; keeping cos and sin,
+    as the core did before, is over it too (404 against 256 bytes a step)."""
     from ssm.memory import saved_storages
 
+    heads, N, M, batch = 4, 64, 8, 2
+
     def kept_per_step(length):
-        inputs = small(length, N=64, M=2)
+        inputs = small(length, N=N, M=M)
         given = {t.untyped_storage().data_ptr() for t in inputs.values()}
         storages, _ = saved_storages(lambda: trapezoidal_call(chunk_size=CHUNK)(inputs, "triton-ssd"))
         return sum(n for ptr, n in storages.items() if ptr not in given)
 
-    heads, N, batch = 4, 64, 2
     grown = (kept_per_step(4 * CHUNK) - kept_per_step(2 * CHUNK)) / (batch * 2 * CHUNK)
     assert ssd_calls
-    assert 0 < grown < heads * N * 4, f"{grown:.0f} bytes a step kept for the backward"
+    assert 0 < grown < 2 * heads * M * 4, f"{grown:.0f} bytes a step kept for the backward"

@@ -38,6 +38,8 @@ from .._common_trapezoidal import (
     TrapezoidalArgs,
     decays_in_range,
     gate_and_contract,
+    keep_cos_sin,
+    kept_cos_sin,
     rotate_per_head,
     rotate_per_head_backward,
     run_core,
@@ -66,14 +68,16 @@ class _RotatedSSDCore(torch.autograd.Function):
     """The core, from the scan's own inputs to the output before the gate: the keys and queries
     rotated per head, the SSD kernels, the diagonal term and D. x (B, L, H, P); B, C (B, L, 1,
     G, N); their biases (H, 1, N), mimo_x (H, 1, P) and D (H,) or None; cos, sin (B, L, 1, H,
-    M); the decay rate −a, s and c (B, L, H); H_{-1} (B or S, H, P, N) or None. Returns
+    M) and the ``PhaseSource`` they came from (or None); the decay rate −a, s and c (B, L, H);
+    H_{-1} (B or S, H, P, N) or None. Returns
     SSD's y − c·(q̃·k̃)·v + D·v (B, L, H, P) in the compute dtype, and H_{L-1}. SSD runs with
     Δ = −a, A = −1 and the keys k̃·s / (−a).
 
     One function, with its own backward, for two reasons.
     - Memory. It keeps the inputs it came with (x, B and C most often views of in_proj's
-      output, which is kept anyway; cos and sin, which the phase keeps), and forms the rotated
-      keys and queries (B, L, H, N) and the values again in the backward. Autograd through the
+      output, which is kept anyway; Δ and θ, which the phase keeps), and forms cos and sin, the
+      rotated keys and queries (B, L, H, N) and the values again in the backward. (With packed
+      sequences, no source: it keeps cos and sin.) Autograd through the
       parts kept k̃ and q̃ per head in the compute dtype, and v: at d_model 768, N 128, P 64,
       30 KB a token, more than a Mamba2 layer keeps in all.
     - The rate's gradient: through SSD's input Δ·x ⊗ B it is Σ x·dx / Δ, and through the keys'
@@ -83,21 +87,23 @@ class _RotatedSSDCore(torch.autograd.Function):
       keys' scale is differentiated by hand: dk̃ = dB·s / (−a), ds = Σ_n dB·k̃ / (−a)."""
 
     @staticmethod
-    def forward(ctx, x, B, C, B_bias, C_bias, mimo_x, D, cos, sin, rate, s, c, H_init, o: _Options, cu_seqlens):
+    def forward(ctx, x, B, C, B_bias, C_bias, mimo_x, D, cos, sin, source, rate, s, c, H_init, o: _Options, cu_seqlens):
         k, q, v = _keys_queries_values(x, B, C, B_bias, C_bias, mimo_x, cos, sin, o)
         scale = s / rate
         y, H_last, _ = _ssd_fwd(*_operands(v, rate, k, q, scale, o.operand), H_init, o.chunk, cu_seqlens, False)
         y = y.to(o.dtype) - (c * (q * k).sum(-1))[..., None] * v  # the diagonal's shifted part
         if D is not None:
             y = y + D.to(o.dtype)[:, None] * v
-        ctx.save_for_backward(x, B, C, B_bias, C_bias, mimo_x, D, cos, sin, rate, s, c, H_init, cu_seqlens)
-        ctx.options = o
+        kept = keep_cos_sin(cos, sin, source)
+        ctx.save_for_backward(x, B, C, B_bias, C_bias, mimo_x, D, *kept, rate, s, c, H_init, cu_seqlens)
+        ctx.options, ctx.source = o, source is not None
         return y, H_last
 
     @staticmethod
     def backward(ctx, dy, dlast):
-        x, B, C, B_bias, C_bias, mimo_x, D, cos, sin, rate, s, c, H_init, cu_seqlens = ctx.saved_tensors
+        x, B, C, B_bias, C_bias, mimo_x, D, *kept, rate, s, c, H_init, cu_seqlens = ctx.saved_tensors
         o, needs = ctx.options, ctx.needs_input_grad
+        cos, sin = kept_cos_sin(kept, ctx.source, o.dtype)
         k, q, v = _keys_queries_values(x, B, C, B_bias, C_bias, mimo_x, cos, sin, o)
         if dy is None:
             dy = torch.zeros_like(v)
@@ -132,7 +138,7 @@ class _RotatedSSDCore(torch.autograd.Function):
         )
         dcos = None if dcos is None else dcos + dcos_q
         dsin = None if dsin is None else dsin + dsin_q
-        return (dx.to(x.dtype), dB, dC, dB_bias, dC_bias, dmimo_x, dD, dcos, dsin, drate, ds, dc, dH, None, None)
+        return (dx.to(x.dtype), dB, dC, dB_bias, dC_bias, dmimo_x, dD, dcos, dsin, None, drate, ds, dc, dH, None, None)
 
 
 def _keys_queries_values(x, B, C, B_bias, C_bias, mimo_x, cos, sin, o: _Options):
@@ -161,7 +167,7 @@ def _core(args: TrapezoidalArgs, p: Prepared, fallback: Callable):
     options = _Options(x.shape[2], args.rotary, dtype, operand, chunk_length(args.chunk_size))
     cos, sin = p.cos[:, :, None], p.sin[:, :, None]  # (B, L, 1, H, M): the rank axis of 1
     y, H_last = _RotatedSSDCore.apply(
-        x, args.B, args.C, args.B_bias, args.C_bias, args.mimo_x, args.D, cos, sin, -p.a, p.s, p.c, p.H_init,
+        x, args.B, args.C, args.B_bias, args.C_bias, args.mimo_x, args.D, cos, sin, p.source, -p.a, p.s, p.c, p.H_init,
         options, args.cu_seqlens,
     )  # fmt: skip
     out = gate_and_contract(y[:, :, None], None, None, args.z, args.mimo_z, args.mimo_o, dtype)
