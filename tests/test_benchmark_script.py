@@ -481,7 +481,7 @@ def test_saved_mode_counts_what_grows_with_the_tokens(tmp_path):
     args = ["--op", "saved", "--batch", "2", "--length", "8", "--d-model", "16", "--state", "8", "--headdim", "8"]
     assert main([*args, "--device", "cpu", "--json", str(path)]) == 0
     got = json.loads(path.read_text())["bytes_per_token"]
-    assert set(got) == {"Mamba", "Mamba2", "Mamba3"}
+    assert set(got) == {"Mamba", "Mamba2", "Mamba3", "Mamba3 MIMO R=4"} and got["Mamba3 MIMO R=4"] > 0
     for name, layer in (("Mamba", ssm.Mamba(16, d_state=16)), ("Mamba2", ssm.Mamba2(16, d_state=8, headdim=8))):
         kept = [saved_bytes(lambda L=L: layer(torch.randn(2, L, 16, requires_grad=True)))[0] for L in (8, 16)]
         assert got[name] == (kept[1] - kept[0]) / 16 > 0, name

@@ -1,14 +1,16 @@
-"""--op saved: what each mixer layer keeps for its backward, in bytes per token: Mamba2 and
-Mamba3 at one shape (``--d-model``, expand 2, N = ``--state``, head dim ``--headdim``) and Mamba
-(Mamba-1, its own N 16), a forward of (``--batch``, L) with float32 weights under autocast to
-``--dtype``, as mixed-precision training runs it. Counted by autograd's saved-tensor hooks, each
+"""--op saved: what each mixer layer keeps for its backward, in bytes per token: Mamba2, Mamba3
+and Mamba3 MIMO of rank ``--mimo-rank`` (0: no such row) at one shape (``--d-model``, expand 2,
+N = ``--state``, head dim ``--headdim``) and Mamba (Mamba-1, its own N 16), a forward of
+(``--batch``, L) with float32 weights under autocast to ``--dtype``, as mixed-precision training
+runs it. Counted by autograd's saved-tensor hooks, each
 storage once, at L = ``--length`` and 2·L: the difference over batch·L is what grows with the
 tokens (the weights and their casts do not). Memory a GPU's peak adds on top (workspaces, the
 gradients in flight) is not in it: `--op gpu-peers` measures the peak.
 
 On a CPU the layers run their CPU paths (the C kernels). ``--gpu-path`` runs there what a GPU
 runs: the tensor paths of the causal conv and the norm, and the Triton kernels (selective scan,
-SSD, Mamba-3's ``triton-ssd``) in Triton's interpreter, which needs ``TRITON_INTERPRET=1`` set
+SSD, Mamba-3's ``triton-ssd``; MIMO's "chunked", which a GPU takes while batch × heads is
+under its multiprocessor count) in Triton's interpreter, which needs ``TRITON_INTERPRET=1`` set
 before the command starts. Slow: keep the shape small, and ``--skip Mamba`` (its selective scan
 is the slowest to interpret) at mamba-130m's widths."""
 
@@ -23,6 +25,7 @@ from .common import DTYPES, config_of, describe_device
 
 # the backend each mixer takes on a GPU (what backend="auto" picks there), for --gpu-path
 GPU_BACKENDS = {"Mamba": "triton", "Mamba2": "triton", "Mamba3": "triton-ssd"}
+MIMO_GPU_BACKEND = "chunked"  # at the small batches measured here (ssm.scan.trapezoidal.auto_on_cuda)
 
 
 def add_arguments(parser) -> None:
@@ -87,6 +90,11 @@ def measure(args, Mamba, Mamba2, Mamba3) -> tuple[int, dict]:
         "Mamba3": lambda: Mamba3(d, d_state=N, headdim=P, backend=backend("Mamba3"), device=device),
     }
     layers = {name: make() for name, make in build.items() if name not in args.skip}
+    if args.mimo_rank and "Mamba3" not in args.skip:
+        mimo_backend = MIMO_GPU_BACKEND if args.gpu_path else "auto"
+        layers[f"Mamba3 MIMO R={args.mimo_rank}"] = Mamba3(
+            d, d_state=N, headdim=P, is_mimo=True, mimo_rank=args.mimo_rank, backend=mimo_backend, device=device
+        )
     per_token = {}
     for name, layer in layers.items():
         kept = [

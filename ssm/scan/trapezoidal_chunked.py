@@ -34,10 +34,12 @@ from .linear import linear_scan
 RECOMPUTE = True  # the intra-chunk products recomputed in the backward (see _chunks)
 
 
-def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
+def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int, recompute: bool = RECOMPUTE):
     """One run of the core over (B, L, ...) inputs (k, q: (B, L, R, H, N); v: (B, L, R, H, P);
     a, sigma, c: (B, L, H); H0: (B, H, P, N) or None). Returns y (B, L, R, H, P) (before the
-    skip, the gate and the rank contraction) and the state after the last step."""
+    skip, the gate and the rank contraction) and the state after the last step. ``recompute``:
+    the intra-chunk products formed again in the backward (False where a caller recomputes
+    the whole run)."""
     batch, length, ranks, heads, N = k.shape
     P = v.shape[-1]
     # A non-finite key, value, a, σ or c at step u makes the state non-finite from u on: 0 in the
@@ -63,7 +65,7 @@ def _chunks(k, q, v, a, sigma, c, H0, chunk_size: int):
     # the backward, batch 1, 8 heads, chunks of 64: L 16384, P 16, N 40 354 -> 220 MiB; L 4096,
     # P 64, N 128 258 -> 218 (rank 2: 490 -> 394); what is left grows with L, not with L·T.
     # Forward+backward on 2 loaded cores, alternating: 0.90x, 1.22x, 1.02x the time.
-    if RECOMPUTE and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, s, sigma, c)):
+    if recompute and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, s, sigma, c)):
         y = checkpoint(_intra_chunk, q, k, v, s, sigma, c, use_reentrant=False)
     else:
         y = _intra_chunk(q, k, v, s, sigma, c)
@@ -103,24 +105,49 @@ def _poison(k, v, a, sigma, c) -> tuple[torch.Tensor, torch.Tensor]:
 
 def chunked_core(args: TrapezoidalArgs, p: Prepared):
     """The core (see _common_trapezoidal.py) by chunks: out in x's dtype and H_{L-1}; packed
-    sequences one after another. (Also what the "cpu" backend runs where its sweeps cannot.)"""
-    k, q, v = keys_queries_values(args, p.cos, p.sin, p.source)  # (B, L, R, H, N), (B, L, R, H, P)
-    y, H_last = chunked_products(k, q, v, p.a, p.s, p.c, p.H_init, args.cu_seqlens, args.chunk_size)
-    out = gate_and_contract(y, v, args.D, args.z, args.mimo_z, args.mimo_o, args.dtype)
+    sequences one after another. (Also what the "cpu" backend runs where its sweeps cannot.)
+
+    With gradients, the whole run from the scan's inputs to y + D·v is formed again in the
+    backward (``checkpoint``): it keeps only what it came with (x, B and C per group, most
+    often views of in_proj's output; a, s, c; Δ and θ, which the phase keeps). Kept, the keys
+    and queries per head and rank, the values, the chunks' states and the inputs of every
+    product were the most of a Mamba-3 layer's memory: at d_model 768, N 128, P 64, rank 4,
+    under bfloat16 autocast, the layer kept 274,858 bytes a token, and now 38,760
+    (``benchmark.py --op saved --gpu-path``). Forming them again costs the rotations and the
+    products across chunks once more (the intra-chunk products, most of the work, were formed
+    again before this too): a layer's forward+backward on this backend, one CPU thread, took
+    1.08x (rank 4) and 1.13x (rank 1) the time."""
+
+    def products(recompute_intra: bool):
+        k, q, v = keys_queries_values(args, p.cos, p.sin, p.source)  # (B, L, R, H, N), (B, L, R, H, P)
+        y, H_last = chunked_products(
+            k, q, v, p.a, p.s, p.c, p.H_init, args.cu_seqlens, args.chunk_size, recompute_intra
+        )
+        if args.D is not None:
+            y = y + args.D.to(args.dtype)[:, None] * v
+        return y, H_last
+
+    inputs = (args.x, args.B, args.C, args.B_bias, args.C_bias, args.mimo_x, args.D, p.a, p.s, p.c, p.H_init)
+    inputs += () if p.source is None else (p.source.delta, p.source.angles)
+    if RECOMPUTE and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        y, H_last = checkpoint(products, False, use_reentrant=False)
+    else:
+        y, H_last = products(RECOMPUTE)
+    out = gate_and_contract(y, None, None, args.z, args.mimo_z, args.mimo_o, args.dtype)
     return out.to(args.x.dtype), H_last
 
 
-def chunked_products(k, q, v, a, sigma, c, H_init, cu_seqlens, chunk_size: int):
+def chunked_products(k, q, v, a, sigma, c, H_init, cu_seqlens, chunk_size: int, recompute: bool = RECOMPUTE):
     """The core's y (B, L, R, H, P) (before the skip term, the gate and the rank contraction)
     and H_{L-1}, by chunks, from the rotated keys and queries k, q (B, L, R, H, N), the values
     v (B, L, R, H, P), a, σ, c (B, L, H) and H_{-1} (B or S, H, P, N) or None; packed
-    sequences one after another."""
+    sequences one after another (``recompute``: see ``_chunks``)."""
     if cu_seqlens is None:
-        return _chunks(k, q, v, a, sigma, c, H_init, chunk_size)
+        return _chunks(k, q, v, a, sigma, c, H_init, chunk_size, recompute)
 
     def run(start, end, H0):
         k_i, q_i, v_i, a_i, sigma_i, c_i = (t[:, start:end] for t in (k, q, v, a, sigma, c))
-        return _chunks(k_i, q_i, v_i, a_i, sigma_i, c_i, H0, chunk_size)
+        return _chunks(k_i, q_i, v_i, a_i, sigma_i, c_i, H0, chunk_size, recompute)
 
     ys, H_last = each_sequence(cu_seqlens, H_init, lambda: v.new_zeros(1, k.shape[3], v.shape[-1], k.shape[-1]), run)
     return torch.cat(ys, dim=1), H_last

@@ -440,6 +440,27 @@ def test_chunked_keeps_no_intra_chunk_square_for_the_backward(backend, ranks):
     assert not squares, f"intra-chunk tensors kept for the backward: {squares}"
 
 
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_chunked_keeps_less_than_one_key_tensor_a_step(ranks):
+    """The chunked backend forms its whole run again in the backward: what it keeps beyond the
+    scan's own inputs grows by less a step than one tensor of rotated keys per head (H·N floats;
+    the output before the gate, R·H·P, and a few per-head scalars are what it keeps). Keeping
+    the keys, queries and values per head and rank and the products' inputs, as it did, was
+    4,965 bytes a step at rank 1 and 9,301 at rank 2 here, against the bound of 1,024."""
+    from ssm.memory import saved_storages
+
+    heads, N = 4, 64
+
+    def kept_per_step(length):
+        inputs = {k: v.detach().requires_grad_() for k, v in trapezoidal_inputs(length, ranks=ranks, N=N, M=8).items()}
+        given = {t.untyped_storage().data_ptr() for t in inputs.values()}
+        storages, _ = saved_storages(lambda: trapezoidal_call("interleaved", 16)(inputs, "chunked"))
+        return sum(n for ptr, n in storages.items() if ptr not in given)
+
+    grown = (kept_per_step(64) - kept_per_step(32)) / (2 * 32)  # batch 2
+    assert 0 < grown < heads * N * 4, f"{grown:.0f} bytes a step kept for the backward"
+
+
 @pytest.mark.parametrize("gate,skip,steps_adjacent", [(True, True, True), (True, False, False), (False, True, False)])
 def test_the_c_output_pass_against_its_formula(gate, skip, steps_adjacent):
     """ssm.scan.trapezoidal_cpu.trapezoidal_output, the C pass that turns the sweep's y into the rank-1
