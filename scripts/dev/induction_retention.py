@@ -1,6 +1,7 @@
 """How long a Mamba-1 induction-heads checkpoint can hold a key (issue 46, goal 2): per layer, Δ
 over the tokens that are neither a trigger nor the key (nor the 3 after it), the retention of the
-slowest state, and (--share) the key's share of what a layer reads out at the end.
+slowest state, and (--share) the key's share of what a layer reads out at the end. For Mamba-3
+layers (issue 48, goal 4) the first part: Δ and the slowest head's decay.
 
     python scripts/dev/induction_retention.py runs/RUN/checkpoints/step-*.ckpt
 
@@ -12,7 +13,9 @@ per sequence, not a rate per token; a mean over 256 tokens that counts them over
 decay of the long run up to 20-fold), its median and minimum; per channel d its mean Δ̄_d; and
 the slowest state's decay per token,
 r = min over (d, n) of Δ̄_d·|A_dn| (A = -exp(A_log)). A state decaying at r keeps exp(-r·G) of
-what it held G tokens back: printed for G = 2^14 and 2^20. (A summary of the mean decay: the
+what it held G tokens back: printed for G = 2^14 and 2^20. In a Mamba-3 layer A is per token
+and head too (A_t = −max(heavy_tail(A_proj(u_t)), A_floor)), so r = min over heads h of the mean
+over those tokens of Δ_th·|A_th|, printed with that head's mean Δ and |A|. (A summary of the mean decay: the
 readout can still succeed from a decayed state when what the later tokens add is smaller yet.)
 
 ``--gradients K``: what training at that length asks of the slowest state. K batches of 8
@@ -21,6 +24,8 @@ log|A| of each layer's slowest (d, n) (A_log[d, n]): their mean and spread over 
 A positive mean is a push towards a slower decay (a descent step lowers A_log); a mean small
 against its spread is no consistent push (Adam then moves the parameter by about its rate
 either way).
+
+(--gradients, --share and --precision read Mamba-1 layers only.)
 
 ``--share L1,L2,...``: the key's share of what each layer reads out at the last position (the
 trigger, where the answer is read), on --share-samples validation sequences at each length. The
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from ssm.layers import Mamba
+    from ssm.layers import Mamba, Mamba3
     from ssm.training.data import VALIDATION_SPLIT, TaskDataModule
     from ssm.training.evaluate import load_checkpoint_model, parse_lengths
 
@@ -84,12 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         dataset = TaskDataModule(config.data, seed=config.seed).dataset(VALIDATION_SPLIT, args.samples)
         x = torch.stack([dataset[i][0] for i in range(args.samples)])
         mixers = [m for m in model.modules() if isinstance(m, Mamba)]
-        if not mixers:
-            parser.error(f"{path}: no Mamba-1 layers")
+        mamba3 = [m for m in model.modules() if isinstance(m, Mamba3)]
+        if not mixers and not mamba3:
+            parser.error(f"{path}: no Mamba-1 or Mamba-3 layers")
+        if mamba3 and (args.gradients or args.precision or share_lengths):
+            parser.error(f"{path}: --gradients, --precision and --share read Mamba-1 layers; this run is Mamba-3")
         low_rank = {}
-        hooks = [
+        hooks = [  # Mamba-1: x_proj's output (Δ's low rank); Mamba-3: in_proj's input
             mixer.x_proj.register_forward_hook(lambda _m, _i, out, k=k: low_rank.__setitem__(k, out))
             for k, mixer in enumerate(mixers)
+        ] + [
+            mixer.in_proj.register_forward_hook(lambda _m, inputs, _o, k=k: low_rank.__setitem__(k, inputs[0]))
+            for k, mixer in enumerate(mamba3)
         ]
         with torch.no_grad():
             model(x)
@@ -100,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         for after in range(KEY_WRITES):  # nor the key and the 3 tokens after it (see the module's docstring)
             other[torch.arange(len(x)), (keys + after).clamp(max=x.shape[1] - 1)] = False
         parts, slowest = [f"step {step:7d}"], []
+        if mamba3:
+            print("  ".join(parts + mamba3_decays(mamba3, low_rank, other)), flush=True)
+            continue
         with torch.no_grad():
             for k, mixer in enumerate(mixers):
                 delta = F.softplus(low_rank[k][..., : mixer.dt_rank] @ mixer.dt_proj.weight.T + mixer.dt_proj.bias)
@@ -120,6 +134,28 @@ def main(argv: list[str] | None = None) -> int:
         for length in share_lengths:
             print(f"step {step:7d}  " + share_report(model, mixers, config, length, args.share_samples), flush=True)
     return 0
+
+
+def mamba3_decays(mixers, inputs, other) -> list[str]:
+    """Per Mamba-3 layer, over the tokens ``other`` (B, L) marks: Δ's median and minimum, and the
+    head of the slowest mean decay Δ·|A| per token, with its mean Δ and |A| and what it keeps over
+    2^14 and 2^20 tokens. ``inputs[k]``: layer k's in_proj input (B, L, d_model)."""
+    import torch
+
+    parts = []
+    with torch.no_grad():
+        for k, mixer in enumerate(mixers):
+            _, _, _, _, delta, A, _, _ = mixer._inputs(inputs[k])  # Δ, A (B, L, H)
+            rates = (delta * -A)[other].mean(0)  # (H,) the mean decay per token of each head
+            h = int(rates.argmin())
+            rate = float(rates[h])
+            parts.append(
+                f"layer {k}: Δ median {float(delta[other].median()):.3g} min {float(delta[other].min()):.2g}, "
+                f"slowest decay {rate:.3g}/token (head {h}: mean Δ {float(delta[other][:, h].mean()):.3g}, "
+                f"mean |A| {float(-A[other][:, h].mean()):.3g}), kept over 2^14 {math.exp(-rate * 2**14):.3g}, "
+                f"over 2^20 {math.exp(-rate * 2**20):.3g}"
+            )
+    return parts
 
 
 def gradient_report(model, mixers, slowest, config, batches: int) -> str:

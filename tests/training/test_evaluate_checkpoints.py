@@ -241,3 +241,37 @@ def test_retention_script_reads_delta_and_the_slowest_decay(run_dir, tmp_path, c
         train(load_config(None, [*TINY[:3], "data.task=parity", "data.seq_len=8", "trainer.max_steps=1",
                                  "checkpoint_every=1", "progress_bar=false", f"run_dir={other}"]))  # fmt: skip
         main([str(other / "checkpoints" / "last.ckpt")])
+
+
+def test_retention_script_reads_mamba3_decay_per_head(tmp_path, capsys):
+    """induction_retention.py on a Mamba-3 checkpoint whose Δ and A are set by hand: in_proj's
+    rows for Δ and A zero and A's floor at 2, so that Δ_h = softplus(dt_bias_h) and
+    A_h = −max(heavy_tail(0), 2) = −2 at every token. The slowest head is the one of the
+    smallest bias, its decay 2·softplus(bias); the options that read Mamba-1 layers are
+    refused."""
+    import math
+
+    run = tmp_path / "tiny-m3"
+    layer = "model.ssm_cfg={layer: Mamba3, d_state: 8, headdim: 8, chunk_size: 8, A_floor: 2.0}"
+    mamba3 = [*TINY[:2], layer, *TINY[3:]]
+    train(load_config(ROOT / "configs" / "paper" / "induction_heads.yaml", mamba3 + [f"run_dir={run}"]))
+    checkpoint = torch.load(run / "checkpoints" / "step-0000004.ckpt", map_location="cpu", weights_only=True)
+    state = checkpoint["state_dict"]
+    prefix = "model.backbone.layers.0.mixer."
+    heads = state[prefix + "dt_bias"].shape[0]
+    d_inner, rows = 2 * 16, state[prefix + "in_proj.weight"]
+    start = 2 * d_inner + 2 * 8  # z, x, B, C (one group of N 8), then Δ and A (H rows each)
+    rows[start : start + 2 * heads].zero_()
+    bias = torch.linspace(-3.0, 1.0, heads).flip(0)  # the smallest bias on the last head
+    state[prefix + "dt_bias"].copy_(bias)
+    path = tmp_path / "set.ckpt"
+    torch.save(checkpoint, path)
+    main = runpy.run_path(str(ROOT / "scripts" / "dev" / "induction_retention.py"))["main"]
+    assert main([str(path), "--samples", "4"]) == 0
+    line = capsys.readouterr().out
+    delta = [math.log1p(math.exp(b)) for b in bias.tolist()]
+    rate = 2 * min(delta)
+    assert f"slowest decay {rate:.3g}/token (head {heads - 1}: mean Δ {min(delta):.3g}, mean |A| 2)," in line, line
+    assert f"kept over 2^14 {math.exp(-rate * 2**14):.3g}," in line and f"min {min(delta):.2g}," in line
+    with pytest.raises(SystemExit):
+        main([str(path), "--gradients", "1"])
