@@ -142,6 +142,22 @@ def test_published_paper_protocol_records_agree_with_the_docs_table():
     assert table.splitlines()[2].split("| 204,800 |")[1] in docs
 
 
+def test_published_variant_records_agree_with_the_docs_table():
+    """docs/bench/induction-heads-variant.json (issue 46's short-gap variant) holds what
+    docs/paper-results.md reports: each record's acc is its correct/scored, on the test split,
+    and each seed's final row of the table built from the records is the one the docs print."""
+    records = json.loads((ROOT / "docs" / "bench" / "induction-heads-variant.json").read_text())["records"]
+    assert {r["split"] for r in records} == {TEST_SPLIT} and {r["seed"] for r in records} == {0, 1}
+    for r in records:
+        assert r["acc"] == r["correct"] / r["scored"] and r["scored"] == r["samples"]
+    docs = (ROOT / "docs" / "paper-results.md").read_text()
+    for seed in (0, 1):
+        table = script()["table"]([r for r in records if r["step"] == 204800 and r["seed"] == seed])
+        row = table.splitlines()[2]
+        assert row.count("|") == 19 and "-" not in row.split("| 204,800 |")[1], row  # every length measured
+        assert row in docs, row
+
+
 def test_two_calls_on_one_out_keep_each_others_records(tmp_path):
     """A final evaluation beside a loop over the checkpoints, both writing OUT/evaluations.json:
     each read the file once at its start, so the later writer dropped the other's records."""
