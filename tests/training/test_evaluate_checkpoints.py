@@ -202,6 +202,20 @@ def test_split_names_are_the_data_modules():
     assert script()["SPLITS"] == {"test": TEST_SPLIT, "selection": SELECTION_SPLIT, "val": VALIDATION_SPLIT}
 
 
+def saved_with_retention_script(checkpoint: dict, tmp_path: Path):
+    """The checkpoint saved under tmp_path (its path) and scripts/dev/induction_retention.py's main."""
+    path = tmp_path / "set.ckpt"
+    torch.save(checkpoint, path)
+    return path, runpy.run_path(str(ROOT / "scripts" / "dev" / "induction_retention.py"))["main"]
+
+
+def softplus(bias: torch.Tensor) -> list[float]:
+    """log(1 + e^b) of each entry, in Python floats (the Δ a zero projection leaves)."""
+    import math
+
+    return [math.log1p(math.exp(b)) for b in bias.tolist()]
+
+
 def test_retention_script_reads_delta_and_the_slowest_decay(run_dir, tmp_path, capsys):
     """scripts/dev/induction_retention.py on a checkpoint whose Δ is set by hand: dt_proj's
     weight zero, so that Δ_d = softplus(bias_d) at every token, and A = −(1 .. N) per channel.
@@ -217,12 +231,10 @@ def test_retention_script_reads_delta_and_the_slowest_decay(run_dir, tmp_path, c
     state[prefix + "dt_proj.weight"].zero_()
     state[prefix + "dt_proj.bias"].copy_(bias)
     state[prefix + "A_log"].copy_(torch.log(torch.arange(1.0, N + 1)).expand(D, N))
-    path = tmp_path / "set.ckpt"
-    torch.save(checkpoint, path)
-    main = runpy.run_path(str(ROOT / "scripts" / "dev" / "induction_retention.py"))["main"]
+    path, main = saved_with_retention_script(checkpoint, tmp_path)
     assert main([str(path), "--samples", "5"]) == 0
     line = capsys.readouterr().out
-    delta = [math.log1p(math.exp(b)) for b in bias.tolist()]
+    delta = softplus(bias)
     rate = min(delta) * 1.0  # the smallest Δ times the smallest |A| (1)
     median = sorted(delta)[(D - 1) // 2]  # torch.median: the lower of the two middle values
     assert f"Δ median {median:.3g} min {min(delta):.2g}," in line
@@ -280,12 +292,10 @@ def test_retention_script_reads_mamba3_decay_per_head(tmp_path, capsys):
     rows[start : start + 2 * heads].zero_()
     bias = torch.linspace(-3.0, 1.0, heads).flip(0)  # the smallest bias on the last head
     state[prefix + "dt_bias"].copy_(bias)
-    path = tmp_path / "set.ckpt"
-    torch.save(checkpoint, path)
-    main = runpy.run_path(str(ROOT / "scripts" / "dev" / "induction_retention.py"))["main"]
+    path, main = saved_with_retention_script(checkpoint, tmp_path)
     assert main([str(path), "--samples", "4"]) == 0
     line = capsys.readouterr().out
-    delta = [math.log1p(math.exp(b)) for b in bias.tolist()]
+    delta = softplus(bias)
     rate = 2 * min(delta)
     assert f"slowest decay {rate:.3g}/token (head {heads - 1}: mean Δ {min(delta):.3g}, mean |A| 2)," in line, line
     assert f"kept over 2^14 {math.exp(-rate * 2**14):.3g}," in line and f"min {min(delta):.2g}," in line
