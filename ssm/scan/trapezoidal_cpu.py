@@ -30,7 +30,6 @@ import ctypes
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from .._custom_op import kernel_op
 from ..native import declare, empty, kernel, ptr, ready, threads
@@ -409,14 +408,6 @@ def rotated_keys(
 # ----------------------------------------------------------------------------- the core
 
 
-# Above the sweeps' N·P, rank 1 forms its keys, queries and products again in the backward rather
-# than keeping them (``_keys_and_products`` under ``checkpoint``), as the chunked backends do. At
-# d_model 768, N 128, P 64, float32, L 1024, a Mamba3 layer keeps 40,256 bytes a token where it
-# kept 121,538, and its forward+backward takes 1.08-1.10x the time (one thread, alternating,
-# medians of 8, two runs). MIMO (``_mimo``) keeps them: the same recompute measured 1.21-1.31x
-# there.
-RECOMPUTE = True
-
 # The largest N·P per head for which the sweeps run the core; above it the chunked form's matrix
 # products do. Measured with the "chunked" backend before the products here existed, on 2 cores
 # (loaded), fwd+bwd of the scan alone, batch 1, 8 heads, chunked against the sweeps: N 16, P 16,
@@ -489,19 +480,6 @@ def _products(k, q, v, args: TrapezoidalArgs, p: Prepared):
     return y.transpose(1, 2), H_last
 
 
-def _keys_and_products(args: TrapezoidalArgs, p: Prepared, v: Tensor):
-    """Rank 1 above the sweeps' N·P: the rotated keys and queries (heads first) and the chunked
-    form's products, y (B, L, H, P) (the diagonal term included) and H_{L-1}, from v (B, L, H, P).
-    Run under ``checkpoint`` with gradients (see RECOMPUTE)."""
-    k, q, _ = _keys_queries_values(args, p, True)
-    return _products(k, q, v, args, p)
-
-
-def _needs_grad(args: TrapezoidalArgs, p: Prepared) -> bool:
-    tensors = (args.x, args.B, args.C, args.B_bias, args.C_bias, p.a, p.s, p.c, p.cos, p.sin, p.H_init)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _mimo(args: TrapezoidalArgs, p: Prepared):
     """MIMO (rank R > 1): the chunked form's products laid out heads first, a step's R ranks R
     positions sharing its decay (``products_heads_first``); out in x's dtype and H_{L-1}. Inputs
@@ -536,12 +514,7 @@ def _core(args: TrapezoidalArgs, p: Prepared):
     # (through both, two terms of size 1/|A| would cancel after rounding: at |A| ~ 1e-4 that was
     # dA 2e-3 off in float32).
     key_scale = p.s / rate.detach() if sweeps else None
-    if not sweeps and RECOMPUTE and _needs_grad(args, p):  # the products formed again in the backward
-        k = q = None
-        v = values(args.x, args.mimo_x, 1, dtype)  # (B, L, 1, H, P)
-        y, H_last = checkpoint(_keys_and_products, args, p, v.squeeze(2), use_reentrant=False)
-    else:
-        k, q, v = _keys_queries_values(args, p, not sweeps, key_scale)  # (B, L, 1, H, P) values
+    k, q, v = _keys_queries_values(args, p, not sweeps, key_scale)  # (B, L, 1, H, P) values
     v1 = v.squeeze(2)
     if sweeps:
         y, H_last = ssd_cpu(
@@ -551,8 +524,7 @@ def _core(args: TrapezoidalArgs, p: Prepared):
         # the diagonal's shifted part, −c·(q̃·k̃)·v = −(c·rate/s)·(q̃·k')·v, still to come
         diagonal = (q, k, p.c / key_scale)
     else:
-        if k is not None:
-            y, H_last = _products(k, q, v1, args, p)
+        y, H_last = _products(k, q, v1, args, p)
         diagonal = (None, None, None)  # in y already
     z, D = (None if t is None else t.to(dtype) for t in (args.z, args.D))
     out = None

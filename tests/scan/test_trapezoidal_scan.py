@@ -355,8 +355,7 @@ def test_auto_on_cuda_takes_the_chunk_parallel_forms():
 
 def test_cpu_backend_runs_siso_on_the_sweeps_or_the_products(monkeypatch):
     """On CPU tensors "auto" is "cpu", whose rank-1 core is the C sweeps up to N·P = SWEEPS_UP_TO
-    (not the chunked fallback) and the chunked form's products above (run again in the backward,
-    under checkpoint); MIMO goes to the products
+    (not the chunked fallback) and the chunked form's products above; MIMO goes to the products
     too (a step's ranks as positions), or with a non-finite input to the chunked form's general
     products."""
     import ssm.scan.trapezoidal_cpu as cpu_backend
@@ -371,8 +370,7 @@ def test_cpu_backend_runs_siso_on_the_sweeps_or_the_products(monkeypatch):
     check_trapezoidal(trapezoidal_inputs(19, ranks=2), "cpu")
     assert cpu_backend.SWEEPS_UP_TO < 33 * 32
     check_trapezoidal(trapezoidal_inputs(19, N=34, head_dim=32, M=2), "auto")
-    # rank 1 above the sweeps forms its products again in the backward: twice
-    assert calls == ["sweeps", "products", "products", "products"]
+    assert calls == ["sweeps", "products", "products"]
     x = {k: v.detach() for k, v in trapezoidal_inputs(19, ranks=2).items()}
     x["x"][0, 7, 1, 2] = float("nan")
     out = trapezoidal_call()(x, "cpu")[0]
@@ -442,14 +440,13 @@ def test_chunked_keeps_no_intra_chunk_square_for_the_backward(backend, ranks):
     assert not squares, f"intra-chunk tensors kept for the backward: {squares}"
 
 
-@pytest.mark.parametrize("backend,ranks", [("chunked", None), ("chunked", 2), (CPU_PRODUCTS, None)])
-def test_chunked_keeps_less_than_one_key_tensor_a_step(backend, ranks):
-    """The chunked backend (and the cpu backend's rank 1 on the products) form their whole run
-    again in the backward: what they keep beyond the scan's own inputs grows by less a step than
-    one tensor of rotated keys per head (H·N floats; the output before the gate, R·H·P, and a
-    few per-head scalars are what they keep). Keeping the keys, queries and values per head and
-    rank and the products' inputs, as they did, was 4,965 bytes a step at rank 1 and 9,301 at
-    rank 2 here (chunked), and 4,117 (cpu), against the bound of 1,024."""
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_chunked_keeps_less_than_one_key_tensor_a_step(ranks):
+    """The chunked backend forms its whole run again in the backward: what it keeps beyond the
+    scan's own inputs grows by less a step than one tensor of rotated keys per head (H·N floats;
+    the output before the gate, R·H·P, and a few per-head scalars are what it keeps). Keeping
+    the keys, queries and values per head and rank and the products' inputs, as it did, was
+    4,965 bytes a step at rank 1 and 9,301 at rank 2 here, against the bound of 1,024."""
     from ssm.memory import saved_storages
 
     heads, N = 4, 64
@@ -457,7 +454,7 @@ def test_chunked_keeps_less_than_one_key_tensor_a_step(backend, ranks):
     def kept_per_step(length):
         inputs = {k: v.detach().requires_grad_() for k, v in trapezoidal_inputs(length, ranks=ranks, N=N, M=8).items()}
         given = {t.untyped_storage().data_ptr() for t in inputs.values()}
-        storages, _ = saved_storages(lambda: trapezoidal_call("interleaved", 16)(inputs, backend))
+        storages, _ = saved_storages(lambda: trapezoidal_call("interleaved", 16)(inputs, "chunked"))
         return sum(n for ptr, n in storages.items() if ptr not in given)
 
     grown = (kept_per_step(64) - kept_per_step(32)) / (2 * 32)  # batch 2
