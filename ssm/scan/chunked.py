@@ -35,13 +35,10 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint
 
 from ._checks import compute_dtype, sequence_bounds
 from ._common import all_finite, finite_or_zero, poisoned_since, ssd_delta, ssd_skip_and_gate
 from .linear import linear_scan
-
-RECOMPUTE = True  # the run formed again in the backward rather than kept (see ssd_chunked)
 
 
 def ssd_chunked(
@@ -61,7 +58,9 @@ def ssd_chunked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.ssd_ref``, packed sequences included."""
     dtype = compute_dtype(x, dt, A, B, C, D, z, dt_bias, initial_state)
-    heads, groups = x.shape[2], B.shape[2]
+    batch, length, heads, head_dim = x.shape
+    groups, N = B.shape[2], B.shape[3]
+    Hg = heads // groups
     out_dtype = x.dtype
     x_in = x.to(dtype)
     dt = ssd_delta(dt.to(dtype), dt_bias, dt_softplus, dt_limit)  # (B, L, H)
@@ -73,28 +72,6 @@ def ssd_chunked(
     if not all_finite(x, dt, B):
         poison = _poison(x, dt, B, cu_seqlens, heads // groups)
         x, dt, B = finite_or_zero(x), finite_or_zero(dt), finite_or_zero(B)
-    # With gradients the whole run below is formed again in the backward (``checkpoint``): it
-    # keeps its inputs only. Kept, the intra-chunk weights (B, c, G, Hg, T, T) and the chunk
-    # states in four layouts were most of a Mamba-2 layer's memory where this form runs on the
-    # CPU (P·N above CPU_SWEEP_MAX_HEAD_STATE). At mamba2-130m's width (d_model 768, N 128,
-    # P 64), float32, L 1024, a Mamba2 layer keeps 36,132 bytes a token where it kept 110,406,
-    # and its forward+backward takes 1.08-1.09x the time (one thread, alternating, medians of 8).
-    inputs = (x, dt, A, B, C_in, initial_state, poison, cu_seqlens, chunk_size, dtype)
-    if RECOMPUTE and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs[:6]):
-        y, last = checkpoint(_products, *inputs, use_reentrant=False)
-    else:
-        y, last = _products(*inputs)
-    out = ssd_skip_and_gate(y, x_in, D, z)
-    return out.to(out_dtype), last
-
-
-def _products(x, dt, A, B, C_in, initial_state, poison, cu_seqlens, chunk_size: int, dtype):
-    """``ssd_chunked``'s y (B, L, H, P) before the skip and the gate, and its last states, from
-    the inputs in the compute dtype (x (B, L, H, P), Δ (B, L, H), B and C (B, L, G, N), non-finite
-    entries zeroed and ``poison`` the masks of what they reach, or None)."""
-    batch, length, heads, head_dim = x.shape
-    groups, N = B.shape[2], B.shape[3]
-    Hg = heads // groups
     dt_in = dt
 
     # Pad L to whole chunks. Padded steps have Δ = 0: no decay and no input, so they change
@@ -127,7 +104,11 @@ def _products(x, dt, A, B, C_in, initial_state, poison, cu_seqlens, chunk_size: 
 
     # Intra-chunk: weights W[t, u] = (C_t·B_u) exp(s_t − s_u) Δ_u for u ≤ t.
     visible = causal if causal.ndim == 2 else causal[:, None, None]  # (T, T') or (c, 1, 1, T, T')
-    y = _intra_chunk(C, B, s, dt, x, visible)
+    log_decay = (s[..., :, None] - s[..., None, :]).masked_fill(~visible, float("-inf"))
+    scores = torch.einsum("bctgn,bcsgn->bcgts", C, B)  # (B, c, G, T, T')
+    dt_s = rearrange(dt, "b c s g h -> b c g h 1 s")
+    W = scores[:, :, :, None] * torch.exp(log_decay) * dt_s  # (B, c, G, Hg, T, T')
+    y = torch.einsum("bcgrts,bcsgrp->bctgrp", W, x)  # (B, c, T, G, Hg, P)
 
     # What each chunk adds to the state at its end, and the decay of the whole chunk.
     to_end = torch.exp(s[..., -1:] - s) * rearrange(dt, "b c t g h -> b c g h t")
@@ -159,17 +140,8 @@ def _products(x, dt, A, B, C_in, initial_state, poison, cu_seqlens, chunk_size: 
             y, last = _add_initial_states(y, last, initial_state.to(dtype), cu_seqlens, dt_in * A.to(dtype), C_in)
     if poison is not None:
         y, last = y.masked_fill(poison[0], float("nan")), last.masked_fill(poison[1], float("nan"))
-    return y, last
-
-
-def _intra_chunk(C, B, s, dt, x, visible):
-    """y (B, c, T, G, Hg, P) from the steps of its own chunk: W[t, u] = (C_t·B_u)·exp(s_t − s_u)·Δ_u
-    for the u ≤ t that ``visible`` lets t see, times x_u."""
-    log_decay = (s[..., :, None] - s[..., None, :]).masked_fill(~visible, float("-inf"))
-    scores = torch.einsum("bctgn,bcsgn->bcgts", C, B)  # (B, c, G, T, T')
-    dt_s = rearrange(dt, "b c s g h -> b c g h 1 s")
-    W = scores[:, :, :, None] * torch.exp(log_decay) * dt_s  # (B, c, G, Hg, T, T')
-    return torch.einsum("bcgrts,bcsgrp->bctgrp", W, x)  # (B, c, T, G, Hg, P)
+    out = ssd_skip_and_gate(y, x_in, D, z)
+    return out.to(out_dtype), last
 
 
 def _poison(x, dt, B, cu_seqlens, Hg: int) -> tuple[torch.Tensor, torch.Tensor]:

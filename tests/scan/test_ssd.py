@@ -254,30 +254,3 @@ def test_entering_states_matches_a_loop_and_keeps_the_backward_linear():
         selects += type(node).__name__ == "SelectBackward0"
         todo += [n for n, _ in node.next_functions]
     assert selects <= 1, f"{selects} indexes in the backward: one per chunk (7), not the last state's alone"
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
-def test_chunked_forms_its_run_again_in_the_backward(packed):
-    """The chunked backend keeps its inputs for the backward, not its intra-chunk weights (T × T
-    per chunk and head) nor its chunk states: what it keeps beyond the inputs grows by less a
-    step than three tensors of the output's size (H·P floats; the output before the gate is
-    one, and Δ after its softplus a few per-head scalars more). Keeping them, as it did, was
-    2,513 bytes a step here against the bound of 384. The gradients are checked against the
-    reference by the tests above."""
-    from ssm.memory import saved_storages
-
-    heads, head_dim = 4, 8
-
-    def kept_per_step(length):
-        inputs = {k: v.detach().requires_grad_() for k, v in ssd_inputs(length, head_dim=head_dim, N=16).items()}
-        if packed:  # batch 1, three sequences end to end
-            inputs = {k: v[:1].detach().requires_grad_() if v.ndim > 2 else v for k, v in inputs.items()}
-            inputs["initial_state"] = torch.randn(3, heads, head_dim, 16, requires_grad=True)
-            inputs["cu_seqlens"] = torch.tensor([0, length // 4, length // 2, length])
-        given = {t.untyped_storage().data_ptr() for t in inputs.values()}
-        storages, _ = saved_storages(lambda: ssd(**inputs, dt_softplus=True, chunk_size=16, backend="chunked"))
-        return sum(n for ptr, n in storages.items() if ptr not in given)
-
-    rows = 1 if packed else 2
-    grown = (kept_per_step(128) - kept_per_step(64)) / (rows * 64)
-    assert 0 < grown < 3 * heads * head_dim * 4, f"{grown:.0f} bytes a step kept for the backward"
