@@ -41,6 +41,21 @@ def extra_peak_bytes(run: Callable[[], object], device: torch.device | str) -> t
     """Run ``run()`` once; return the most memory it held at once beyond what was allocated
     before it started, and its result. On CUDA from the allocator's peak statistics; on the CPU
     from the profiler's allocation events, with the CPU kernels' buffer pool off."""
+    peak, _, result = _held(run, device)
+    return peak, result
+
+
+def extra_held_bytes(run: Callable[[], object], device: torch.device | str) -> tuple[int, object]:
+    """Run ``run()`` once; return the memory still held when it returns beyond what was
+    allocated before it started, and its result: its outputs, and whatever they keep alive (a
+    graph's saved tensors, and tensors that a checkpoint's closure holds, which saved-tensor
+    hooks do not see). Measured as :func:`extra_peak_bytes` measures."""
+    _, held, result = _held(run, device)
+    return held, result
+
+
+def _held(run: Callable[[], object], device: torch.device | str) -> tuple[int, int, object]:
+    """(the most bytes ``run()`` held at once, the bytes it still held at its end, its result)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -48,7 +63,8 @@ def extra_peak_bytes(run: Callable[[], object], device: torch.device | str) -> t
         before = torch.cuda.memory_allocated(device)
         result = run()
         torch.cuda.synchronize(device)
-        return max(torch.cuda.max_memory_allocated(device) - before, 0), result
+        held = torch.cuda.memory_allocated(device) - before
+        return max(torch.cuda.max_memory_allocated(device) - before, 0), held, result
 
     # The CPU kernels' buffer pool hands out storage allocated before the run, which the
     # profiler would not see: it is off while the run is counted.
@@ -71,4 +87,4 @@ def extra_peak_bytes(run: Callable[[], object], device: torch.device | str) -> t
     for event in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
         held += event["args"]["Bytes"]
         peak = max(peak, held)
-    return peak, result
+    return peak, held, result

@@ -94,13 +94,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{path}: no Mamba-1 or Mamba-3 layers")
         if mamba3 and (args.gradients or args.precision or share_lengths):
             parser.error(f"{path}: --gradients, --precision and --share read Mamba-1 layers; this run is Mamba-3")
-        low_rank = {}
+        low_rank = {}  # by mixer: a hybrid's Mamba-1 and Mamba-3 layers each have their own entry
         hooks = [  # Mamba-1: x_proj's output (Δ's low rank); Mamba-3: in_proj's input
-            mixer.x_proj.register_forward_hook(lambda _m, _i, out, k=k: low_rank.__setitem__(k, out))
-            for k, mixer in enumerate(mixers)
+            mixer.x_proj.register_forward_hook(lambda _m, _i, out, mixer=mixer: low_rank.__setitem__(mixer, out))
+            for mixer in mixers
         ] + [
-            mixer.in_proj.register_forward_hook(lambda _m, inputs, _o, k=k: low_rank.__setitem__(k, inputs[0]))
-            for k, mixer in enumerate(mamba3)
+            mixer.in_proj.register_forward_hook(
+                lambda _m, inputs, _o, mixer=mixer: low_rank.__setitem__(mixer, inputs[0])
+            )
+            for mixer in mamba3
         ]
         with torch.no_grad():
             model(x)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         with torch.no_grad():
             for k, mixer in enumerate(mixers):
-                delta = F.softplus(low_rank[k][..., : mixer.dt_rank] @ mixer.dt_proj.weight.T + mixer.dt_proj.bias)
+                delta = F.softplus(low_rank[mixer][..., : mixer.dt_rank] @ mixer.dt_proj.weight.T + mixer.dt_proj.bias)
                 tokens = delta[other]  # (tokens, D)
                 rates = tokens.mean(0)[:, None] * torch.exp(mixer.A_log.float())  # (D, N)
                 rate = float(rates.min())
@@ -139,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
 def mamba3_decays(mixers, inputs, other) -> list[str]:
     """Per Mamba-3 layer, over the tokens ``other`` (B, L) marks: Δ's median and minimum, and the
     head of the slowest mean decay Δ·|A| per token, with its mean Δ and |A| and what it keeps over
-    2^14 and 2^20 tokens. ``inputs[k]``: layer k's in_proj input (B, L, d_model)."""
+    2^14 and 2^20 tokens. ``inputs[mixer]``: that layer's in_proj input (B, L, d_model)."""
     import torch
 
     parts = []
     with torch.no_grad():
         for k, mixer in enumerate(mixers):
-            _, _, _, _, delta, A, _, _ = mixer._inputs(inputs[k])  # Δ, A (B, L, H)
+            _, _, _, _, delta, A, _, _ = mixer._inputs(inputs[mixer])  # Δ, A (B, L, H)
             rates = (delta * -A)[other].mean(0)  # (H,) the mean decay per token of each head
             h = int(rates.argmin())
             rate = float(rates[h])

@@ -27,7 +27,14 @@ from torch.utils.checkpoint import checkpoint
 
 from ._checks import sequence_bounds
 from ._common import all_finite, finite_or_zero, poisoned_since
-from ._common_trapezoidal import Prepared, TrapezoidalArgs, gate_and_contract, keys_queries_values, run_core
+from ._common_trapezoidal import (
+    Prepared,
+    TrapezoidalArgs,
+    gate_and_contract,
+    keys_queries_values,
+    run_core,
+    tensor_rotary_phase,
+)
 from .chunked import entering_states
 from .linear import linear_scan
 
@@ -116,23 +123,34 @@ def chunked_core(args: TrapezoidalArgs, p: Prepared):
     (``benchmark.py --op saved --gpu-path``). Forming them again costs the rotations and the
     products across chunks once more (the intra-chunk products, most of the work, were formed
     again before this too): a layer's forward+backward on this backend, one CPU thread, took
-    1.08x (rank 4) and 1.13x (rank 1) the time."""
+    1.08x (rank 4) and 1.13x (rank 1) the time.
 
-    def products(recompute_intra: bool):
-        k, q, v = keys_queries_values(args, p.cos, p.sin, p.source)  # (B, L, R, H, N), (B, L, R, H, P)
-        y, H_last = chunked_products(
-            k, q, v, p.a, p.s, p.c, p.H_init, args.cu_seqlens, args.chunk_size, recompute_intra
-        )
+    The region is a closure, and what it reads is held until the backward without a
+    saved-tensor hook seeing it: it takes a, s, c and H_{-1}, and where the phase has a source
+    it forms cos and sin inside from Δ and θ (one more sum along L in the forward) rather than
+    hold the prepared phase, cos and sin, 3·H·M numbers a token (about 9 KB at the width
+    above). Without a source (packed sequences) it holds cos and sin, which its backward needs."""
+
+    source = p.source
+
+    def products(a, s, c, H_init, cos, sin, rotations_source=None):
+        if cos is None:  # formed here from the source, so that nothing holds them until the backward
+            _, cos, sin = tensor_rotary_phase(source.delta, source.angles, source.phase0, None, source.dtype)
+        k, q, v = keys_queries_values(args, cos, sin, rotations_source)  # (B, L, R, H, N), (B, L, R, H, P)
+        y, H_last = chunked_products(k, q, v, a, s, c, H_init, args.cu_seqlens, args.chunk_size, recompute=False)
         if args.D is not None:
             y = y + args.D.to(args.dtype)[:, None] * v
         return y, H_last
 
     inputs = (args.x, args.B, args.C, args.B_bias, args.C_bias, args.mimo_x, args.D, p.a, p.s, p.c, p.H_init)
-    inputs += () if p.source is None else (p.source.delta, p.source.angles)
+    inputs += (p.cos, p.sin) if source is None else (source.delta, source.angles, source.phase0)
     if RECOMPUTE and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        y, H_last = checkpoint(products, False, use_reentrant=False)
+        # The region's arguments and what ``products`` reads are held until the backward: the
+        # prepared tensors it needs, never p.phase, and cos and sin only where no source gives them
+        cos, sin = (p.cos, p.sin) if source is None else (None, None)
+        y, H_last = checkpoint(products, p.a, p.s, p.c, p.H_init, cos, sin, use_reentrant=False)
     else:
-        y, H_last = products(RECOMPUTE)
+        y, H_last = products(p.a, p.s, p.c, p.H_init, p.cos, p.sin, source)  # the rotations keep the source
     out = gate_and_contract(y, None, None, args.z, args.mimo_z, args.mimo_o, args.dtype)
     return out.to(args.x.dtype), H_last
 
