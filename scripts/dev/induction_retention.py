@@ -14,7 +14,7 @@ decay of the long run up to 20-fold), its median and minimum; per channel d its 
 the slowest state's decay per token,
 r = min over (d, n) of Δ̄_d·|A_dn| (A = -exp(A_log)). A state decaying at r keeps exp(-r·G) of
 what it held G tokens back: printed for G = 2^14 and 2^20. In a Mamba-3 layer A is per token
-and head too (A_t = −max(heavy_tail(A_proj(u_t)), A_floor)), so r = min over heads h of the mean
+and head too (A_t = −max(softplus(A_proj(u_t)), A_floor)), so r = min over heads h of the mean
 over those tokens of Δ_th·|A_th|, printed with that head's mean Δ and |A|. (A summary of the mean decay: the
 readout can still succeed from a decayed state when what the later tokens add is smaller yet.)
 

@@ -21,12 +21,6 @@ from .norm import RMSNorm, RMSNormGated, upcast
 from .quant import decoding_matrix
 
 
-def heavy_tail(x: torch.Tensor) -> torch.Tensor:
-    """1 + x for x ≥ 0, 1 / (1 − x) below: positive, continuous, with a continuous derivative,
-    and only polynomially small for very negative x (mamba-ssm's activation for A)."""
-    return x.clamp(min=0) + 1 / (1 - x.clamp(max=0))
-
-
 class Mamba3(nn.Module):
     """The Mamba-3 mixer: in_proj → (z, x, B, C, Δ, A, λ, θ); B and C RMS-normalised, then biased
     per head (and MIMO rank); the trapezoidal scan over H heads of P = headdim channels with a
@@ -39,7 +33,7 @@ class Mamba3(nn.Module):
     phase turns M = ⌊N·rope_fraction / 2⌋ state pairs: interleaved pairs (2m, 2m+1) in SISO,
     (m, m + N/2) in MIMO, as mamba-ssm's kernels do; ``rope_fraction=0.0`` turns none (Mamba-3
     without its rotary state, the Mamba-3 paper's ablation; mamba-ssm takes 0.5 and 1.0). Per token:
-        A = −max(heavy_tail(A_proj), A_floor),  Δ = softplus(Δ_proj + dt_bias),  λ = sigmoid(λ_proj),
+        A = −max(softplus(A_proj), A_floor),  Δ = softplus(Δ_proj + dt_bias),  λ = sigmoid(λ_proj),
         θ = π·tanh(θ_proj) (shared by the heads, each turning it by its own Δ).
     Parameters (as mamba-ssm's ``Mamba3``): in_proj (2·d_inner + 2·N·G·R + 3·H + M, d_model),
     dt_bias (H,), B_bias, C_bias (H, R, N), B_norm.weight, C_norm.weight (N,), MIMO only
@@ -169,7 +163,7 @@ class Mamba3(nn.Module):
         heads = (*lead, self.nheads, self.headdim)
         groups = (*lead, self.mimo_rank, self.ngroups, self.d_state)
         B, C = self.B_norm(B.reshape(groups)), self.C_norm(C.reshape(groups))
-        A = (-heavy_tail(upcast(A))).clamp(max=-self.A_floor)
+        A = (-F.softplus(upcast(A))).clamp(max=-self.A_floor)  # mamba-ssm's: −softplus, at most −A_floor
         dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
         trap = torch.sigmoid(upcast(trap))
         theta = (math.pi * torch.tanh(upcast(angles))).unsqueeze(-2).expand(*lead, self.nheads, self.num_rope_angles)

@@ -19,7 +19,7 @@
      (z, x, B, C, dt, a, λ, θ) = in_w·u                      rows S, S, R·G·N, R·G·N, H, H, H, T
      B_{r,g} = RMSNorm(B_{r,g}; B_norm_w, bc_eps) per rank and group, likewise C; head h reads
        group h / (H / G)
-     Δ_h = softplus(dt_h + dt_bias_h);  A_h = min(−heavy_tail(a_h), −A_floor);  λ_h = sigmoid(λ_h)
+     Δ_h = softplus(dt_h + dt_bias_h);  A_h = min(−softplus(a_h), −A_floor);  λ_h = sigmoid(λ_h)
      φ_{h,m} ← φ_{h,m} + Δ_h·π·tanh(θ_m);  k_r = Rot(φ_h)(B_{r,g} + B_bias_{h,r}),
        q_r = Rot(φ_h)(C_{r,g} + C_bias_{h,r})  (pairs (2m, 2m+1), or with halved (m, m + N/2), m < T)
      v_r = x_h ⊙ mimo_x_{h,r}, v'_r = value_h ⊙ mimo_x_{h,r}  (SISO: v = x, v' = value)
@@ -29,8 +29,7 @@
      g_r = z_h ⊙ mimo_z_{h,r} (SISO: z_h);  y_r ← y_r·SiLU(g_r), or with gate_w
        RMSNorm(y_r) (over P; gate_eps)·gate_w_h·SiLU(g_r)
      out_h = Σ_r mimo_o_{h,r} ⊙ y_r (SISO: y);  hidden = out_w·out
-   then with fc1_w (the block's MLP) as in decode_mamba2.c. heavy_tail(a) = 1 + a for a ≥ 0,
-   1 / (1 − a) below. Every tensor contiguous, in one dtype, but the matrices (WMat). Shapes:
+   then with fc1_w (the block's MLP) as in decode_mamba2.c. Every tensor contiguous, in one dtype, but the matrices (WMat). Shapes:
    hidden, residual, new_hidden, new_residual (B, M) (residual NULL in the first block);
    norm_w (M); B_norm_w, C_norm_w (N); B_bias, C_bias (H, R, N); dt_bias (H); Dskip (H) or NULL;
    mimo_x, mimo_z, mimo_o (H, R, P) or NULL (SISO); phase (B, H, T), ssm_state (B, H, P, N),
@@ -106,8 +105,8 @@ static void SUF(mamba3_block_step)(const Mamba3StepArgs *a) {
         const i64 b = i / H, h = i % H, g = h / heads_per_group;
         const REAL *pb = proj + b * E;
         const REAL dt = SUF(softplus)(pb[dt_at + h] + dt_bias[h]);
-        const REAL ar = pb[A_at + h], tail = ar >= 0 ? 1 + ar : 1 / (1 - ar);
-        const REAL A = -tail < -(REAL)a->A_floor ? -tail : -(REAL)a->A_floor;
+        const REAL rate = SUF(softplus)(pb[A_at + h]);
+        const REAL A = -rate < -(REAL)a->A_floor ? -rate : -(REAL)a->A_floor;
         const REAL lam = SUF(sigmoid)(pb[lam_at + h]);
         REAL *ph = phase + i * T, *kqh = kq + i * R * 2 * N;
         for (i64 r = 0; r < R; r++) { /* k_r and q_r before the rotation */

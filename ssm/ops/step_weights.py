@@ -119,7 +119,7 @@ class Mamba3BlockWeights:
     """One Mamba-3 block's decoding step, SISO or MIMO of rank R: residual ← hidden + residual
     (the first block: residual ← hidden); u = RMSNorm(residual); (z, x, B, C, dt, a, λ, θ) =
     in_proj u; B and C RMS-normalised per rank and group, plus their per-head biases; per head h
-    (group h // (H/G)): Δ = softplus(dt + dt_bias), A = min(−heavy_tail(a), −A_floor),
+    (group h // (H/G)): Δ = softplus(dt + dt_bias), A = min(−softplus(a), −A_floor),
     λ = sigmoid(λ), the phase φ ← φ + Δ·π·tanh(θ) turning the T rotary pairs of k_r = B_r + B_bias
     and q_r = C_r + C_bias (``halved``: pairs (m, m + N/2), else (2m, 2m + 1)); with v_r =
     x ⊙ mimo_x_r (SISO: x) the trapezoidal step h ← exp(Δ·A)·h + Σ_r ((1 − λ)·Δ·exp(Δ·A)·v'_r·key_rᵀ

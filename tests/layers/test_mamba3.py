@@ -28,7 +28,8 @@ def rms(x, weight, eps):
 def naive_mamba3(m: Mamba3, u: torch.Tensor) -> torch.Tensor:
     """mamba-ssm's Mamba-3, from its equations: in_proj → (z, x, B, C, Δ, A, λ, θ); B, C (their
     features ordered (rank, group, state)) RMS-normalised, plus a per-head, per-rank bias;
-    A = −max(1 + a if a ≥ 0 else 1/(1 − a), A_floor), Δ = softplus(· + dt_bias),
+    A = −max(log(1 + exp(a)), A_floor) (mamba-ssm 2.3.2's modules/mamba3.py: −softplus(dd_A) clamped
+    at −A_floor), Δ = softplus(· + dt_bias),
     λ = sigmoid(·), θ = π·tanh(·); the phase φ += Δ·θ turns pairs (2i, 2i+1) (SISO) or
     (i, i + N/2) (MIMO) of k and q; h = α·h + β·Σ_r v_prev ⊗ k̃_prev + γ·Σ_r v ⊗ k̃ with
     α = exp(ΔA), β = (1 − λ)Δα, γ = λΔ, v = x ⊙ mimo_x; y_r = h·q̃_r + D·v_r; then y_r·silu(z ⊙
@@ -42,7 +43,7 @@ def naive_mamba3(m: Mamba3, u: torch.Tensor) -> torch.Tensor:
     z, x = z.reshape(batch, length, H, P), x.reshape(batch, length, H, P)
     B = rms(B.reshape(batch, length, R, G, N), m.B_norm.weight, 1e-5)
     C = rms(C.reshape(batch, length, R, G, N), m.C_norm.weight, 1e-5)
-    A = -torch.where(a >= 0, 1 + a, 1 / (1 - a))
+    A = -torch.log1p(torch.exp(a))
     A = torch.minimum(A, torch.full_like(A, -m.A_floor))
     delta = torch.log1p(torch.exp(dt + m.dt_bias))
     lam = 1 / (1 + torch.exp(-trap))
@@ -188,7 +189,7 @@ def test_two_steps_by_hand():
             C0=1.0,
             C1=0.0,
             dt=math.log(math.exp(0.5) - 1),
-            A=2 * math.log(2.0) - 1,
+            A=math.log(3.0),  # softplus(ln 3) = ln 4
             trap=0.0,
             angle=math.atanh(0.5),
         )

@@ -274,7 +274,7 @@ def test_retention_script_reads_delta_and_the_slowest_decay(run_dir, tmp_path, c
 def test_retention_script_reads_mamba3_decay_per_head(tmp_path, capsys):
     """induction_retention.py on a Mamba-3 checkpoint whose Δ and A are set by hand: in_proj's
     rows for Δ and A zero and A's floor at 2, so that Δ_h = softplus(dt_bias_h) and
-    A_h = −max(heavy_tail(0), 2) = −2 at every token. The slowest head is the one of the
+    A_h = −max(softplus(0), 2) = −2 at every token. The slowest head is the one of the
     smallest bias, its decay 2·softplus(bias); the options that read Mamba-1 layers are
     refused."""
     import math

@@ -42,7 +42,7 @@ def test_probe_reads_each_bit_as_computed_from_the_projection(tmp_path, capsys):
         start = 2 * d_inner + 2 * N
         dt = F.softplus(proj[:, start : start + H] + mixer.dt_bias)
         a = proj[:, start + H : start + 2 * H]
-        A = -torch.where(a >= 0, 1 + a, 1 / (1 - a)).clamp(min=mixer.A_floor)
+        A = -torch.log1p(torch.exp(a)).clamp(min=mixer.A_floor)
         lam = torch.sigmoid(proj[:, start + 2 * H : start + 3 * H])
         theta = math.pi * torch.tanh(proj[:, start + 3 * H : start + 3 * H + M])
     rows = probe["per_bit"](model)
