@@ -140,24 +140,42 @@ def main(argv: list[str] | None = None) -> int:
 
 def mamba3_decays(mixers, inputs, other) -> list[str]:
     """Per Mamba-3 layer, over the tokens ``other`` (B, L) marks: Δ's median and minimum, and the
-    head of the slowest mean decay Δ·|A| per token, with its mean Δ and |A| and what it keeps over
-    2^14 and 2^20 tokens. ``inputs[mixer]``: that layer's in_proj input (B, L, d_model)."""
+    head of the slowest mean decay Δ·|A| per token, with its mean Δ and |A|, what it keeps over
+    2^14 and 2^20 tokens, and how far its rotary phase turns (:func:`phase_turn`).
+    ``inputs[mixer]``: that layer's in_proj input (B, L, d_model)."""
     import torch
 
     parts = []
     with torch.no_grad():
         for k, mixer in enumerate(mixers):
-            _, _, _, _, delta, A, _, _ = mixer._inputs(inputs[mixer])  # Δ, A (B, L, H)
+            _, _, _, _, delta, A, _, theta = mixer._inputs(inputs[mixer])  # Δ, A (B, L, H); θ (B, L, H, M)
             rates = (delta * -A)[other].mean(0)  # (H,) the mean decay per token of each head
             h = int(rates.argmin())
             rate = float(rates[h])
+            drift, spread = phase_turn(delta[..., h], theta[..., h, :], other)
             parts.append(
                 f"layer {k}: Δ median {float(delta[other].median()):.3g} min {float(delta[other].min()):.2g}, "
                 f"slowest decay {rate:.3g}/token (head {h}: mean Δ {float(delta[other][:, h].mean()):.3g}, "
                 f"mean |A| {float(-A[other][:, h].mean()):.3g}), kept over 2^14 {math.exp(-rate * 2**14):.3g}, "
-                f"over 2^20 {math.exp(-rate * 2**20):.3g}"
+                f"over 2^20 {math.exp(-rate * 2**20):.3g}; its phase turns {drift:.3g} rad/token on average "
+                f"(spread {spread:.3g}): over 2^10 tokens {drift * 2**10:.3g} ± {spread * 2**5:.3g} rad"
             )
     return parts
+
+
+def phase_turn(delta, theta, other) -> tuple[float, float]:
+    """How far a head's rotary phase turns per token over the tokens ``other`` (B, L) marks, from
+    its Δ (B, L) and angles θ (B, L, M): the turn Δ_t·θ_t of each of its M pairs, and of the
+    pair whose mean turn is largest in magnitude, that mean (signed) and the spread (standard
+    deviation) of its turns. Between the key and the query a gap of G such tokens turns the
+    key's rotated pairs by about G·mean ± √G·spread (the turns taken as independent): what a
+    head that retrieves through rotated pairs must hold still at lengths it never trained on."""
+    turns = (delta[..., None] * theta)[other]  # (tokens, M)
+    if turns.shape[-1] == 0:  # no rotated pairs
+        return 0.0, 0.0
+    means = turns.mean(0)
+    m = int(means.abs().argmax())
+    return float(means[m]), float(turns[:, m].std(correction=0))
 
 
 def gradient_report(model, mixers, slowest, config, batches: int) -> str:

@@ -271,6 +271,18 @@ def test_retention_script_reads_delta_and_the_slowest_decay(run_dir, tmp_path, c
         main([str(other / "checkpoints" / "last.ckpt")])
 
 
+def test_phase_turn_by_hand():
+    """induction_retention.phase_turn on numbers worked out by hand: Δ 0.5 and 0.25 at the two
+    marked tokens (a third, unmarked, turns by 10), θ (1, -4) and (3, -4) for the two pairs. The
+    turns are (0.5, -2) and (0.75, -1): pair 1 has the larger mean, -1.5, spread 0.5."""
+    phase_turn = runpy.run_path(str(ROOT / "scripts" / "dev" / "induction_retention.py"))["phase_turn"]
+    delta = torch.tensor([[0.5, 0.25, 10.0]])
+    theta = torch.tensor([[[1.0, -4.0], [3.0, -4.0], [1.0, 1.0]]])
+    other = torch.tensor([[True, True, False]])
+    assert phase_turn(delta, theta, other) == (-1.5, 0.5)
+    assert phase_turn(delta, theta[..., :0], other) == (0.0, 0.0)
+
+
 def test_retention_script_reads_mamba3_decay_per_head(tmp_path, capsys):
     """induction_retention.py on a Mamba-3 checkpoint whose Δ and A are set by hand: in_proj's
     rows for Δ and A zero and A's floor at 2, so that Δ_h = softplus(dt_bias_h) and
@@ -290,6 +302,7 @@ def test_retention_script_reads_mamba3_decay_per_head(tmp_path, capsys):
     d_inner, rows = 2 * 16, state[prefix + "in_proj.weight"]
     start = 2 * d_inner + 2 * 8  # z, x, B, C (one group of N 8), then Δ and A (H rows each)
     rows[start : start + 2 * heads].zero_()
+    rows[start + 3 * heads :].zero_()  # θ = π·tanh(0) = 0: no rotary turn
     bias = torch.linspace(-3.0, 1.0, heads).flip(0)  # the smallest bias on the last head
     state[prefix + "dt_bias"].copy_(bias)
     path, main = saved_with_retention_script(checkpoint, tmp_path)
@@ -299,5 +312,44 @@ def test_retention_script_reads_mamba3_decay_per_head(tmp_path, capsys):
     rate = 2 * min(delta)
     assert f"slowest decay {rate:.3g}/token (head {heads - 1}: mean Δ {min(delta):.3g}, mean |A| 2)," in line, line
     assert f"kept over 2^14 {math.exp(-rate * 2**14):.3g}," in line and f"min {min(delta):.2g}," in line
+    assert "its phase turns 0 rad/token on average (spread 0)" in line, line
     with pytest.raises(SystemExit):
         main([str(path), "--gradients", "1"])
+
+
+def test_mamba3_interventions_baseline_mask_and_arguments(tmp_path, capsys):
+    """scripts/dev/mamba3_interventions.py: the "none" row is the validation accuracy that
+    ssm.training.evaluate.evaluate_length gives on the same sequences; the mask of "mute" keeps
+    the triggers and the 4 tokens after the first one (worked by hand); bad arguments are
+    refused by name."""
+    from ssm.training.evaluate import evaluate_length
+
+    run = tmp_path / "tiny-m3x2"
+    layer = "model.ssm_cfg={layer: Mamba3, d_state: 8, headdim: 8, chunk_size: 8}"
+    config = [*TINY[:1], "model.n_layer=2", layer, *TINY[3:], f"run_dir={run}"]
+    train(load_config(ROOT / "configs" / "paper" / "induction_heads.yaml", config))
+    capsys.readouterr()  # the training's log
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    probe = runpy.run_path(str(ROOT / "scripts" / "dev" / "mamba3_interventions.py"))
+    assert probe["main"]([str(checkpoint), "--layer", "1", "--lengths", "16,24", "--samples", "6"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(rows) == set(probe["INTERVENTIONS"])
+    cfg, model, _ = load_checkpoint_model(checkpoint)
+    data = TaskDataModule(cfg.data, seed=cfg.seed)
+    for i, length in enumerate((16, 24)):
+        expected = evaluate_length(model, data, length, 6, 16, None, split=VALIDATION_SPLIT)["val/acc"]
+        assert rows["none"][2 * i : 2 * i + 2] == [f"{length}:", f"{expected:.3f}"]
+
+    inputs = torch.tensor([[5, 9, 1, 2, 3, 4, 6, 9, 7], [9, 1, 2, 9, 3, 3, 3, 3, 3]])
+    keep = probe["written_by"](inputs, 9)
+    assert keep.tolist() == [[0, 1, 1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 0, 0, 0]]
+
+    main = probe["main"]
+    for bad, named in (
+        (["--do", "mute,nothing"], "--do"),
+        (["--layer", "2"], "--layer"),
+        (["--lengths", "2"], "--lengths"),
+    ):
+        with pytest.raises(SystemExit):
+            main([str(checkpoint), *bad])
+        assert named in capsys.readouterr().err
