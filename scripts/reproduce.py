@@ -182,10 +182,18 @@ TINY_MIXERS = {
     "Mamba3-noRoPE": {"layer": "Mamba3", "d_state": 4, "headdim": 8, "chunk_size": 8, "rope_fraction": 0.0},
 }
 # State tracking: the Mamba-3 paper's models (state 64; the configs set d_model and layers), and
-# its ablation, Mamba-3 without the rotary state.
+# its ablation, Mamba-3 without the rotary state. Their A as configs/paper/parity.yaml chose its
+# recipe with: A_activation heavy_tail, not mamba-ssm's softplus (see that config).
 STATE_TRACKING_MIXERS = {
-    "Mamba3": {"layer": "Mamba3", "d_state": 64, "headdim": 16, "chunk_size": 32},
-    "Mamba3-noRoPE": {"layer": "Mamba3", "d_state": 64, "headdim": 16, "chunk_size": 32, "rope_fraction": 0.0},
+    "Mamba3": {"layer": "Mamba3", "d_state": 64, "headdim": 16, "chunk_size": 32, "A_activation": "heavy_tail"},
+    "Mamba3-noRoPE": {
+        "layer": "Mamba3",
+        "d_state": 64,
+        "headdim": 16,
+        "chunk_size": 32,
+        "rope_fraction": 0.0,
+        "A_activation": "heavy_tail",
+    },
     "Mamba2": {"layer": "Mamba2", "d_state": 64, "headdim": 16, "chunk_size": 32},
 }
 

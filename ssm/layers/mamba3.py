@@ -21,6 +21,17 @@ from .norm import RMSNorm, RMSNormGated, upcast
 from .quant import decoding_matrix
 
 
+def heavy_tail(x: torch.Tensor) -> torch.Tensor:
+    """1 + x for x ≥ 0, 1 / (1 − x) below: positive, continuous, with a continuous derivative,
+    and only polynomially small for very negative x. Not mamba-ssm's: ssm's Mamba3 took it for
+    A until 2026-11-29, and the parity recipe (configs/paper/parity.yaml) was chosen with it."""
+    return x.clamp(min=0) + 1 / (1 - x.clamp(max=0))
+
+
+# What turns A's projection into the rate |A| (before the floor): softplus is mamba-ssm's
+A_ACTIVATIONS = {"softplus": F.softplus, "heavy_tail": heavy_tail}
+
+
 class Mamba3(nn.Module):
     """The Mamba-3 mixer: in_proj → (z, x, B, C, Δ, A, λ, θ); B and C RMS-normalised, then biased
     per head (and MIMO rank); the trapezoidal scan over H heads of P = headdim channels with a
@@ -35,6 +46,8 @@ class Mamba3(nn.Module):
     without its rotary state, the Mamba-3 paper's ablation; mamba-ssm takes 0.5 and 1.0). Per token:
         A = −max(softplus(A_proj), A_floor),  Δ = softplus(Δ_proj + dt_bias),  λ = sigmoid(λ_proj),
         θ = π·tanh(θ_proj) (shared by the heads, each turning it by its own Δ).
+    ``A_activation="heavy_tail"`` (not mamba-ssm's; the fused C decoding step does not take it)
+    puts ``heavy_tail`` in softplus's place, what this layer computed until 2026-11-29.
     Parameters (as mamba-ssm's ``Mamba3``): in_proj (2·d_inner + 2·N·G·R + 3·H + M, d_model),
     dt_bias (H,), B_bias, C_bias (H, R, N), B_norm.weight, C_norm.weight (N,), MIMO only
     mimo_x, mimo_z, mimo_o (H, R, P), D (H,), norm.weight (d_inner,) with is_outproj_norm,
@@ -57,6 +70,7 @@ class Mamba3(nn.Module):
         dt_max: float = 0.1,
         dt_init_floor: float = 1e-4,
         A_floor: float = 1e-4,
+        A_activation: str = "softplus",
         is_outproj_norm: bool = False,
         is_mimo: bool = False,
         mimo_rank: int = 4,
@@ -73,8 +87,9 @@ class Mamba3(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.d_inner, self.nheads, self.num_rope_angles = self.check_arguments(
             d_model, d_state, expand, headdim, ngroups, rope_fraction, dt_min, dt_max, dt_init_floor, A_floor,
-            is_mimo, mimo_rank, chunk_size,
+            is_mimo, mimo_rank, chunk_size, A_activation,
         )  # fmt: skip
+        self.A_activation = A_activation
         self.d_model, self.d_state, self.expand, self.headdim = d_model, d_state, expand, headdim
         self.ngroups = ngroups
         self.rope_fraction, self.A_floor, self.is_outproj_norm, self.is_mimo = (
@@ -114,7 +129,7 @@ class Mamba3(nn.Module):
     @staticmethod
     def check_arguments(
         d_model, d_state, expand, headdim, ngroups, rope_fraction, dt_min, dt_max, dt_init_floor, A_floor,
-        is_mimo, mimo_rank, chunk_size, **_,
+        is_mimo, mimo_rank, chunk_size, A_activation="softplus", **_,
     ) -> tuple[int, int, int]:  # fmt: skip
         """The constructor's checks of its arguments (also run on a config's ssm_cfg by
         ``MambaConfig``): every size an int >= 1, headdim dividing d_inner = int(expand·d_model),
@@ -151,6 +166,8 @@ class Mamba3(nn.Module):
                 f"Mamba3: MIMO pairs state entry m with m + d_state/2, so d_state must be even, got {d_state}"
             )
         check_number("Mamba3", "A_floor", A_floor, strict=False)
+        if A_activation not in A_ACTIVATIONS:
+            raise ValueError(f"Mamba3: A_activation must be one of {', '.join(A_ACTIVATIONS)}, got {A_activation!r}")
         check_dt_range("Mamba3", dt_min, dt_max, dt_init_floor)
         return d_inner, nheads, pairs
 
@@ -163,7 +180,7 @@ class Mamba3(nn.Module):
         heads = (*lead, self.nheads, self.headdim)
         groups = (*lead, self.mimo_rank, self.ngroups, self.d_state)
         B, C = self.B_norm(B.reshape(groups)), self.C_norm(C.reshape(groups))
-        A = (-F.softplus(upcast(A))).clamp(max=-self.A_floor)  # mamba-ssm's: −softplus, at most −A_floor
+        A = (-A_ACTIVATIONS[self.A_activation](upcast(A))).clamp(max=-self.A_floor)
         dt = F.softplus(upcast(dt) + upcast(self.dt_bias))
         trap = torch.sigmoid(upcast(trap))
         theta = (math.pi * torch.tanh(upcast(angles))).unsqueeze(-2).expand(*lead, self.nheads, self.num_rope_angles)
@@ -308,7 +325,7 @@ class Mamba3(nn.Module):
         the block's ``mlp`` if any) in C, SISO or MIMO, or None where it cannot (a norm other than
         RMSNorm). The model's backbone collects these from every block and steps the whole stack
         in one call."""
-        if not isinstance(norm, RMSNorm) or self.B_norm.eps != self.C_norm.eps:
+        if not isinstance(norm, RMSNorm) or self.B_norm.eps != self.C_norm.eps or self.A_activation != "softplus":
             return None
         phase, ssm, key, value = cache.state
         gate = self.norm if self.is_outproj_norm else None

@@ -29,7 +29,8 @@ def naive_mamba3(m: Mamba3, u: torch.Tensor) -> torch.Tensor:
     """mamba-ssm's Mamba-3, from its equations: in_proj → (z, x, B, C, Δ, A, λ, θ); B, C (their
     features ordered (rank, group, state)) RMS-normalised, plus a per-head, per-rank bias;
     A = −max(log(1 + exp(a)), A_floor) (mamba-ssm 2.3.2's modules/mamba3.py: −softplus(dd_A) clamped
-    at −A_floor), Δ = softplus(· + dt_bias),
+    at −A_floor; with A_activation "heavy_tail", 1 + a for a ≥ 0 and 1/(1 − a) below in its
+    place), Δ = softplus(· + dt_bias),
     λ = sigmoid(·), θ = π·tanh(·); the phase φ += Δ·θ turns pairs (2i, 2i+1) (SISO) or
     (i, i + N/2) (MIMO) of k and q; h = α·h + β·Σ_r v_prev ⊗ k̃_prev + γ·Σ_r v ⊗ k̃ with
     α = exp(ΔA), β = (1 − λ)Δα, γ = λΔ, v = x ⊙ mimo_x; y_r = h·q̃_r + D·v_r; then y_r·silu(z ⊙
@@ -43,7 +44,7 @@ def naive_mamba3(m: Mamba3, u: torch.Tensor) -> torch.Tensor:
     z, x = z.reshape(batch, length, H, P), x.reshape(batch, length, H, P)
     B = rms(B.reshape(batch, length, R, G, N), m.B_norm.weight, 1e-5)
     C = rms(C.reshape(batch, length, R, G, N), m.C_norm.weight, 1e-5)
-    A = -torch.log1p(torch.exp(a))
+    A = -torch.where(a >= 0, 1 + a, 1 / (1 - a)) if m.A_activation == "heavy_tail" else -torch.log1p(torch.exp(a))
     A = torch.minimum(A, torch.full_like(A, -m.A_floor))
     delta = torch.log1p(torch.exp(dt + m.dt_bias))
     lam = 1 / (1 + torch.exp(-trap))
@@ -92,6 +93,7 @@ OPTIONS = {
     "siso, ngroups 2": dict(ngroups=2),
     "siso, outproj norm": dict(is_outproj_norm=True),
     "siso, rope_fraction 1, A_floor": dict(rope_fraction=1.0, A_floor=0.5),
+    "siso, A_activation heavy_tail": dict(A_activation="heavy_tail"),
     "siso, no rotary state (rope_fraction 0)": dict(rope_fraction=0.0),
     "mimo rank 2": dict(is_mimo=True, mimo_rank=2),
     "mimo rank 2, no rotary state": dict(is_mimo=True, mimo_rank=2, rope_fraction=0.0),
@@ -316,6 +318,8 @@ def test_bad_inputs():
         Mamba3(D_MODEL, d_state=8, headdim=4, backend="fast")(torch.randn(1, 3, D_MODEL))
     with pytest.raises(ValueError, match="rope_fraction must be 0.5 or 1.0"):
         Mamba3(D_MODEL, headdim=4, rope_fraction=0.25)
+    with pytest.raises(ValueError, match="A_activation must be one of softplus, heavy_tail, got 'exp'"):
+        Mamba3(D_MODEL, headdim=4, A_activation="exp")
     with pytest.raises(ValueError, match="headdim = 5 must divide d_inner"):
         Mamba3(D_MODEL, headdim=5)
     with pytest.raises(ValueError, match="ngroups = 3 must divide the number of heads 8"):
